@@ -1,0 +1,26 @@
+# The two commands a newcomer runs: `make demo` and `make test`. Each sets itself up.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: venv demo test lint unit bench clean
+
+venv:
+	@./scripts/setup-venv.sh
+
+demo: venv
+	$(PY) -m lmtier demo
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+unit: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test: lint unit
+
+bench: venv
+	$(PY) benchmarks/bench_cpu_tier.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

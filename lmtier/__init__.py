@@ -1,0 +1,17 @@
+"""lmtier: multi-tier, persistent KV-cache offloading for LLM inference engines."""
+
+from lmtier.api import KVStore, open_store
+from lmtier.chunk import Chunk
+from lmtier.config import StoreConfig, load_config
+from lmtier.errors import IntegrityError, LayoutError, LmtierError
+from lmtier.keys import Namespace, chunk_keys
+from lmtier.layout import PRESETS, KVLayout, from_hf_config
+from lmtier.store import TieredStore
+from lmtier.tiers.base import Tier, open_tier, register_tier
+
+__version__ = "0.1.0"
+__all__ = [
+    "PRESETS", "Chunk", "IntegrityError", "KVLayout", "KVStore", "LayoutError", "LmtierError",
+    "Namespace", "StoreConfig", "Tier", "TieredStore", "chunk_keys", "from_hf_config",
+    "load_config", "open_store", "open_tier", "register_tier",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from lmtier.cli import main
+
+sys.exit(main())

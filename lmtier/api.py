@@ -1,0 +1,170 @@
+"""The embedded API: a KV store for one model, addressed by token ids.
+
+    store = lmtier.open_store(["cpu://?size=1GiB"], model="my-model", layout=layout)
+    store.put(tokens, kv) -> int        tokens stored (full chunks only)
+    store.lookup(tokens) -> int         leading tokens available (a multiple of the chunk)
+    store.get(tokens) -> torch.Tensor   KV of the leading available chunks of ``tokens``
+    store.get_into(tokens, out) -> int  the same, written into ``out``; returns tokens
+    store.close()
+
+KV tensors are in the canonical layout ``[layers, 2, tokens, kv_heads, head_dim]`` (MLA:
+``[layers, tokens, latent]``), as torch tensors or numpy arrays. Misses and tier failures
+never raise from ``lookup`` / ``get``; wrong shapes and dtypes do, clearly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lmtier.chunk import Chunk, release_all
+from lmtier.config import load_config
+from lmtier.errors import LayoutError, MissingDependency
+from lmtier.keys import Namespace, as_token_array
+from lmtier.layout import KVLayout, canonical_dtype, preset
+from lmtier.store import TieredStore
+from lmtier.tiers.base import TierContext, open_tier
+
+
+class KVStore:
+    def __init__(self, store: TieredStore, namespace: Namespace) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.layout = namespace.layout
+        self.chunk_tokens = namespace.chunk_tokens
+
+    def keys(self, tokens: Any) -> list[bytes]:
+        return self.namespace.keys(tokens)
+
+    def lookup(self, tokens: Any) -> int:
+        return self.store.lookup(self.keys(tokens)) * self.chunk_tokens
+
+    def put(self, tokens: Any, kv: Any) -> int:
+        tokens = as_token_array(tokens)
+        data = self._byte_view(kv, len(tokens))
+        size = self.chunk_tokens
+        chunks = [
+            Chunk(key, self.layout, data[:, :, i * size : (i + 1) * size], namespace=self.namespace.digest)
+            for i, key in enumerate(self.keys(tokens))
+        ]
+        return self.store.put(chunks) * size
+
+    def get(self, tokens: Any) -> Any:
+        torch = _torch()
+        keys = self.keys(tokens)
+        chunks = self.store.get(keys)
+        try:
+            out = torch.empty(self.layout.tensor_shape(len(chunks) * self.chunk_tokens),
+                              dtype=getattr(torch, self.layout.dtype))
+            self._fill(out, chunks)
+        finally:
+            release_all(chunks)
+        return out
+
+    def get_into(self, tokens: Any, out: Any) -> int:
+        """Write the KV of the leading available chunks into ``out`` (which must hold all
+        full chunks of ``tokens``); returns how many tokens were written."""
+        keys = self.keys(tokens)
+        self._byte_view(out, len(keys) * self.chunk_tokens, allow_longer=True)
+        chunks = self.store.get(keys)
+        try:
+            self._fill(out, chunks)
+        finally:
+            release_all(chunks)
+        return len(chunks) * self.chunk_tokens
+
+    def _fill(self, out: Any, chunks: Sequence[Chunk]) -> None:
+        data = self._byte_view(out, len(chunks) * self.chunk_tokens, allow_longer=True)
+        size = self.chunk_tokens
+        for i, chunk in enumerate(chunks):
+            np.copyto(data[:, :, i * size : (i + 1) * size], chunk.data)
+
+    def _byte_view(self, kv: Any, num_tokens: int, allow_longer: bool = False) -> np.ndarray:
+        """``kv`` as ``[layers, kv_factor, tokens, row_bytes]`` uint8, without copying."""
+        shape = tuple(kv.shape)
+        want = self.layout.tensor_shape(num_tokens)
+        axis = self.layout.token_axis
+        ok = len(shape) == len(want) and all(
+            s == w or (d == axis and allow_longer and s >= w) for d, (s, w) in enumerate(zip(shape, want))
+        )
+        if not ok:
+            raise LayoutError(f"KV of shape {shape} does not match layout shape {want} for {num_tokens} tokens")
+        if canonical_dtype(kv.dtype) != self.layout.dtype:
+            raise LayoutError(f"KV dtype {kv.dtype} does not match layout dtype {self.layout.dtype}")
+        if hasattr(kv, "detach"):  # torch.Tensor
+            if kv.device.type != "cpu":
+                raise LayoutError("the embedded API takes CPU tensors; the CopyEngine moves device KV")
+            if kv.stride(-1) != 1:
+                raise LayoutError("the last dimension of the KV must be contiguous")
+            array = kv.detach().view(_torch().uint8).numpy()
+        else:
+            array = np.asarray(kv)
+            if array.strides[-1] != array.itemsize:
+                raise LayoutError("the last dimension of the KV must be contiguous")
+            array = array.view(np.uint8)
+        tokens = shape[axis]
+        byte_shape = self.layout.byte_shape(tokens)
+        flat = array.reshape(byte_shape) if not self.layout.mla else array.reshape(
+            byte_shape[0], 1, byte_shape[2], byte_shape[3])
+        if not np.may_share_memory(flat, array):
+            raise LayoutError("the KV tensor must keep its head and head-dim axes contiguous")
+        return flat[:, :, :num_tokens]
+
+    def stats(self) -> dict[str, Any]:
+        return self.store.stats()
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        return self.store.flush(timeout)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_store(
+    tiers: Sequence[str] | None = None,
+    *,
+    model: str,
+    layout: KVLayout | str,
+    chunk_tokens: int | None = None,
+    revision: str = "",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    salt: str | None = None,
+    hash: str | None = None,
+    write_queue: int | None = None,
+    config: str | None = None,
+) -> KVStore:
+    """Open a store for one model. Unset arguments come from the config file and
+    ``LMTIER_*`` environment variables, then from the defaults (1 GiB of host memory)."""
+    cfg = load_config(config, tiers=tuple(tiers) if tiers else None, chunk_tokens=chunk_tokens,
+                      salt=salt, hash=hash, write_queue=write_queue)
+    if isinstance(layout, str):
+        layout = preset(layout)
+    namespace = Namespace(model=model, layout=layout, chunk_tokens=cfg.chunk_tokens, revision=revision,
+                          tp_rank=tp_rank, tp_size=tp_size, salt=cfg.salt, hash=cfg.hash)
+    context = TierContext(chunk_bytes=namespace.chunk_bytes, namespace=namespace.digest)
+    opened = []
+    try:
+        for url in cfg.tiers:
+            opened.append(open_tier(url, context))
+    except BaseException:
+        for tier in opened:
+            tier.close()
+        raise
+    return KVStore(TieredStore(opened, write_queue=cfg.write_queue), namespace)
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:
+        raise MissingDependency("torch", "torch") from exc
+    return torch

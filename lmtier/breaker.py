@@ -1,0 +1,51 @@
+"""A small circuit breaker: stop calling a tier that keeps failing, try again later.
+
+Closed: calls go through. After ``threshold`` consecutive failures it opens: calls are
+skipped (they become misses at once instead of waiting on a dead server) until
+``cooldown`` seconds have passed; then one call goes through (half-open) and its outcome
+closes or re-opens the breaker.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+
+class CircuitBreaker:
+    def __init__(self, threshold: int = 3, cooldown: float = 5.0, clock: Callable[[], float] = time.monotonic):
+        self.threshold = threshold
+        self.cooldown = cooldown
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._opened_at: float | None = None
+        self._probing = False
+
+    @property
+    def is_open(self) -> bool:
+        return self._opened_at is not None
+
+    def allow(self) -> bool:
+        """Whether a call may go through now."""
+        with self._lock:
+            if self._opened_at is None:
+                return True
+            if self._probing or self._clock() - self._opened_at < self.cooldown:
+                return False
+            self._probing = True  # half-open: let exactly one call try
+            return True
+
+    def success(self) -> None:
+        with self._lock:
+            self._failures = 0
+            self._opened_at = None
+            self._probing = False
+
+    def failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+            if self._probing or self._failures >= self.threshold:
+                self._opened_at = self._clock()
+            self._probing = False

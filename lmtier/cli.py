@@ -1,0 +1,119 @@
+"""The ``lmtier`` command: ``size``, ``keys``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lmtier.errors import LmtierError
+from lmtier.keys import HASHES, Namespace
+from lmtier.layout import PRESETS, KVLayout, from_hf_config, preset
+from lmtier.planner import plan
+from lmtier.units import parse_count, parse_size
+
+
+def _layout(args: argparse.Namespace) -> KVLayout:
+    if args.config:
+        layout = from_hf_config(args.config, dtype=args.dtype)
+    elif args.model:
+        layout = preset(args.model)
+    else:
+        raise LmtierError(f"give --model (one of: {', '.join(sorted(PRESETS))}) or --config config.json")
+    return layout.with_dtype(args.dtype) if args.dtype else layout
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help=f"model id; a preset gives the layout ({', '.join(sorted(PRESETS))})")
+    p.add_argument("--config", help="a Hugging Face config.json to read the layout from")
+    p.add_argument("--dtype", help="KV dtype: bf16, fp16, fp8, fp32 (default: the model's)")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def cmd_size(args: argparse.Namespace) -> int:
+    layout = _layout(args)
+    tiers = {name: parse_size(value) for name, value in (("cpu", args.cpu), ("disk", args.disk)) if value}
+    result = plan(args.model or args.config, layout, parse_count(args.tokens), batch=args.batch,
+                  chunk_tokens=args.chunk_tokens, tiers=tiers)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.to_text())
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    layout = _layout(args)
+    source = sys.stdin if args.tokens_file == "-" else Path(args.tokens_file).open()
+    with source:
+        try:
+            tokens = json.load(source)
+        except ValueError as exc:
+            raise LmtierError(f"{args.tokens_file}: not a JSON list of token ids ({exc})") from exc
+    if not isinstance(tokens, list):
+        raise LmtierError(f"{args.tokens_file}: expected a JSON list of token ids")
+    ns = Namespace(model=args.model or str(args.config), layout=layout, chunk_tokens=args.chunk_tokens,
+                   revision=args.revision, tp_rank=args.tp_rank, tp_size=args.tp_size,
+                   salt=args.salt, hash=args.hash)
+    keys = ns.keys(tokens)
+    size = args.chunk_tokens
+    if args.json:
+        print(json.dumps({
+            "namespace": ns.fields(), "namespace_digest": ns.digest.hex(), "tokens": len(tokens),
+            "keys": [{"chunk": i, "tokens": [i * size, (i + 1) * size], "key": k.hex()} for i, k in enumerate(keys)],
+        }, indent=2))
+        return 0
+    print(f"namespace {ns.digest.hex()}")
+    for name, value in ns.fields().items():
+        print(f"  {name:<15} {value}")
+    print(f"{len(tokens)} tokens -> {len(keys)} full chunks of {size} (the {len(tokens) - len(keys) * size}-token tail is not cached)")
+    for i, key in enumerate(keys):
+        print(f"chunk {i:>5}  tokens [{i * size}, {(i + 1) * size})  {key.hex()}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from lmtier.demo import run_demo
+
+    return run_demo(tiers=args.tier or None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmtier", description="Multi-tier KV-cache offloading for LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("size", help="plan KV memory: bytes per token, per context, what each tier holds")
+    _model_args(p)
+    p.add_argument("--tokens", required=True, help="context length, e.g. 8k, 128k, 100000")
+    p.add_argument("--batch", type=int, default=1, help="concurrent contexts (default 1)")
+    p.add_argument("--cpu", help="host-memory tier size, e.g. 64GiB")
+    p.add_argument("--disk", help="disk tier size, e.g. 2TiB")
+    p.set_defaults(func=cmd_size)
+
+    p = sub.add_parser("keys", help="print the namespace and the chunk keys of a prompt")
+    _model_args(p)
+    p.add_argument("--tokens-file", required=True, help="JSON list of token ids ('-' for stdin)")
+    p.add_argument("--revision", default="", help="model revision")
+    p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--salt", default="", help="tenant / cache salt")
+    p.add_argument("--hash", default="xxh3", choices=HASHES)
+    p.set_defaults(func=cmd_keys)
+
+    p = sub.add_parser("demo", help="two instances share a system prompt's KV through lmtier")
+    p.add_argument("--tier", action="append", help="tier URL (repeatable; default: cpu://?size=1GiB)")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (LmtierError, ValueError, OSError) as exc:
+        print(f"lmtier {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

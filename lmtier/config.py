@@ -1,0 +1,102 @@
+"""lmtier's configuration, loaded in one place.
+
+Precedence, lowest to highest: the defaults below, a config file (TOML or JSON; its path
+from ``LMTIER_CONFIG`` or the caller), ``LMTIER_*`` environment variables, then explicit
+arguments (engine extra-config, command-line flags).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from lmtier.errors import ConfigError
+from lmtier.keys import HASHES
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    # Tier URLs, fastest first. The first is written synchronously, the rest in the
+    # background. Default: 1 GiB of host memory and nothing else.
+    tiers: tuple[str, ...] = ("cpu://?size=1GiB",)
+    # Tokens per chunk: the unit of caching. Must be a multiple of the engine's block size.
+    chunk_tokens: int = 256
+    # Key hash: "xxh3" (fast) or "sha256" (cryptographic).
+    hash: str = "xxh3"
+    # Tenant / cache salt: stores with different salts never share chunks.
+    salt: str = ""
+    # Bound on queued background writes; beyond it writes are dropped and counted.
+    write_queue: int = 64
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tiers, str):
+            object.__setattr__(self, "tiers", tuple(self.tiers.split()))
+        object.__setattr__(self, "tiers", tuple(self.tiers))
+        if not self.tiers:
+            raise ConfigError("at least one tier is needed")
+        if self.chunk_tokens <= 0:
+            raise ConfigError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
+        if self.hash not in HASHES:
+            raise ConfigError(f"hash must be one of {HASHES}, got {self.hash!r}")
+        if self.write_queue < 0:
+            raise ConfigError("write_queue must not be negative")
+
+
+_ENV_PREFIX = "LMTIER_"
+_INT_FIELDS = {"chunk_tokens", "write_queue"}
+
+
+def _from_mapping(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+    known = {f.name for f in fields(StoreConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)} in {source}; known: {', '.join(sorted(known))}")
+    out: dict[str, Any] = {}
+    for name, value in data.items():
+        if name in _INT_FIELDS:
+            try:
+                value = int(value)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{name} in {source} must be an integer, got {value!r}") from exc
+        out[name] = value
+    return out
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    return _from_mapping(data.get("lmtier", data), str(path))
+
+
+def from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    data = {
+        key[len(_ENV_PREFIX):].lower(): value
+        for key, value in env.items()
+        if key.startswith(_ENV_PREFIX) and key != "LMTIER_CONFIG"
+    }
+    known = {f.name for f in fields(StoreConfig)}
+    return _from_mapping({k: v for k, v in data.items() if k in known}, "environment")
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> StoreConfig:
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    path = path or env.get("LMTIER_CONFIG")
+    if path:
+        merged.update(read_file(path))
+    merged.update(from_env(env))
+    merged.update(_from_mapping({k: v for k, v in overrides.items() if v is not None}, "arguments"))
+    return replace(StoreConfig(), **merged)

@@ -1,0 +1,154 @@
+"""Content addresses for chunks: a chained hash over token ids, seeded by a namespace.
+
+    key_{-1} = H(namespace)
+    key_i    = H(key_{i-1} || tokens of chunk i as int32 little-endian)
+
+so a key names a chunk *and every token before it*: two prompts share key ``i`` only if
+they share their first ``(i + 1) x chunk_tokens`` tokens. The namespace folds in
+everything that changes the bytes of the KV (model, revision, layout, dtype, parallel
+rank and size, chunk size, format version, tenant salt): two models never share a key,
+two instances of one model always do. H is xxh3-128 (fast) or sha256 (cryptographic),
+never Python's ``hash()``, so keys agree across processes, machines and versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import msgpack
+import numpy as np
+import xxhash
+
+from lmtier.errors import ConfigError, LayoutError
+from lmtier.layout import KVLayout
+
+FORMAT_VERSION = 1  # bump when the canonical chunk bytes change meaning
+HASHES = ("xxh3", "sha256")
+ChunkKey = bytes  # 16 bytes (xxh3-128) or 32 bytes (sha256)
+
+
+def _hash_fn(name: str):
+    if name == "xxh3":
+        return xxhash.xxh3_128_digest
+    if name == "sha256":
+        return lambda data: hashlib.sha256(data).digest()
+    raise ConfigError(f"unknown key hash {name!r}; choose one of {HASHES}")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that changes the bytes of a chunk. Its digest seeds every key."""
+
+    model: str
+    layout: KVLayout
+    chunk_tokens: int = 256
+    revision: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    salt: str = ""  # tenant or cache salt: isolates caches that must not share
+    hash: str = "xxh3"
+    format_version: int = field(default=FORMAT_VERSION)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("a namespace needs a model id")
+        if self.chunk_tokens <= 0:
+            raise ConfigError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
+        if not (0 <= self.tp_rank < self.tp_size) or not (0 <= self.pp_rank < self.pp_size):
+            raise ConfigError("parallel ranks must lie in [0, size)")
+        _hash_fn(self.hash)
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "revision": self.revision,
+            "layout": self.layout.to_dict(),
+            "chunk_tokens": self.chunk_tokens,
+            "tp": [self.tp_rank, self.tp_size],
+            "pp": [self.pp_rank, self.pp_size],
+            "salt": self.salt,
+            "hash": self.hash,
+            "format_version": self.format_version,
+        }
+
+    @cached_property
+    def digest(self) -> bytes:
+        """H of a canonical msgpack encoding of :meth:`fields` (sorted keys)."""
+        canonical = msgpack.packb(_sorted(self.fields()), use_bin_type=True)
+        return _hash_fn(self.hash)(b"lmtier.namespace\x00" + canonical)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.layout.chunk_bytes(self.chunk_tokens)
+
+    def keys(self, tokens: Any) -> list[ChunkKey]:
+        """One key per *full* chunk of ``tokens``; a partial tail gets none."""
+        return chunk_keys(tokens, self)
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _sorted(value[k]) for k in sorted(value)}
+    return value
+
+
+def as_token_array(tokens: Any) -> np.ndarray:
+    """A 1-d little-endian int32 array from a list, numpy array or torch tensor.
+
+    No per-token Python loop: lists go through numpy's C conversion, tensors through
+    ``.numpy()``. Token ids must lie in ``[0, 2**31)``.
+    """
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # torch.Tensor, no import
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise LayoutError(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype="<i4")
+    if arr.dtype.kind not in "iu":
+        raise LayoutError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype != np.dtype("<i4"):
+        if int(arr.min()) < 0 or int(arr.max()) >= 2**31:
+            raise LayoutError("token ids must lie in [0, 2**31)")
+        arr = arr.astype("<i4")
+    elif int(arr.min()) < 0:
+        raise LayoutError("token ids must lie in [0, 2**31)")
+    return np.ascontiguousarray(arr)
+
+
+def chunk_keys(tokens: Any, namespace: Namespace) -> list[ChunkKey]:
+    """The chained keys of every full chunk of ``tokens`` under ``namespace``."""
+    arr = as_token_array(tokens)
+    step = namespace.chunk_tokens * 4
+    data = memoryview(arr).cast("B")
+    h = _hash_fn(namespace.hash)
+    keys: list[ChunkKey] = []
+    prev = namespace.digest
+    for start in range(0, (len(arr) // namespace.chunk_tokens) * step, step):
+        prev = h(prev + data[start : start + step])
+        keys.append(prev)
+    return keys
+
+
+def full_chunks(num_tokens: int, chunk_tokens: int) -> int:
+    return num_tokens // chunk_tokens
+
+
+def key_hex(key: ChunkKey) -> str:
+    return key.hex()
+
+
+def common_prefix(a: Sequence[ChunkKey], b: Sequence[ChunkKey]) -> int:
+    """Number of leading keys two key lists share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,203 @@
+"""``TieredStore``: tiers composed fastest-first, and the one home of caching policy.
+
+    lookup(keys) -> int          leading chunks present across all tiers
+    get(keys) -> list[Chunk]     the leading run of chunks found; caller releases them
+    put(chunks) -> int           stores; returns the leading chunks the first tier holds
+    delete(keys), flush(timeout), close(), stats()
+
+Policy, in one place:
+- ``lookup`` walks the tiers fastest-first; a prefix may be spread over several tiers.
+- ``get`` reads each chunk from the fastest tier holding it and promotes lower-tier hits
+  into the first tier (and into the tiers between, in the background).
+- ``put`` writes the first tier synchronously and lower tiers in the background
+  (write-through), through a bounded queue; when the queue is full the write is dropped
+  and counted. The caller never waits on a slow tier.
+- A tier that raises is a miss plus a metric; a tier that keeps failing opens a circuit
+  breaker and is skipped until its cooldown has passed. Nothing raises from here on the
+  engine's hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from lmtier import metrics
+from lmtier.breaker import CircuitBreaker
+from lmtier.chunk import Chunk, release_all
+from lmtier.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_STOP = object()
+
+
+class TieredStore:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        write_queue: int = 64,
+        breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self.tiers = list(tiers)
+        self._breakers = {id(t): breaker() for t in self.tiers}
+        self._queue_size = write_queue
+        self._pid = -1
+        self._closed = False
+        self.dropped_writes = 0
+
+    # -- the hot path -------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        found = 0
+        while found < len(keys):
+            rest = keys[found:]
+            best = max(self._call(t, "contains", lambda t=t: t.contains(rest), 0) for t in self.tiers)
+            if best == 0:
+                break
+            found += best
+        return found
+
+    def get(self, keys: Sequence[bytes]) -> list[Chunk]:
+        found: list[Chunk | None] = [None] * len(keys)
+        source = [0] * len(keys)
+        for level, tier in enumerate(self.tiers):
+            want = [i for i, c in enumerate(found) if c is None]
+            if not want:
+                break
+            got = self._call(tier, "get", lambda: tier.get([keys[i] for i in want]), None)
+            for i, chunk in zip(want, got or ()):
+                if chunk is not None:
+                    found[i], source[i] = chunk, level
+        prefix = next((i for i, c in enumerate(found) if c is None), len(found))
+        release_all(found[prefix:])
+        chunks: list[Chunk] = found[:prefix]  # type: ignore[assignment]
+        self._promote(chunks, source[:prefix])
+        return chunks
+
+    def put(self, chunks: Sequence[Chunk]) -> int:
+        if not chunks or self._closed:
+            return 0
+        first = self.tiers[0]
+        self._call(first, "put", lambda: first.put(chunks), None)
+        keys = [c.key for c in chunks]
+        if len(self.tiers) > 1:
+            self._enqueue(keys, self.tiers[1:])
+        return self._call(first, "contains", lambda: first.contains(keys), 0)
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        for tier in self.tiers:
+            self._call(tier, "delete", lambda t=tier: t.delete(keys), None)
+
+    # -- background writes --------------------------------------------------------------
+    def _writer(self) -> queue.Queue:
+        """The write queue and its thread, made lazily and anew after ``fork``."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._jobs: queue.Queue = queue.Queue(maxsize=self._queue_size)
+            self._thread = threading.Thread(target=self._drain, name="lmtier-writer", daemon=True)
+            self._thread.start()
+        return self._jobs
+
+    def _enqueue(self, keys: list[bytes], targets: list[Tier]) -> None:
+        try:
+            self._writer().put_nowait((keys, targets))
+        except queue.Full:
+            self.dropped_writes += 1
+            for tier in targets:
+                metrics.WRITE_QUEUE_DROPS.labels(tier.name).inc()
+
+    def _drain(self) -> None:
+        jobs = self._jobs
+        while True:
+            job = jobs.get()
+            try:
+                if job is _STOP:
+                    return
+                keys, targets = job
+                first = self.tiers[0]
+                held = self._call(first, "get", lambda: first.get(keys), None) or []
+                chunks = [c for c in held if c is not None]
+                try:
+                    for tier in targets:
+                        self._call(tier, "put", lambda t=tier: t.put(chunks), None)
+                finally:
+                    release_all(chunks)
+            except Exception:  # the writer thread must survive anything
+                log.exception("background write failed")
+            finally:
+                jobs.task_done()
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued background write is done; False on timeout."""
+        if self._pid != os.getpid():
+            return True
+        deadline = time.monotonic() + timeout
+        with self._jobs.all_tasks_done:
+            while self._jobs.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._jobs.all_tasks_done.wait(left)
+        return True
+
+    def _promote(self, chunks: list[Chunk], source: list[int]) -> None:
+        lower = [c for c, level in zip(chunks, source) if level > 0]
+        if not lower:
+            return
+        first = self.tiers[0]
+        self._call(first, "put", lambda: first.put(lower), None)
+        metrics.PROMOTIONS.labels(first.name).inc(len(lower))
+        deepest = max(source)
+        if deepest > 1:
+            self._enqueue([c.key for c in lower], self.tiers[1:deepest])
+
+    # -- failure handling ---------------------------------------------------------------
+    def _call(self, tier: Tier, op: str, fn: Callable[[], T], default: T) -> T:
+        """Run one tier call; an exception becomes ``default``, a metric and a log line."""
+        breaker = self._breakers[id(tier)]
+        if not breaker.allow():
+            metrics.TIER_OPS.labels(tier.name, op, "skipped").inc()
+            return default
+        try:
+            result = fn()
+        except Exception as exc:
+            breaker.failure()
+            metrics.TIER_ERRORS.labels(tier.name, op).inc()
+            log.warning("tier %s failed on %s: %s", tier.name, op, exc)
+            return default
+        breaker.success()
+        return result
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "tiers": [self._call(t, "stats", t.stats, {"tier": t.name, "error": True}) for t in self.tiers],
+            "dropped_writes": self.dropped_writes,
+        }
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._pid == os.getpid():
+            self.flush(timeout)
+            try:
+                self._jobs.put(_STOP, timeout=1)
+                self._thread.join(timeout=1)
+            except queue.Full:
+                pass
+        for tier in self.tiers:
+            self._call(tier, "close", tier.close, None)
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

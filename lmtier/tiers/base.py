@@ -1,0 +1,174 @@
+"""The tier protocol, its URL syntax and the registry of tier schemes.
+
+A tier implements five batch primitives; everything else is derived here, once:
+
+    contains(keys) -> int             length of the leading run of keys present
+    get(keys) -> list[Chunk | None]   one entry per key; None is a miss
+    put(chunks) -> None               stores what fits; evicts by its own policy
+    delete(keys) -> None              forgets keys (absent keys are fine)
+    close() -> None                   releases memory, files and sockets
+
+Batches are in prompt order: ``keys[i]`` extends ``keys[i - 1]``. Tiers are thread-safe
+and synchronous; the ``TieredStore`` adds background work and failure handling on top.
+
+One URL configures one tier: ``scheme://location?option=value``. Each tier class declares
+its options with a parser per option, so ``cpu://?size=8GiB`` arrives as an int and a
+misspelt option is an error rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+from urllib.parse import parse_qsl, urlsplit
+
+from lmtier.chunk import Chunk
+from lmtier.errors import ConfigError, MissingDependency
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a tier may want to know about the chunks it will hold (all optional)."""
+
+    chunk_bytes: int | None = None  # payload size of one full chunk
+    namespace: bytes = b""  # namespace digest, for tiers that keep it in key prefixes
+
+
+class Tier(ABC):
+    """Base class of every tier. Subclasses implement the five primitives."""
+
+    scheme: ClassVar[str] = ""
+    # option name -> parser; every option of a URL must be listed here.
+    OPTIONS: ClassVar[dict[str, Callable[[str], Any]]] = {}
+
+    name: str = ""
+
+    @abstractmethod
+    def contains(self, keys: Sequence[bytes]) -> int: ...
+
+    @abstractmethod
+    def get(self, keys: Sequence[bytes]) -> list[Chunk | None]: ...
+
+    @abstractmethod
+    def put(self, chunks: Sequence[Chunk]) -> None: ...
+
+    @abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @classmethod
+    def from_url(cls, url: TierURL, context: TierContext) -> Tier:
+        """Build from a parsed URL; tiers with a location (host, path) override this."""
+        if url.netloc or url.path not in ("", "/"):
+            raise ConfigError(f"{cls.scheme}:// takes no location, got {url.url!r}")
+        return cls(**url.typed_options(cls.OPTIONS), context=context)
+
+    # -- derived conveniences -----------------------------------------------------------
+    def get_one(self, key: bytes) -> Chunk | None:
+        return self.get([key])[0]
+
+    def put_one(self, chunk: Chunk) -> None:
+        self.put([chunk])
+
+    def has(self, key: bytes) -> bool:
+        return self.contains([key]) == 1
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and sizes for ``lmtier stats`` and tests; tiers add their own."""
+        return {"tier": self.name}
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+# -- URLs -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TierURL:
+    scheme: str
+    netloc: str
+    path: str
+    options: dict[str, str] = field(default_factory=dict)
+    url: str = ""
+
+    @classmethod
+    def parse(cls, url: str) -> TierURL:
+        if "://" not in url:
+            raise ConfigError(f"tier URL {url!r} has no scheme (e.g. cpu://?size=8GiB)")
+        parts = urlsplit(url)
+        options: dict[str, str] = {}
+        for name, value in parse_qsl(parts.query, keep_blank_values=True):
+            if name in options:
+                raise ConfigError(f"option {name!r} given twice in {url!r}")
+            options[name] = value
+        return cls(parts.scheme.lower(), parts.netloc, parts.path, options, url)
+
+    def typed_options(self, spec: dict[str, Callable[[str], Any]]) -> dict[str, Any]:
+        unknown = sorted(set(self.options) - set(spec))
+        if unknown:
+            known = ", ".join(sorted(spec)) or "none"
+            raise ConfigError(f"unknown option(s) {', '.join(unknown)} in {self.url!r}; known: {known}")
+        typed = {}
+        for name, value in self.options.items():
+            try:
+                typed[name] = spec[name](value)
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"bad value for {name!r} in {self.url!r}: {exc}") from exc
+        return typed
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on", ""):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+# -- registry ---------------------------------------------------------------------------
+# scheme -> ("module:Class", extra that provides its dependencies, or None for core)
+_REGISTRY: dict[str, tuple[str, str | None]] = {
+    "cpu": ("lmtier.tiers.cpu:CpuTier", None),
+}
+
+
+def register_tier(scheme: str, target: str, extra: str | None = None) -> None:
+    """Map a URL scheme to ``"module:Class"``; the module is imported on first use."""
+    _REGISTRY[scheme.lower()] = (target, extra)
+
+
+def known_schemes() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def tier_class(scheme: str) -> type[Tier]:
+    if scheme not in _REGISTRY:
+        raise ConfigError(f"unknown tier scheme {scheme!r}; known: {', '.join(known_schemes())}")
+    target, extra = _REGISTRY[scheme]
+    module_name, _, class_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        if extra and not missing.startswith("lmtier"):
+            raise MissingDependency(missing, extra) from exc
+        raise
+    return getattr(module, class_name)
+
+
+def open_tier(url: str, context: TierContext | None = None) -> Tier:
+    """Build the tier a URL names: ``open_tier("cpu://?size=8GiB")``."""
+    parsed = TierURL.parse(url)
+    cls = tier_class(parsed.scheme)
+    return cls.from_url(parsed, context or TierContext())  # type: ignore[attr-defined]

@@ -1,0 +1,311 @@
+"""``cpu://?size=8GiB``: chunks in one preallocated slab of host memory.
+
+The slab is cut into fixed slots (``slot=``, by default one full chunk), so allocation
+and freeing are a pop and a push on a free list. A chunk larger than a slot takes several
+slots; the common case of one chunk per slot hands out zero-copy views. The slab is
+pinned when CUDA is present, so copies to the GPU can be asynchronous, and is allocated
+on first use and anew in a forked child (which starts empty).
+
+Eviction is LRU with one twist that keeps prefixes usable: a chunk is worth nothing
+without the chunks before it, so within one batch (a prompt, in order) the *first* chunk
+is made the most recent and the last chunk the least. Under pressure a prompt then loses
+its tail first and whatever remains is still reachable from its first chunk; plain LRU,
+touching the chunks in order, would evict the head first and strand the rest.
+
+Leases: ``get`` returns views of the slab; each holds a lease on its slot until released,
+and a leased slot is never evicted or reused. A chunk deleted while leased is freed when
+its last lease ends. Every ``get`` verifies the xxh3-64 checksum recorded at ``put``; a
+mismatch is a miss and the chunk is dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from lmtier import metrics
+from lmtier.chunk import Chunk, iter_segments
+from lmtier.errors import ConfigError
+from lmtier.layout import KVLayout
+from lmtier.tiers.base import Tier, TierContext, parse_bool
+from lmtier.units import parse_size
+
+DEFAULT_SIZE = 1024**3
+DEFAULT_SLOT = 2 * 1024**2
+
+
+class _Entry:
+    __slots__ = ("slots", "nbytes", "layout", "namespace", "checksum", "leases", "ready", "dead")
+
+    def __init__(self, slots: list[int], chunk: Chunk) -> None:
+        self.slots = slots
+        self.nbytes = chunk.nbytes
+        self.layout: KVLayout = chunk.layout
+        self.namespace = chunk.namespace
+        self.checksum: int | None = chunk.checksum
+        self.leases = 1  # the writer's, until the bytes are in place
+        self.ready = False
+        self.dead = False
+
+
+class CpuTier(Tier):
+    scheme = "cpu"
+    OPTIONS = {"size": parse_size, "slot": parse_size, "name": str, "pin": parse_bool}
+
+    def __init__(
+        self,
+        size: int = DEFAULT_SIZE,
+        slot: int | None = None,
+        name: str = "cpu",
+        pin: bool | None = None,
+        context: TierContext | None = None,
+    ) -> None:
+        self.slot_bytes = slot or (context.chunk_bytes if context and context.chunk_bytes else DEFAULT_SLOT)
+        if self.slot_bytes <= 0:
+            raise ConfigError("cpu tier slot size must be positive")
+        self.num_slots = size // self.slot_bytes
+        if self.num_slots == 0:
+            raise ConfigError(f"cpu tier of {size} bytes holds no slot of {self.slot_bytes} bytes")
+        self.capacity = self.num_slots * self.slot_bytes
+        self.name = name
+        self._pin = pin
+        self._closed = False
+        self._reset()
+        metrics.TIER_CAPACITY_BYTES.labels(name).set(self.capacity)
+
+    def _reset(self) -> None:
+        """(Re)initialize state: at start, and in a forked child, which starts empty."""
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._slab: np.ndarray | None = None
+        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() yields slot 0 first
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # front = evicted first
+        self._counts = {"hits": 0, "misses": 0, "stored": 0, "dropped": 0, "evictions": 0, "corrupt": 0}
+
+    def _state(self) -> threading.Lock:
+        if self._pid != os.getpid():
+            self._reset()
+        return self._lock
+
+    def _ensure_slab(self) -> np.ndarray:
+        if self._slab is None:
+            self._slab = _allocate(self.capacity, self._pin)
+        return self._slab
+
+    # -- primitives ---------------------------------------------------------------------
+    def contains(self, keys: Sequence[bytes]) -> int:
+        with self._state():
+            n = 0
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None or not entry.ready:
+                    break
+                n += 1
+            return n
+
+    def put(self, chunks: Sequence[Chunk]) -> None:
+        if self._closed:
+            return
+        plan: list[tuple[Chunk, _Entry]] = []
+        with self._state():
+            slab = self._ensure_slab()
+            touched: list[bytes] = []
+            held: list[_Entry] = []  # already stored: leased for the batch so that
+            for chunk in chunks:  # making room for later chunks cannot evict them
+                existing = self._index.get(chunk.key)
+                if existing is not None:
+                    existing.leases += 1
+                    held.append(existing)
+                    touched.append(chunk.key)
+                    continue
+                slots = self._allocate(-(-chunk.nbytes // self.slot_bytes))
+                if slots is None:  # no room: keep the prefix, drop the rest of the batch
+                    dropped = len(chunks) - len(touched)
+                    self._counts["dropped"] += dropped
+                    metrics.TIER_OPS.labels(self.name, "put", "dropped").inc(dropped)
+                    break
+                entry = _Entry(slots, chunk)
+                self._index[chunk.key] = entry
+                plan.append((chunk, entry))
+                touched.append(chunk.key)
+            for key in reversed(touched):  # first chunk of the batch = most recent
+                self._index.move_to_end(key)
+            for entry in held:
+                self._unlease(entry)
+        for chunk, entry in plan:
+            _scatter(chunk.data, self._slot_views(slab, entry))
+            if entry.checksum is None:
+                entry.checksum = _checksum(self._slot_views(slab, entry))
+        with self._lock:
+            for _, entry in plan:
+                entry.ready = True
+                self._unlease(entry)
+            self._counts["stored"] += len(plan)
+        if plan:
+            metrics.TIER_OPS.labels(self.name, "put", "stored").inc(len(plan))
+            metrics.TIER_BYTES.labels(self.name, "put").inc(sum(e.nbytes for _, e in plan))
+            metrics.TIER_USED_BYTES.labels(self.name).set(self.used_bytes)
+
+    def get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
+        out: list[Chunk | None] = [None] * len(keys)
+        if self._closed:
+            return out
+        leased: list[tuple[int, _Entry]] = []
+        with self._state():
+            slab = self._slab
+            for i, key in enumerate(keys):
+                entry = self._index.get(key)
+                if entry is not None and entry.ready:
+                    entry.leases += 1
+                    leased.append((i, entry))
+            for i, _ in reversed(leased):
+                self._index.move_to_end(keys[i])
+        corrupt: list[tuple[int, _Entry]] = []
+        for i, entry in leased:
+            views = self._slot_views(slab, entry)
+            if _checksum(views) != entry.checksum:
+                corrupt.append((i, entry))
+                continue
+            out[i] = self._chunk(keys[i], entry, views)
+        if corrupt:
+            with self._lock:
+                for i, entry in corrupt:
+                    self._drop(keys[i])
+                    self._unlease(entry)
+            metrics.INTEGRITY_FAILURES.labels(self.name).inc(len(corrupt))
+        hits = len(leased) - len(corrupt)
+        with self._lock:
+            self._counts["hits"] += hits
+            self._counts["misses"] += len(keys) - hits
+            self._counts["corrupt"] += len(corrupt)
+        metrics.TIER_OPS.labels(self.name, "get", "hit").inc(hits)
+        metrics.TIER_OPS.labels(self.name, "get", "miss").inc(len(keys) - hits)
+        return out
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        with self._state():
+            for key in keys:
+                self._drop(key)
+        metrics.TIER_USED_BYTES.labels(self.name).set(self.used_bytes)
+
+    def close(self) -> None:
+        with self._state():
+            self._closed = True
+            self._index.clear()
+            self._free = []
+            self._slab = None  # leased views keep their memory alive until released
+
+    # -- derived ------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return (self.num_slots - len(self._free)) * self.slot_bytes if not self._closed else 0
+
+    def stats(self) -> dict[str, Any]:
+        with self._state():
+            return {
+                "tier": self.name,
+                "capacity_bytes": self.capacity,
+                "used_bytes": self.used_bytes,
+                "slot_bytes": self.slot_bytes,
+                "chunks": sum(1 for e in self._index.values() if e.ready),
+                **self._counts,
+            }
+
+    # -- internals (call with the lock held unless noted) -------------------------------
+    def _allocate(self, count: int) -> list[int] | None:
+        if count > self.num_slots:
+            return None
+        while len(self._free) < count:
+            victim = next((k for k, e in self._index.items() if e.ready and e.leases == 0), None)
+            if victim is None:
+                return None  # everything is leased or being written
+            self._drop(victim)
+            self._counts["evictions"] += 1
+            metrics.EVICTIONS.labels(self.name).inc()
+        return [self._free.pop() for _ in range(count)]
+
+    def _drop(self, key: bytes) -> None:
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return
+        entry.dead = True
+        if entry.leases == 0:
+            self._free.extend(entry.slots)
+
+    def _unlease(self, entry: _Entry) -> None:
+        entry.leases -= 1
+        if entry.leases == 0 and entry.dead:
+            self._free.extend(entry.slots)
+
+    def _release(self, entry: _Entry) -> None:
+        """A lease ends (called without the lock)."""
+        if self._pid != os.getpid():
+            return  # the entry belongs to the parent's state; this child started empty
+        with self._lock:
+            if not self._closed:
+                self._unlease(entry)
+
+    def _slot_views(self, slab: np.ndarray, entry: _Entry) -> list[np.ndarray]:
+        views, left = [], entry.nbytes
+        for slot in entry.slots:
+            start = slot * self.slot_bytes
+            take = min(left, self.slot_bytes)
+            views.append(slab[start : start + take])
+            left -= take
+        return views
+
+    def _chunk(self, key: bytes, entry: _Entry, views: list[np.ndarray]) -> Chunk:
+        shape = entry.layout.byte_shape(entry.nbytes // entry.layout.bytes_per_token)
+        if len(views) == 1:  # zero-copy view, held by a lease
+            data = views[0].reshape(shape)
+            return Chunk(key, entry.layout, data, namespace=entry.namespace,
+                         checksum=entry.checksum, on_release=lambda: self._release(entry))
+        data = np.concatenate(views).reshape(shape)  # spans slots: copy out, end the lease
+        self._release(entry)
+        return Chunk(key, entry.layout, data, namespace=entry.namespace, checksum=entry.checksum)
+
+
+def _allocate(nbytes: int, pin: bool | None) -> np.ndarray:
+    """The slab: pinned through torch when CUDA is present (or asked for), plain otherwise."""
+    torch = sys.modules.get("torch")
+    if pin is None:
+        pin = bool(torch is not None and torch.cuda.is_available())
+    if pin:
+        import torch  # noqa: F811 - asked for pinning explicitly
+
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+def _scatter(src: np.ndarray, dst: list[np.ndarray]) -> None:
+    """Copy the canonical bytes of a (possibly strided) 4-d chunk into slot views."""
+    if len(dst) == 1:
+        np.copyto(dst[0].reshape(src.shape), src)
+        return
+    it = iter(dst)
+    out, pos = next(it), 0
+    for seg in iter_segments(src):
+        done = 0
+        while done < seg.size:
+            if pos == out.size:
+                out, pos = next(it), 0
+            n = min(seg.size - done, out.size - pos)
+            out[pos : pos + n] = seg[done : done + n]
+            pos += n
+            done += n
+
+
+def _checksum(views: list[np.ndarray]) -> int:
+    if len(views) == 1:
+        return xxhash.xxh3_64_intdigest(views[0])
+    h = xxhash.xxh3_64()
+    for view in views:
+        h.update(view)
+    return h.intdigest()

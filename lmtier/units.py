@@ -1,0 +1,59 @@
+"""Parsing and printing sizes: ``8GiB``, ``500GB``, ``128k`` tokens."""
+
+from __future__ import annotations
+
+import re
+
+from lmtier.errors import ConfigError
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2,
+    "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
+}
+# Token counts follow the usual "128k context" convention: k = 1024.
+_COUNT_UNITS = {"": 1, "k": 1024, "m": 1024**2}
+_NUMBER = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def _parse(text: str | int, units: dict[str, int], what: str) -> int:
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"{what} must not be negative: {text}")
+        return text
+    match = _NUMBER.match(str(text))
+    if not match or match.group(2).lower() not in units:
+        known = ", ".join(sorted({u for u in units if u}))
+        raise ConfigError(f"cannot parse {what} {text!r} (a number with one of: {known})")
+    value = float(match.group(1)) * units[match.group(2).lower()]
+    return int(round(value))
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"8GiB"``, ``"500GB"``, ``"2TiB"`` or a plain integer."""
+    return _parse(text, _BYTE_UNITS, "size")
+
+
+def parse_count(text: str | int) -> int:
+    """A token count from ``"128k"`` (131,072), ``"8k"``, ``"100000"``."""
+    return _parse(text, _COUNT_UNITS, "count")
+
+
+def format_bytes(n: float) -> str:
+    """Binary units, three significant digits: ``1.00 GiB``, ``320 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_si(n: float) -> str:
+    """Decimal units, for comparing with vendor figures: ``32.8 GB``."""
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")

@@ -1,0 +1,64 @@
+"""Shared test vocabulary: small layouts, prompts with real keys and random KV bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lmtier.chunk import Chunk
+from lmtier.keys import Namespace
+from lmtier.layout import KVLayout
+
+# Small enough to make many chunks per test, large enough to span several pages.
+SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
+CHUNK_TOKENS = 16
+
+
+class Prompt:
+    """Token ids, their chunk keys under a namespace, and random KV bytes for them."""
+
+    def __init__(self, namespace: Namespace, tokens: np.ndarray, seed: int) -> None:
+        self.namespace = namespace
+        self.tokens = tokens
+        self.keys = namespace.keys(tokens)
+        layout = namespace.layout
+        rng = np.random.default_rng(seed)
+        # [layers, kv_factor, tokens, row_bytes]: the canonical layout as bytes
+        self.kv = rng.integers(0, 256, layout.byte_shape(len(tokens)), dtype=np.uint8)
+
+    def chunks(self, start: int = 0, stop: int | None = None) -> list[Chunk]:
+        size = self.namespace.chunk_tokens
+        stop = len(self.keys) if stop is None else stop
+        return [
+            Chunk(self.keys[i], self.namespace.layout, self.kv[:, :, i * size : (i + 1) * size],
+                  namespace=self.namespace.digest)
+            for i in range(start, stop)
+        ]
+
+    def chunk_bytes(self, i: int) -> bytes:
+        size = self.namespace.chunk_tokens
+        return np.ascontiguousarray(self.kv[:, :, i * size : (i + 1) * size]).tobytes()
+
+
+def make_namespace(layout: KVLayout = SMALL, chunk_tokens: int = CHUNK_TOKENS, **kw) -> Namespace:
+    return Namespace(model=kw.pop("model", "test-model"), layout=layout, chunk_tokens=chunk_tokens, **kw)
+
+
+def make_prompt(n_chunks: int, seed: int = 0, namespace: Namespace | None = None,
+                shared_with: Prompt | None = None, shared_chunks: int = 0) -> Prompt:
+    """A prompt of ``n_chunks`` full chunks; optionally sharing its first chunks with another."""
+    namespace = namespace or make_namespace()
+    rng = np.random.default_rng(seed + 1_000_000)
+    tokens = rng.integers(0, 50_000, n_chunks * namespace.chunk_tokens).astype(np.int32)
+    if shared_with is not None:
+        n = shared_chunks * namespace.chunk_tokens
+        tokens[:n] = shared_with.tokens[:n]
+    prompt = Prompt(namespace, tokens, seed)
+    if shared_with is not None:
+        prompt.kv[:, :, :n] = shared_with.kv[:, :, :n]
+    return prompt
+
+
+@pytest.fixture
+def prompt() -> Prompt:
+    return make_prompt(8)

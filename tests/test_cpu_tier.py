@@ -1,0 +1,125 @@
+"""The CPU tier: the contract, plus slab slots, leases and fork behaviour."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from lmtier.chunk import release_all
+from lmtier.errors import ConfigError
+from lmtier.tiers.base import TierContext, open_tier
+from lmtier.tiers.cpu import CpuTier
+
+from conftest import make_prompt
+from tier_contract import CHUNK_BYTES, TierContract
+
+
+class TestCpuTier(TierContract):
+    def make_tier(self, capacity_chunks, chunk_bytes):
+        return CpuTier(size=capacity_chunks * chunk_bytes, context=TierContext(chunk_bytes=chunk_bytes))
+
+    def corrupt(self, tier, key):
+        entry = tier._index[key]
+        tier._slab[entry.slots[0] * tier.slot_bytes + 7] ^= 0x01
+
+
+class TestCpuTierWithSmallSlots(TestCpuTier):
+    """The same contract when each chunk spans several slots (mixed chunk sizes)."""
+
+    def make_tier(self, capacity_chunks, chunk_bytes):
+        slot = chunk_bytes // 3 + 1  # every chunk spans three slots
+        return CpuTier(size=capacity_chunks * 3 * slot, slot=slot)
+
+
+def test_url_configures_size_and_slot():
+    tier = open_tier("cpu://?size=1MiB&slot=64KiB&name=hot")
+    assert (tier.capacity, tier.slot_bytes, tier.num_slots, tier.name) == (1 << 20, 1 << 16, 16, "hot")
+    tier.close()
+    with pytest.raises(ConfigError, match="unknown option"):
+        open_tier("cpu://?sise=1MiB")
+    with pytest.raises(ConfigError, match="holds no slot"):
+        open_tier("cpu://?size=1KiB&slot=4KiB")
+    with pytest.raises(ConfigError, match="takes no location"):
+        open_tier("cpu://somewhere?size=1MiB")
+
+
+def test_slot_defaults_to_the_chunk_size():
+    tier = open_tier("cpu://?size=1MiB", TierContext(chunk_bytes=CHUNK_BYTES))
+    assert tier.slot_bytes == CHUNK_BYTES
+    tier.close()
+
+
+def test_leased_chunk_survives_eviction_and_delete():
+    tier = CpuTier(size=2 * CHUNK_BYTES, slot=CHUNK_BYTES)
+    a = make_prompt(2, seed=1)
+    tier.put(a.chunks())
+    held = tier.get(a.keys[:1])[0]
+    tier.delete([a.keys[0]])  # deleted while leased: the slot stays ours
+    tier.put(make_prompt(2, seed=2).chunks())  # needs both slots, one is leased
+    assert held.tobytes() == a.chunk_bytes(0)  # still intact
+    assert tier.stats()["chunks"] == 1  # only one of the new chunks found room
+    held.release()
+    tier.put(make_prompt(2, seed=3).chunks())
+    assert tier.stats()["chunks"] == 2  # the released slot is reusable
+
+
+def test_fully_leased_tier_drops_new_puts_instead_of_overwriting():
+    tier = CpuTier(size=2 * CHUNK_BYTES, slot=CHUNK_BYTES)
+    a = make_prompt(2, seed=1)
+    tier.put(a.chunks())
+    held = tier.get(a.keys)
+    b = make_prompt(2, seed=2)
+    tier.put(b.chunks())
+    assert tier.contains(b.keys) == 0
+    assert tier.stats()["dropped"] == 2
+    assert [c.tobytes() for c in held] == [a.chunk_bytes(0), a.chunk_bytes(1)]
+    release_all(held)
+
+
+def test_release_is_idempotent_and_garbage_collection_releases():
+    tier = CpuTier(size=CHUNK_BYTES, slot=CHUNK_BYTES)
+    a = make_prompt(1, seed=1)
+    tier.put(a.chunks())
+    chunk = tier.get(a.keys)[0]
+    chunk.release()
+    chunk.release()
+    assert tier._index[a.keys[0]].leases == 0
+    tier.get(a.keys)  # dropped on the floor: the finalizer ends the lease
+    assert tier._index[a.keys[0]].leases == 0
+
+
+def test_get_hands_out_views_of_the_slab_without_copying():
+    tier = CpuTier(size=4 * CHUNK_BYTES, slot=CHUNK_BYTES)
+    a = make_prompt(1, seed=1)
+    tier.put(a.chunks())
+    with tier.get(a.keys)[0] as chunk:
+        assert np.shares_memory(chunk.data, tier._slab)
+
+
+def test_forked_child_starts_empty_and_parent_keeps_its_chunks():
+    tier = CpuTier(size=4 * CHUNK_BYTES, slot=CHUNK_BYTES)
+    a = make_prompt(2, seed=1)
+    tier.put(a.chunks())
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report what it sees, store something, exit
+        seen = tier.contains(a.keys)
+        tier.put(make_prompt(1, seed=2).chunks())
+        os.write(write, bytes([seen, tier.stats()["chunks"]]))
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 2) == bytes([0, 1])
+    assert tier.contains(a.keys) == 2
+
+
+def test_closed_tier_answers_misses():
+    tier = CpuTier(size=4 * CHUNK_BYTES, slot=CHUNK_BYTES)
+    a = make_prompt(2, seed=1)
+    tier.put(a.chunks())
+    tier.close()
+    assert tier.get(a.keys) == [None, None]
+    assert tier.contains(a.keys) == 0
+    tier.put(a.chunks())
+    assert tier.contains(a.keys) == 0
