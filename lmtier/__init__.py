@@ -11,7 +11,21 @@ from lmtier.tiers.base import Tier, open_tier, register_tier
 
 __version__ = "0.1.0"
 __all__ = [
-    "PRESETS", "Chunk", "IntegrityError", "KVLayout", "KVStore", "LayoutError", "LmtierError",
-    "Namespace", "StoreConfig", "Tier", "TieredStore", "chunk_keys", "from_hf_config",
-    "load_config", "open_store", "open_tier", "register_tier",
+    "PRESETS",
+    "Chunk",
+    "IntegrityError",
+    "KVLayout",
+    "KVStore",
+    "LayoutError",
+    "LmtierError",
+    "Namespace",
+    "StoreConfig",
+    "Tier",
+    "TieredStore",
+    "chunk_keys",
+    "from_hf_config",
+    "load_config",
+    "open_store",
+    "open_tier",
+    "register_tier",
 ]

@@ -56,8 +56,9 @@ class KVStore:
         keys = self.keys(tokens)
         chunks = self.store.get(keys)
         try:
-            out = torch.empty(self.layout.tensor_shape(len(chunks) * self.chunk_tokens),
-                              dtype=getattr(torch, self.layout.dtype))
+            out = torch.empty(
+                self.layout.tensor_shape(len(chunks) * self.chunk_tokens), dtype=getattr(torch, self.layout.dtype)
+            )
             self._fill(out, chunks)
         finally:
             release_all(chunks)
@@ -76,6 +77,8 @@ class KVStore:
         return len(chunks) * self.chunk_tokens
 
     def _fill(self, out: Any, chunks: Sequence[Chunk]) -> None:
+        if not chunks:
+            return
         data = self._byte_view(out, len(chunks) * self.chunk_tokens, allow_longer=True)
         size = self.chunk_tokens
         for i, chunk in enumerate(chunks):
@@ -87,7 +90,7 @@ class KVStore:
         want = self.layout.tensor_shape(num_tokens)
         axis = self.layout.token_axis
         ok = len(shape) == len(want) and all(
-            s == w or (d == axis and allow_longer and s >= w) for d, (s, w) in enumerate(zip(shape, want))
+            s == w or (d == axis and allow_longer and s >= w) for d, (s, w) in enumerate(zip(shape, want, strict=True))
         )
         if not ok:
             raise LayoutError(f"KV of shape {shape} does not match layout shape {want} for {num_tokens} tokens")
@@ -104,11 +107,8 @@ class KVStore:
             if array.strides[-1] != array.itemsize:
                 raise LayoutError("the last dimension of the KV must be contiguous")
             array = array.view(np.uint8)
-        tokens = shape[axis]
-        byte_shape = self.layout.byte_shape(tokens)
-        flat = array.reshape(byte_shape) if not self.layout.mla else array.reshape(
-            byte_shape[0], 1, byte_shape[2], byte_shape[3])
-        if not np.may_share_memory(flat, array):
+        flat = array.reshape(self.layout.byte_shape(shape[axis]))  # [layers, kv_factor, tokens, row_bytes]
+        if flat.size and not np.may_share_memory(flat, array):  # reshape had to copy
             raise LayoutError("the KV tensor must keep its head and head-dim axes contiguous")
         return flat[:, :, :num_tokens]
 
@@ -144,12 +144,26 @@ def open_store(
 ) -> KVStore:
     """Open a store for one model. Unset arguments come from the config file and
     ``LMTIER_*`` environment variables, then from the defaults (1 GiB of host memory)."""
-    cfg = load_config(config, tiers=tuple(tiers) if tiers else None, chunk_tokens=chunk_tokens,
-                      salt=salt, hash=hash, write_queue=write_queue)
+    cfg = load_config(
+        config,
+        tiers=tuple(tiers) if tiers else None,
+        chunk_tokens=chunk_tokens,
+        salt=salt,
+        hash=hash,
+        write_queue=write_queue,
+    )
     if isinstance(layout, str):
         layout = preset(layout)
-    namespace = Namespace(model=model, layout=layout, chunk_tokens=cfg.chunk_tokens, revision=revision,
-                          tp_rank=tp_rank, tp_size=tp_size, salt=cfg.salt, hash=cfg.hash)
+    namespace = Namespace(
+        model=model,
+        layout=layout,
+        chunk_tokens=cfg.chunk_tokens,
+        revision=revision,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        salt=cfg.salt,
+        hash=cfg.hash,
+    )
     context = TierContext(chunk_bytes=namespace.chunk_bytes, namespace=namespace.digest)
     opened = []
     try:

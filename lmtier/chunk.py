@@ -24,7 +24,7 @@ from lmtier.layout import KVLayout
 
 
 class Chunk:
-    __slots__ = ("key", "layout", "num_tokens", "data", "namespace", "checksum", "_finalizer", "__weakref__")
+    __slots__ = ("__weakref__", "_finalizer", "checksum", "data", "key", "layout", "namespace", "num_tokens")
 
     def __init__(
         self,
@@ -40,9 +40,7 @@ class Chunk:
             raise LayoutError(f"chunk data must be a 4-d uint8 view, got {data.dtype} {data.shape}")
         num_tokens = data.shape[2]
         if data.shape != layout.byte_shape(num_tokens):
-            raise LayoutError(
-                f"chunk data shape {data.shape} does not match layout {layout.byte_shape(num_tokens)}"
-            )
+            raise LayoutError(f"chunk data shape {data.shape} does not match layout {layout.byte_shape(num_tokens)}")
         if data.strides[-1] != 1:
             data = np.ascontiguousarray(data)
         self.key = key

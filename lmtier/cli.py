@@ -35,37 +35,61 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def cmd_size(args: argparse.Namespace) -> int:
     layout = _layout(args)
     tiers = {name: parse_size(value) for name, value in (("cpu", args.cpu), ("disk", args.disk)) if value}
-    result = plan(args.model or args.config, layout, parse_count(args.tokens), batch=args.batch,
-                  chunk_tokens=args.chunk_tokens, tiers=tiers)
+    result = plan(
+        args.model or args.config,
+        layout,
+        parse_count(args.tokens),
+        batch=args.batch,
+        chunk_tokens=args.chunk_tokens,
+        tiers=tiers,
+    )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.to_text())
     return 0
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
     layout = _layout(args)
-    source = sys.stdin if args.tokens_file == "-" else Path(args.tokens_file).open()
-    with source:
-        try:
-            tokens = json.load(source)
-        except ValueError as exc:
-            raise LmtierError(f"{args.tokens_file}: not a JSON list of token ids ({exc})") from exc
+    text = sys.stdin.read() if args.tokens_file == "-" else Path(args.tokens_file).read_text()
+    try:
+        tokens = json.loads(text)
+    except ValueError as exc:
+        raise LmtierError(f"{args.tokens_file}: not a JSON list of token ids ({exc})") from exc
     if not isinstance(tokens, list):
         raise LmtierError(f"{args.tokens_file}: expected a JSON list of token ids")
-    ns = Namespace(model=args.model or str(args.config), layout=layout, chunk_tokens=args.chunk_tokens,
-                   revision=args.revision, tp_rank=args.tp_rank, tp_size=args.tp_size,
-                   salt=args.salt, hash=args.hash)
+    ns = Namespace(
+        model=args.model or str(args.config),
+        layout=layout,
+        chunk_tokens=args.chunk_tokens,
+        revision=args.revision,
+        tp_rank=args.tp_rank,
+        tp_size=args.tp_size,
+        salt=args.salt,
+        hash=args.hash,
+    )
     keys = ns.keys(tokens)
     size = args.chunk_tokens
     if args.json:
-        print(json.dumps({
-            "namespace": ns.fields(), "namespace_digest": ns.digest.hex(), "tokens": len(tokens),
-            "keys": [{"chunk": i, "tokens": [i * size, (i + 1) * size], "key": k.hex()} for i, k in enumerate(keys)],
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "namespace": ns.fields(),
+                    "namespace_digest": ns.digest.hex(),
+                    "tokens": len(tokens),
+                    "keys": [
+                        {"chunk": i, "tokens": [i * size, (i + 1) * size], "key": k.hex()} for i, k in enumerate(keys)
+                    ],
+                },
+                indent=2,
+            )
+        )
         return 0
     print(f"namespace {ns.digest.hex()}")
     for name, value in ns.fields().items():
         print(f"  {name:<15} {value}")
-    print(f"{len(tokens)} tokens -> {len(keys)} full chunks of {size} (the {len(tokens) - len(keys) * size}-token tail is not cached)")
+    print(
+        f"{len(tokens)} tokens -> {len(keys)} full chunks of {size} "
+        f"(the {len(tokens) - len(keys) * size}-token tail is not cached)"
+    )
     for i, key in enumerate(keys):
         print(f"chunk {i:>5}  tokens [{i * size}, {(i + 1) * size})  {key.hex()}")
     return 0

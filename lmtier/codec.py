@@ -150,10 +150,7 @@ def decode(
         raise NamespaceMismatch("chunk belongs to another namespace")
     if key is not None and header.key != key:
         raise NamespaceMismatch("chunk is stored under another key")
-    if header.codec == "lz4":
-        data = _lz4_decompress(payload, header)
-    else:
-        data = payload
+    data = _lz4_decompress(payload, header) if header.codec == "lz4" else payload
     return Chunk.from_buffer(header.key, header.layout, header.num_tokens, data, namespace=header.namespace)
 
 

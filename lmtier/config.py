@@ -79,7 +79,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
 
 def from_env(env: Mapping[str, str]) -> dict[str, Any]:
     data = {
-        key[len(_ENV_PREFIX):].lower(): value
+        key[len(_ENV_PREFIX) :].lower(): value
         for key, value in env.items()
         if key.startswith(_ENV_PREFIX) and key != "LMTIER_CONFIG"
     }

@@ -39,23 +39,28 @@ def run_demo(tiers: list[str] | None = None) -> int:
     prompt_a = np.concatenate([system, rng.integers(0, 32000, QUESTION_TOKENS)])
     prompt_b = np.concatenate([system, rng.integers(0, 32000, QUESTION_TOKENS)])
     kv_a = torch.randn(DEMO_LAYOUT.tensor_shape(len(prompt_a)), generator=torch.Generator().manual_seed(0)).to(
-        torch.bfloat16)  # [layers, 2, tokens, kv_heads, head_dim]
+        torch.bfloat16
+    )  # [layers, 2, tokens, kv_heads, head_dim]
 
     with open_store(tiers, model="demo-llama", layout=DEMO_LAYOUT) as store:
         t0 = time.perf_counter()
         stored = store.put(prompt_a, kv_a)
         t_put = time.perf_counter() - t0
         nbytes = stored * DEMO_LAYOUT.bytes_per_token
-        print(f"A stored {stored} of {len(prompt_a)} tokens ({format_bytes(nbytes)}) in {t_put * 1e3:.1f} ms"
-              f" ({nbytes / t_put / 1e9:.2f} GB/s); the {len(prompt_a) - stored}-token tail stays with the engine")
+        print(
+            f"A stored {stored} of {len(prompt_a)} tokens ({format_bytes(nbytes)}) in {t_put * 1e3:.1f} ms"
+            f" ({nbytes / t_put / 1e9:.2f} GB/s); the {len(prompt_a) - stored}-token tail stays with the engine"
+        )
 
         hit = store.lookup(prompt_b)
         t0 = time.perf_counter()
         kv_b = store.get(prompt_b[:hit])
         t_get = time.perf_counter() - t0
         same = torch.equal(kv_b, kv_a[:, :, :hit])
-        print(f"B found {hit} of {len(prompt_b)} tokens cached; loaded {format_bytes(kv_b.nbytes)} in "
-              f"{t_get * 1e3:.1f} ms ({kv_b.nbytes / t_get / 1e9:.2f} GB/s); byte-identical to A's KV: {same}")
+        print(
+            f"B found {hit} of {len(prompt_b)} tokens cached; loaded {format_bytes(kv_b.nbytes)} in "
+            f"{t_get * 1e3:.1f} ms ({kv_b.nbytes / t_get / 1e9:.2f} GB/s); byte-identical to A's KV: {same}"
+        )
         print(f"B prefills {len(prompt_b) - hit} tokens instead of {len(prompt_b)}")
         ok = same and hit == (SYSTEM_TOKENS // store.chunk_tokens) * store.chunk_tokens
 

@@ -32,9 +32,7 @@ class MissingDependency(LmtierError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
 
     def __init__(self, module: str, extra: str) -> None:
-        super().__init__(
-            f"{module!r} is not installed; install it with: pip install 'lmtier[{extra}]'"
-        )
+        super().__init__(f"{module!r} is not installed; install it with: pip install 'lmtier[{extra}]'")
         self.module = module
         self.extra = extra
 

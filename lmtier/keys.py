@@ -147,7 +147,7 @@ def key_hex(key: ChunkKey) -> str:
 def common_prefix(a: Sequence[ChunkKey], b: Sequence[ChunkKey]) -> int:
     """Number of leading keys two key lists share."""
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

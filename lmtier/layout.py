@@ -30,10 +30,14 @@ DTYPE_SIZES = {
     "uint8": 1,
 }
 _DTYPE_ALIASES = {
-    "fp32": "float32", "float": "float32",
-    "fp16": "float16", "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
     "bf16": "bfloat16",
-    "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "float8": "float8_e4m3fn",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "float8": "float8_e4m3fn",
     "fp8_e5m2": "float8_e5m2",
 }
 
@@ -61,10 +65,10 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        for field in ("num_layers", "num_kv_heads", "head_dim"):
-            value = getattr(self, field)
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise LayoutError(f"KVLayout.{field} must be a positive int, got {value!r}")
+                raise LayoutError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if self.mla and self.num_kv_heads != 1:
             raise LayoutError("an MLA layout stores one latent per token: num_kv_heads must be 1")
 

@@ -12,39 +12,62 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 TIER_OPS = Counter(
-    "lmtier_tier_ops_total", "Chunk operations per tier and result (hit, miss, stored, dropped).",
-    ["tier", "op", "result"], registry=REGISTRY,
+    "lmtier_tier_ops_total",
+    "Chunk operations per tier and result (hit, miss, stored, dropped).",
+    ["tier", "op", "result"],
+    registry=REGISTRY,
 )
 TIER_BYTES = Counter(
-    "lmtier_tier_bytes_total", "Chunk payload bytes read from or written to a tier.",
-    ["tier", "op"], registry=REGISTRY,
+    "lmtier_tier_bytes_total",
+    "Chunk payload bytes read from or written to a tier.",
+    ["tier", "op"],
+    registry=REGISTRY,
 )
 TIER_ERRORS = Counter(
-    "lmtier_tier_errors_total", "Tier calls that failed and were turned into misses.",
-    ["tier", "op"], registry=REGISTRY,
+    "lmtier_tier_errors_total",
+    "Tier calls that failed and were turned into misses.",
+    ["tier", "op"],
+    registry=REGISTRY,
 )
 EVICTIONS = Counter(
-    "lmtier_evictions_total", "Chunks evicted to make room.", ["tier"], registry=REGISTRY,
+    "lmtier_evictions_total",
+    "Chunks evicted to make room.",
+    ["tier"],
+    registry=REGISTRY,
 )
 INTEGRITY_FAILURES = Counter(
-    "lmtier_integrity_failures_total", "Stored chunks that failed verification and were dropped.",
-    ["tier"], registry=REGISTRY,
+    "lmtier_integrity_failures_total",
+    "Stored chunks that failed verification and were dropped.",
+    ["tier"],
+    registry=REGISTRY,
 )
 TIER_USED_BYTES = Gauge(
-    "lmtier_tier_used_bytes", "Bytes of chunks held by a tier.", ["tier"], registry=REGISTRY,
+    "lmtier_tier_used_bytes",
+    "Bytes of chunks held by a tier.",
+    ["tier"],
+    registry=REGISTRY,
 )
 TIER_CAPACITY_BYTES = Gauge(
-    "lmtier_tier_capacity_bytes", "Configured capacity of a tier.", ["tier"], registry=REGISTRY,
+    "lmtier_tier_capacity_bytes",
+    "Configured capacity of a tier.",
+    ["tier"],
+    registry=REGISTRY,
 )
 WRITE_QUEUE_DROPS = Counter(
-    "lmtier_write_queue_drops_total", "Background writes dropped because the queue was full.",
-    ["tier"], registry=REGISTRY,
+    "lmtier_write_queue_drops_total",
+    "Background writes dropped because the queue was full.",
+    ["tier"],
+    registry=REGISTRY,
 )
 PROMOTIONS = Counter(
-    "lmtier_promotions_total", "Chunks copied up into a faster tier after a hit.",
-    ["tier"], registry=REGISTRY,
+    "lmtier_promotions_total",
+    "Chunks copied up into a faster tier after a hit.",
+    ["tier"],
+    registry=REGISTRY,
 )
 LOOKUP_TOKENS = Counter(
-    "lmtier_lookup_tokens_total", "Tokens asked for and tokens found by prefix lookups.",
-    ["result"], registry=REGISTRY,
+    "lmtier_lookup_tokens_total",
+    "Tokens asked for and tokens found by prefix lookups.",
+    ["result"],
+    registry=REGISTRY,
 )

@@ -59,7 +59,7 @@ class TieredStore:
         found = 0
         while found < len(keys):
             rest = keys[found:]
-            best = max(self._call(t, "contains", lambda t=t: t.contains(rest), 0) for t in self.tiers)
+            best = max(self._call(t, "contains", t.contains, rest, default=0) for t in self.tiers)
             if best == 0:
                 break
             found += best
@@ -72,8 +72,8 @@ class TieredStore:
             want = [i for i, c in enumerate(found) if c is None]
             if not want:
                 break
-            got = self._call(tier, "get", lambda: tier.get([keys[i] for i in want]), None)
-            for i, chunk in zip(want, got or ()):
+            got = self._call(tier, "get", tier.get, [keys[i] for i in want], default=None)
+            for i, chunk in zip(want, got or (), strict=False):
                 if chunk is not None:
                     found[i], source[i] = chunk, level
         prefix = next((i for i, c in enumerate(found) if c is None), len(found))
@@ -86,15 +86,15 @@ class TieredStore:
         if not chunks or self._closed:
             return 0
         first = self.tiers[0]
-        self._call(first, "put", lambda: first.put(chunks), None)
+        self._call(first, "put", first.put, chunks, default=None)
         keys = [c.key for c in chunks]
         if len(self.tiers) > 1:
             self._enqueue(keys, self.tiers[1:])
-        return self._call(first, "contains", lambda: first.contains(keys), 0)
+        return self._call(first, "contains", first.contains, keys, default=0)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         for tier in self.tiers:
-            self._call(tier, "delete", lambda t=tier: t.delete(keys), None)
+            self._call(tier, "delete", tier.delete, keys, default=None)
 
     # -- background writes --------------------------------------------------------------
     def _writer(self) -> queue.Queue:
@@ -123,11 +123,11 @@ class TieredStore:
                     return
                 keys, targets = job
                 first = self.tiers[0]
-                held = self._call(first, "get", lambda: first.get(keys), None) or []
+                held = self._call(first, "get", first.get, keys, default=None) or []
                 chunks = [c for c in held if c is not None]
                 try:
                     for tier in targets:
-                        self._call(tier, "put", lambda t=tier: t.put(chunks), None)
+                        self._call(tier, "put", tier.put, chunks, default=None)
                 finally:
                     release_all(chunks)
             except Exception:  # the writer thread must survive anything
@@ -149,25 +149,25 @@ class TieredStore:
         return True
 
     def _promote(self, chunks: list[Chunk], source: list[int]) -> None:
-        lower = [c for c, level in zip(chunks, source) if level > 0]
+        lower = [c for c, level in zip(chunks, source, strict=True) if level > 0]
         if not lower:
             return
         first = self.tiers[0]
-        self._call(first, "put", lambda: first.put(lower), None)
+        self._call(first, "put", first.put, lower, default=None)
         metrics.PROMOTIONS.labels(first.name).inc(len(lower))
         deepest = max(source)
         if deepest > 1:
             self._enqueue([c.key for c in lower], self.tiers[1:deepest])
 
     # -- failure handling ---------------------------------------------------------------
-    def _call(self, tier: Tier, op: str, fn: Callable[[], T], default: T) -> T:
+    def _call(self, tier: Tier, op: str, fn: Callable[..., T], *args: Any, default: T) -> T:
         """Run one tier call; an exception becomes ``default``, a metric and a log line."""
         breaker = self._breakers[id(tier)]
         if not breaker.allow():
             metrics.TIER_OPS.labels(tier.name, op, "skipped").inc()
             return default
         try:
-            result = fn()
+            result = fn(*args)
         except Exception as exc:
             breaker.failure()
             metrics.TIER_ERRORS.labels(tier.name, op).inc()
@@ -178,7 +178,7 @@ class TieredStore:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "tiers": [self._call(t, "stats", t.stats, {"tier": t.name, "error": True}) for t in self.tiers],
+            "tiers": [self._call(t, "stats", t.stats, default={"tier": t.name, "error": True}) for t in self.tiers],
             "dropped_writes": self.dropped_writes,
         }
 
@@ -194,7 +194,7 @@ class TieredStore:
             except queue.Full:
                 pass
         for tier in self.tiers:
-            self._call(tier, "close", tier.close, None)
+            self._call(tier, "close", tier.close, default=None)
 
     def __enter__(self) -> TieredStore:
         return self

@@ -7,11 +7,24 @@ import re
 from lmtier.errors import ConfigError
 
 _BYTE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
-    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2,
-    "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
 }
 # Token counts follow the usual "128k context" convention: k = 1024.
 _COUNT_UNITS = {"": 1, "k": 1024, "m": 1024**2}
@@ -28,7 +41,7 @@ def _parse(text: str | int, units: dict[str, int], what: str) -> int:
         known = ", ".join(sorted({u for u in units if u}))
         raise ConfigError(f"cannot parse {what} {text!r} (a number with one of: {known})")
     value = float(match.group(1)) * units[match.group(2).lower()]
-    return int(round(value))
+    return round(value)
 
 
 def parse_size(text: str | int) -> int:

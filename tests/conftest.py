@@ -30,8 +30,12 @@ class Prompt:
         size = self.namespace.chunk_tokens
         stop = len(self.keys) if stop is None else stop
         return [
-            Chunk(self.keys[i], self.namespace.layout, self.kv[:, :, i * size : (i + 1) * size],
-                  namespace=self.namespace.digest)
+            Chunk(
+                self.keys[i],
+                self.namespace.layout,
+                self.kv[:, :, i * size : (i + 1) * size],
+                namespace=self.namespace.digest,
+            )
             for i in range(start, stop)
         ]
 
@@ -44,8 +48,13 @@ def make_namespace(layout: KVLayout = SMALL, chunk_tokens: int = CHUNK_TOKENS, *
     return Namespace(model=kw.pop("model", "test-model"), layout=layout, chunk_tokens=chunk_tokens, **kw)
 
 
-def make_prompt(n_chunks: int, seed: int = 0, namespace: Namespace | None = None,
-                shared_with: Prompt | None = None, shared_chunks: int = 0) -> Prompt:
+def make_prompt(
+    n_chunks: int,
+    seed: int = 0,
+    namespace: Namespace | None = None,
+    shared_with: Prompt | None = None,
+    shared_chunks: int = 0,
+) -> Prompt:
     """A prompt of ``n_chunks`` full chunks; optionally sharing its first chunks with another."""
     namespace = namespace or make_namespace()
     rng = np.random.default_rng(seed + 1_000_000)

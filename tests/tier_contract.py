@@ -61,7 +61,8 @@ class TierContract:
         layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, dtype=dtype)
         ns = make_namespace(layout=layout, chunk_tokens=8)
         tensor = torch.randn(layout.tensor_shape(32), generator=torch.Generator().manual_seed(1)).to(
-            getattr(torch, dtype))
+            getattr(torch, dtype)
+        )
         prompt = make_prompt(4, namespace=ns)
         prompt.kv = tensor.view(torch.uint8).numpy().reshape(layout.byte_shape(32))
         tier = tiers(chunk_bytes=ns.chunk_bytes)

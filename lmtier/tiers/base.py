@@ -161,7 +161,7 @@ def tier_class(scheme: str) -> type[Tier]:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         missing = exc.name or module_name
-        if extra and not missing.startswith("lmtier"):
+        if extra and missing.split(".")[0] != "lmtier":
             raise MissingDependency(missing, extra) from exc
         raise
     return getattr(module, class_name)

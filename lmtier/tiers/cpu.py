@@ -42,7 +42,7 @@ DEFAULT_SLOT = 2 * 1024**2
 
 
 class _Entry:
-    __slots__ = ("slots", "nbytes", "layout", "namespace", "checksum", "leases", "ready", "dead")
+    __slots__ = ("checksum", "dead", "layout", "leases", "namespace", "nbytes", "ready", "slots")
 
     def __init__(self, slots: list[int], chunk: Chunk) -> None:
         self.slots = slots
@@ -265,8 +265,14 @@ class CpuTier(Tier):
         shape = entry.layout.byte_shape(entry.nbytes // entry.layout.bytes_per_token)
         if len(views) == 1:  # zero-copy view, held by a lease
             data = views[0].reshape(shape)
-            return Chunk(key, entry.layout, data, namespace=entry.namespace,
-                         checksum=entry.checksum, on_release=lambda: self._release(entry))
+            return Chunk(
+                key,
+                entry.layout,
+                data,
+                namespace=entry.namespace,
+                checksum=entry.checksum,
+                on_release=lambda: self._release(entry),
+            )
         data = np.concatenate(views).reshape(shape)  # spans slots: copy out, end the lease
         self._release(entry)
         return Chunk(key, entry.layout, data, namespace=entry.namespace, checksum=entry.checksum)
@@ -278,7 +284,7 @@ def _allocate(nbytes: int, pin: bool | None) -> np.ndarray:
     if pin is None:
         pin = bool(torch is not None and torch.cuda.is_available())
     if pin:
-        import torch  # noqa: F811 - asked for pinning explicitly
+        import torch
 
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
     return np.empty(nbytes, dtype=np.uint8)

@@ -1,0 +1,165 @@
+"""The chunk frame: round trips, and refusal of every damaged or foreign frame."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmtier import codec
+from lmtier.chunk import Chunk
+from lmtier.errors import FormatError, IntegrityError, LayoutError, LayoutMismatch, NamespaceMismatch
+from lmtier.layout import KVLayout
+
+LAYOUTS = [
+    KVLayout(2, 2, 16, "float32"),
+    KVLayout(2, 2, 16, "float16"),
+    KVLayout(2, 2, 16, "bfloat16"),
+    KVLayout(2, 2, 16, "fp8"),
+    KVLayout(3, 1, 48, "bfloat16", mla=True),
+]
+NS = b"n" * 16
+
+
+def kv_chunk(layout: KVLayout, tokens: int = 8, seed: int = 0, key: bytes = b"k" * 16) -> Chunk:
+    gen = torch.Generator().manual_seed(seed)
+    if layout.itemsize == 1:
+        data = torch.randint(0, 256, layout.tensor_shape(tokens), generator=gen, dtype=torch.uint8)
+    else:
+        data = torch.randn(layout.tensor_shape(tokens), generator=gen).to(getattr(torch, layout.dtype))
+    raw = data.view(torch.uint8).numpy().reshape(layout.byte_shape(tokens))
+    return Chunk(key, layout, raw, namespace=NS)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: f"{layout.dtype}{'-mla' if layout.mla else ''}")
+@pytest.mark.parametrize("name", codec.CODECS)
+def test_round_trip(layout, name):
+    chunk = kv_chunk(layout)
+    back = codec.decode(codec.encode(chunk, name), layout=layout, namespace=NS, key=chunk.key)
+    assert back.tobytes() == chunk.tobytes()
+    assert (back.key, back.layout, back.namespace, back.num_tokens) == (chunk.key, layout, NS, 8)
+
+
+def test_raw_encoding_copies_nothing_and_decoding_returns_a_view():
+    chunk = kv_chunk(LAYOUTS[0])
+    parts = codec.encode_parts(chunk, "raw")
+    assert np.shares_memory(parts[1], chunk.data)
+    frame = bytearray(codec.encode(chunk))
+    back = codec.decode(frame)
+    assert np.shares_memory(back.data, np.frombuffer(frame, np.uint8))
+
+
+def test_strided_chunks_encode_their_canonical_bytes():
+    layout = KVLayout(2, 2, 16, "float16")
+    big = np.random.default_rng(0).integers(0, 256, layout.byte_shape(32), dtype=np.uint8)
+    chunk = Chunk(b"k" * 16, layout, big[:, :, 8:16], namespace=NS)
+    assert not chunk.data.flags.c_contiguous
+    for name in codec.CODECS:
+        assert codec.decode(codec.encode(chunk, name)).tobytes() == np.ascontiguousarray(big[:, :, 8:16]).tobytes()
+
+
+def test_lz4_gains_on_bf16_after_the_byte_split():
+    chunk = kv_chunk(KVLayout(4, 8, 128, "bfloat16"), tokens=64)
+    assert len(codec.encode(chunk, "lz4")) < 0.95 * len(codec.encode(chunk, "raw"))
+
+
+@pytest.mark.parametrize("name", codec.CODECS)
+def test_flipping_any_single_byte_is_refused(name):
+    frame = codec.encode(kv_chunk(KVLayout(1, 1, 8, "bfloat16"), tokens=4), name)
+    for pos in range(len(frame)):  # every position of a small frame
+        for flip in (0x01, 0x80):
+            damaged = bytearray(frame)
+            damaged[pos] ^= flip
+            with pytest.raises(IntegrityError):
+                codec.decode(damaged)
+
+
+def test_flipping_random_bytes_of_a_large_frame_is_refused():
+    frame = codec.encode(kv_chunk(KVLayout(4, 8, 128, "bfloat16"), tokens=64))
+    rng = np.random.default_rng(1)
+    for pos in rng.integers(0, len(frame), 300):
+        damaged = bytearray(frame)
+        damaged[pos] ^= 1 << int(rng.integers(8))
+        with pytest.raises(IntegrityError):
+            codec.decode(damaged)
+
+
+def test_truncated_or_extended_frames_are_refused():
+    frame = codec.encode(kv_chunk(LAYOUTS[1]))
+    for bad in (frame[:-1], frame + b"\0", frame[:31], b"", frame[:100]):
+        with pytest.raises(FormatError):
+            codec.decode(bad)
+
+
+def test_foreign_layout_namespace_or_key_raise_typed_errors():
+    chunk = kv_chunk(LAYOUTS[1])
+    frame = codec.encode(chunk)
+    with pytest.raises(LayoutMismatch):
+        codec.decode(frame, layout=LAYOUTS[0])
+    with pytest.raises(LayoutError):  # a layout mismatch is also a LayoutError
+        codec.decode(frame, layout=LAYOUTS[2])
+    with pytest.raises(NamespaceMismatch):
+        codec.decode(frame, namespace=b"m" * 16)
+    with pytest.raises(NamespaceMismatch):
+        codec.decode(frame, key=b"x" * 16)
+
+
+def test_a_well_checksummed_frame_with_a_lying_header_is_refused():
+    """A writer with a bug (or an attacker) can produce a valid checksum over bad fields."""
+    import msgpack
+
+    chunk = kv_chunk(LAYOUTS[1])
+    header = {
+        "v": 1,
+        "ns": NS,
+        "key": chunk.key,
+        "layout": chunk.layout.to_dict(),
+        "tokens": 9,
+        "codec": "raw",
+        "raw_len": chunk.nbytes,
+    }
+    frame = _frame(msgpack.packb(header), chunk.tobytes())
+    with pytest.raises(FormatError):
+        codec.decode(frame)
+    bomb = {**header, "codec": "lz4", "tokens": 1_000_000, "raw_len": chunk.layout.chunk_bytes(1_000_000)}
+    with pytest.raises(FormatError):
+        codec.decode(_frame(msgpack.packb(bomb), b"\x00" * 64))
+    with pytest.raises(FormatError):
+        codec.decode(_frame(b"\xc1garbage", b""))
+
+
+def _frame(header: bytes, payload: bytes) -> bytes:
+    import xxhash
+
+    head = codec.PREAMBLE.pack(codec.MAGIC, 1, 0, len(header), len(payload), 0)
+    h = xxhash.xxh3_64(head[: codec.CHECKED] + header + payload).intdigest()
+    return codec.PREAMBLE.pack(codec.MAGIC, 1, 0, len(header), len(payload), h) + header + payload
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_decoding_arbitrary_bytes_never_crashes(data):
+    with pytest.raises(IntegrityError):
+        codec.decode(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    header=st.dictionaries(
+        st.sampled_from(["v", "ns", "key", "layout", "tokens", "codec", "raw_len", "x"]),
+        st.one_of(
+            st.integers(-2, 2**40),
+            st.binary(max_size=20),
+            st.text(max_size=8),
+            st.dictionaries(st.text(max_size=12), st.integers(-1, 10**6), max_size=6),
+        ),
+    ),
+    payload=st.binary(max_size=256),
+)
+def test_decoding_checksummed_garbage_headers_never_crashes(header, payload):
+    import msgpack
+
+    with pytest.raises(IntegrityError):
+        codec.decode(_frame(msgpack.packb(header), payload))

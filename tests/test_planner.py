@@ -1,0 +1,189 @@
+"""`lmtier size`: the figures users check against published model cards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmtier.cli import main
+from lmtier.errors import ConfigError
+from lmtier.layout import KVLayout, from_hf_config, preset
+from lmtier.planner import plan
+from lmtier.units import parse_count, parse_size
+
+KiB, GiB = 1024, 1024**3
+
+
+def size_json(capsys, *args: str) -> dict:
+    assert main(["size", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    ("model", "per_token", "tokens", "total"),
+    [
+        ("llama-3-8b", 128 * KiB, "8k", 1 * GiB),
+        ("llama-3-8b", 128 * KiB, "128k", 16 * GiB),
+        ("llama-3-70b", 327_680, "8k", int(2.5 * GiB)),
+        ("llama-3-70b", 320 * KiB, "128k", 40 * GiB),
+        ("llama-3-405b", 504 * KiB, "1k", 504 * KiB * 1024),
+        ("mistral-7b", 512 * KiB, "4096", 2 * GiB),
+        ("llama-2-7b", 512 * KiB, "4096", 2 * GiB),
+    ],
+)
+def test_published_figures(capsys, model, per_token, tokens, total):
+    for dtype, factor in (("bf16", 1), ("fp16", 1), ("fp8", 2)):
+        out = size_json(capsys, "--model", model, "--tokens", tokens, "--dtype", dtype)
+        assert out["bytes_per_token"] == per_token // factor
+        assert out["total_bytes"] == total // factor
+        assert out["bytes_per_chunk"] == 256 * per_token // factor
+
+
+def test_llama_3_70b_at_100k_tokens_is_about_32_8_gb(capsys):
+    out = size_json(capsys, "--model", "llama-3-70b", "--tokens", "100000")
+    assert out["total_bytes"] == 32_768_000_000
+    assert round(out["total_bytes"] / 1e9, 1) == 32.8
+    assert main(["size", "--model", "llama-3-70b", "--tokens", "100000"]) == 0
+    assert "32.8 GB" in capsys.readouterr().out
+
+
+def test_deepseek_v3_is_mla_with_one_latent_per_token(capsys):
+    out = size_json(capsys, "--model", "deepseek-v3", "--tokens", "128k")
+    assert out["attention"] == "MLA"
+    assert out["bytes_per_token"] == 61 * 576 * 2
+    assert out["layout"]["mla"] is True
+
+
+def test_batch_and_tier_capacities(capsys):
+    out = size_json(
+        capsys,
+        "--model",
+        "llama-3-70b",
+        "--tokens",
+        "128k",
+        "--batch",
+        "4",
+        "--cpu",
+        "64GiB",
+        "--disk",
+        "2TiB",
+        "--chunk-tokens",
+        "512",
+    )
+    assert out["total_bytes"] == 4 * 40 * GiB
+    assert out["bytes_per_chunk"] == 512 * 320 * KiB
+    cpu, disk = out["tiers"]
+    assert (cpu["name"], cpu["capacity_bytes"]) == ("cpu", 64 * GiB)
+    assert cpu["chunks"] == 64 * GiB // (512 * 320 * KiB) == 409
+    assert cpu["tokens"] == 409 * 512
+    assert cpu["contexts"] == 1
+    assert disk["contexts"] == 2 * 1024 // 40  # 51 full 128k contexts in 2 TiB
+
+
+def test_text_output_names_every_figure(capsys):
+    assert main(["size", "--model", "llama-3-8b", "--tokens", "8k", "--cpu", "8GiB"]) == 0
+    text = capsys.readouterr().out
+    for fragment in ("128 KiB", "131,072 B", "1 GiB", "8,192 tokens", "tier cpu", "65,536 tokens"):
+        assert fragment in text
+
+
+@pytest.mark.parametrize(
+    ("config", "layers", "kv_heads", "head_dim", "mla"),
+    [
+        (
+            {
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "hidden_size": 4096,
+                "torch_dtype": "bfloat16",
+            },
+            32,
+            8,
+            128,
+            False,
+        ),
+        ({"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096}, 32, 32, 128, False),
+        (
+            {
+                "num_hidden_layers": 28,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "hidden_size": 1024,
+            },
+            28,
+            8,
+            128,
+            False,
+        ),
+        (
+            {
+                "num_hidden_layers": 61,
+                "num_attention_heads": 128,
+                "kv_lora_rank": 512,
+                "qk_rope_head_dim": 64,
+                "hidden_size": 7168,
+            },
+            61,
+            1,
+            576,
+            True,
+        ),
+        (
+            {
+                "architectures": ["X"],
+                "text_config": {
+                    "num_hidden_layers": 4,
+                    "num_attention_heads": 8,
+                    "num_key_value_heads": 2,
+                    "hidden_size": 512,
+                },
+            },
+            4,
+            2,
+            64,
+            False,
+        ),
+    ],
+)
+def test_hugging_face_configs(tmp_path, capsys, config, layers, kv_heads, head_dim, mla):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    layout = from_hf_config(path)
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.mla) == (layers, kv_heads, head_dim, mla)
+    out = size_json(capsys, "--config", str(path), "--tokens", "1k")
+    assert out["bytes_per_token"] == layers * (1 if mla else 2) * kv_heads * head_dim * 2
+
+
+def test_llama_3_8b_config_matches_the_preset(tmp_path):
+    cfg = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    assert from_hf_config(cfg) == preset("llama-3-8b")
+
+
+def test_clear_errors(tmp_path, capsys):
+    assert main(["size", "--model", "no-such-model", "--tokens", "1k"]) == 2
+    assert "unknown model preset" in capsys.readouterr().err
+    assert main(["size", "--model", "llama-3-8b", "--tokens", "lots"]) == 2
+    assert "cannot parse count" in capsys.readouterr().err
+    (tmp_path / "c.json").write_text('{"hidden_size": 5}')
+    assert main(["size", "--config", str(tmp_path / "c.json"), "--tokens", "1k"]) == 2
+    assert "num_hidden_layers" in capsys.readouterr().err
+    with pytest.raises(ConfigError):
+        parse_size("12 parsecs")
+
+
+def test_units():
+    assert parse_size("8GiB") == 8 * GiB
+    assert parse_size("500GB") == 500 * 10**9
+    assert parse_size("1.5MiB") == 3 * 512 * KiB
+    assert parse_count("128k") == 131_072
+    assert parse_count("100000") == 100_000
+
+
+def test_plan_of_a_tensor_parallel_rank():
+    layout = preset("llama-3-70b").shard(8)
+    assert layout.num_kv_heads == 1
+    assert plan("x", layout, 1024).bytes_per_token == 320 * KiB // 8
+    assert KVLayout(4, 2, 8).shard(4).num_kv_heads == 1  # fewer heads than ranks: replicated

@@ -1,0 +1,171 @@
+"""TieredStore: prefix lookup across tiers, promotion, write-through, failures as misses."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from lmtier import metrics
+from lmtier.breaker import CircuitBreaker
+from lmtier.chunk import release_all
+from lmtier.store import TieredStore
+from lmtier.tiers.cpu import CpuTier
+
+from conftest import make_prompt
+from tier_contract import CHUNK_BYTES
+
+
+def cpu(chunks: int, name: str) -> CpuTier:
+    return CpuTier(size=chunks * CHUNK_BYTES, slot=CHUNK_BYTES, name=name)
+
+
+class FaultyTier(CpuTier):
+    """Fault injection: a CPU tier whose calls can be made to fail or to block."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.fail = False
+        self.gate = threading.Event()
+        self.gate.set()
+        self.calls = 0
+
+    def _maybe_fail(self):
+        self.calls += 1
+        self.gate.wait(timeout=30)
+        if self.fail:
+            raise ConnectionError("injected failure")
+
+    def contains(self, keys):
+        self._maybe_fail()
+        return super().contains(keys)
+
+    def get(self, keys):
+        self._maybe_fail()
+        return super().get(keys)
+
+    def put(self, chunks):
+        self._maybe_fail()
+        return super().put(chunks)
+
+
+def test_put_writes_through_to_every_tier():
+    hot, cold = cpu(8, "hot"), cpu(64, "cold")
+    with TieredStore([hot, cold]) as store:
+        p = make_prompt(5)
+        assert store.put(p.chunks()) == 5
+        assert store.flush()
+        assert hot.contains(p.keys) == cold.contains(p.keys) == 5
+
+
+def test_lookup_finds_a_prefix_spread_over_tiers_and_get_promotes_it():
+    hot, cold = cpu(8, "hot"), cpu(64, "cold")
+    with TieredStore([hot, cold]) as store:
+        p = make_prompt(6)
+        cold.put(p.chunks(2, 6))
+        hot.put(p.chunks(0, 2))
+        assert store.lookup(p.keys) == 6
+        chunks = store.get(p.keys)
+        assert [c.tobytes() for c in chunks] == [p.chunk_bytes(i) for i in range(6)]
+        release_all(chunks)
+        assert hot.contains(p.keys) == 6  # promoted
+
+
+def test_get_returns_only_the_leading_run():
+    hot, cold = cpu(8, "hot"), cpu(8, "cold")
+    with TieredStore([hot, cold]) as store:
+        p = make_prompt(5)
+        hot.put(p.chunks(0, 2))
+        cold.put(p.chunks(3, 5))  # chunk 2 is nowhere: 3 and 4 are useless
+        assert store.lookup(p.keys) == 2
+        chunks = store.get(p.keys)
+        assert len(chunks) == 2
+        release_all(chunks)
+        assert cold.get([p.keys[3]])[0] is not None  # and were released, not leaked
+        assert cold._index[p.keys[3]].leases == 0
+
+
+def test_evicted_from_the_first_tier_still_served_from_the_second():
+    hot, cold = cpu(2, "hot"), cpu(64, "cold")
+    with TieredStore([hot, cold]) as store:
+        a, b = make_prompt(2, seed=1), make_prompt(2, seed=2)
+        store.put(a.chunks())
+        store.flush()
+        store.put(b.chunks())  # evicts a from hot
+        store.flush()
+        assert hot.contains(a.keys) == 0
+        assert store.lookup(a.keys) == 2
+        chunks = store.get(a.keys)
+        assert [c.tobytes() for c in chunks] == [a.chunk_bytes(0), a.chunk_bytes(1)]
+        release_all(chunks)
+
+
+def test_a_slow_lower_tier_never_blocks_put_and_overflow_is_dropped_and_counted():
+    hot = cpu(64, "hot")
+    slow = FaultyTier(size=64 * CHUNK_BYTES, slot=CHUNK_BYTES, name="slow")
+    slow.gate.clear()  # every call to the slow tier blocks until the gate opens
+    drops_before = metrics.WRITE_QUEUE_DROPS.labels("slow")._value.get()
+    store = TieredStore([hot, slow], write_queue=2)
+    prompts = [make_prompt(1, seed=s) for s in range(6)]
+    for p in prompts:
+        assert store.put(p.chunks()) == 1  # returns at once, the first tier has it
+    assert store.dropped_writes >= 3  # one in flight, two queued, the rest dropped
+    assert metrics.WRITE_QUEUE_DROPS.labels("slow")._value.get() - drops_before == store.dropped_writes
+    slow.gate.set()
+    assert store.flush()
+    assert sum(slow.contains(p.keys) for p in prompts) == 6 - store.dropped_writes
+    store.close()
+
+
+def test_a_failing_tier_is_a_miss_never_an_exception():
+    bad = FaultyTier(size=8 * CHUNK_BYTES, slot=CHUNK_BYTES, name="bad")
+    good = cpu(8, "good")
+    with TieredStore([bad, good]) as store:
+        p = make_prompt(3)
+        good.put(p.chunks())
+        bad.fail = True
+        errors_before = metrics.TIER_ERRORS.labels("bad", "put")._value.get()
+        assert store.put(p.chunks()) == 0  # the first tier failed: nothing held there
+        assert store.lookup(p.keys) == 3  # served by the healthy tier
+        chunks = store.get(p.keys)
+        assert [c.tobytes() for c in chunks] == [p.chunk_bytes(i) for i in range(3)]
+        release_all(chunks)
+        assert metrics.TIER_ERRORS.labels("bad", "put")._value.get() == errors_before + 1
+        assert store._breakers[id(bad)].is_open  # three failures in a row: skipped from now on
+
+
+def test_a_dead_tier_opens_the_breaker_and_is_retried_after_cooldown():
+    now = [0.0]
+    bad = FaultyTier(size=8 * CHUNK_BYTES, slot=CHUNK_BYTES, name="flaky")
+    bad.fail = True
+    store = TieredStore([bad], breaker=lambda: CircuitBreaker(threshold=2, cooldown=10, clock=lambda: now[0]))
+    p = make_prompt(2)
+    for _ in range(5):
+        assert store.lookup(p.keys) == 0
+    assert bad.calls == 2  # then the breaker opened: no more calls to the dead tier
+    bad.fail = False
+    now[0] = 11.0  # cooldown over: one probe goes through, succeeds, closes the breaker
+    store.put(p.chunks())
+    assert store.lookup(p.keys) == 2
+    store.close()
+
+
+def test_breaker_half_open_failure_reopens():
+    now = [0.0]
+    breaker = CircuitBreaker(threshold=1, cooldown=5, clock=lambda: now[0])
+    breaker.failure()
+    assert breaker.is_open and not breaker.allow()
+    now[0] = 6
+    assert breaker.allow()
+    assert not breaker.allow()  # only one probe at a time
+    breaker.failure()
+    assert not breaker.allow()
+    now[0] = 12
+    assert breaker.allow()
+    breaker.success()
+    assert not breaker.is_open and breaker.allow()
+
+
+def test_store_needs_a_tier():
+    with pytest.raises(ValueError):
+        TieredStore([])
