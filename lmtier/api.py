@@ -21,7 +21,7 @@ import numpy as np
 
 from lmtier.chunk import Chunk, release_all
 from lmtier.config import load_config
-from lmtier.errors import LayoutError, MissingDependency
+from lmtier.errors import IntegrityError, LayoutError, MissingDependency
 from lmtier.keys import Namespace, as_token_array
 from lmtier.layout import KVLayout, canonical_dtype, preset
 from lmtier.store import TieredStore
@@ -53,16 +53,15 @@ class KVStore:
 
     def get(self, tokens: Any) -> Any:
         torch = _torch()
-        keys = self.keys(tokens)
-        chunks = self.store.get(keys)
+        chunks = self.store.get(self.keys(tokens))
         try:
             out = torch.empty(
                 self.layout.tensor_shape(len(chunks) * self.chunk_tokens), dtype=getattr(torch, self.layout.dtype)
             )
-            self._fill(out, chunks)
+            got = self._fill(out, chunks)
         finally:
             release_all(chunks)
-        return out
+        return out.narrow(self.layout.token_axis, 0, got)
 
     def get_into(self, tokens: Any, out: Any) -> int:
         """Write the KV of the leading available chunks into ``out`` (which must hold all
@@ -71,18 +70,25 @@ class KVStore:
         self._byte_view(out, len(keys) * self.chunk_tokens, allow_longer=True)
         chunks = self.store.get(keys)
         try:
-            self._fill(out, chunks)
+            return self._fill(out, chunks)
         finally:
             release_all(chunks)
-        return len(chunks) * self.chunk_tokens
 
-    def _fill(self, out: Any, chunks: Sequence[Chunk]) -> None:
+    def _fill(self, out: Any, chunks: Sequence[Chunk]) -> int:
+        """Copy chunks into ``out`` in order, verifying each; returns the tokens written.
+
+        A chunk that fails verification ends the run: what follows it is useless.
+        """
         if not chunks:
-            return
+            return 0
         data = self._byte_view(out, len(chunks) * self.chunk_tokens, allow_longer=True)
         size = self.chunk_tokens
         for i, chunk in enumerate(chunks):
-            np.copyto(data[:, :, i * size : (i + 1) * size], chunk.data)
+            try:
+                chunk.copy_to(data[:, :, i * size : (i + 1) * size])
+            except IntegrityError:
+                return i * size
+        return len(chunks) * size
 
     def _byte_view(self, kv: Any, num_tokens: int, allow_longer: bool = False) -> np.ndarray:
         """``kv`` as ``[layers, kv_factor, tokens, row_bytes]`` uint8, without copying."""

@@ -9,6 +9,13 @@ nothing is copied until a tier copies it into its own memory.
 A chunk handed out by a tier may be a view of that tier's memory; it then holds a lease
 that keeps the memory from being reused. ``release()`` (or leaving a ``with`` block, or
 garbage collection) ends the lease.
+
+Verification happens where the bytes are read. A tier may hand out an *unverified* chunk
+that carries the checksum recorded when it was stored; ``copy_to``, ``tobytes``,
+``segments`` and ``verify`` check it as they read (``copy_to`` hashes each block right
+after copying it, while it is still in cache, so checking costs little beyond the copy).
+A mismatch raises ``IntegrityError`` and tells the tier to drop its bad copy; callers
+treat it as a miss. ``data`` itself is the raw, possibly unverified view.
 """
 
 from __future__ import annotations
@@ -19,12 +26,23 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import xxhash
 
-from lmtier.errors import LayoutError
+from lmtier.errors import IntegrityError, LayoutError
 from lmtier.layout import KVLayout
 
 
 class Chunk:
-    __slots__ = ("__weakref__", "_finalizer", "checksum", "data", "key", "layout", "namespace", "num_tokens")
+    __slots__ = (
+        "__weakref__",
+        "_finalizer",
+        "_on_corrupt",
+        "checksum",
+        "data",
+        "key",
+        "layout",
+        "namespace",
+        "num_tokens",
+        "verified",
+    )
 
     def __init__(
         self,
@@ -34,7 +52,9 @@ class Chunk:
         *,
         namespace: bytes = b"",
         checksum: int | None = None,
+        verified: bool = True,
         on_release: Callable[[], None] | None = None,
+        on_corrupt: Callable[[], None] | None = None,
     ) -> None:
         if data.dtype != np.uint8 or data.ndim != 4:
             raise LayoutError(f"chunk data must be a 4-d uint8 view, got {data.dtype} {data.shape}")
@@ -49,6 +69,10 @@ class Chunk:
         self.data = data
         self.namespace = namespace
         self.checksum = checksum  # xxh3-64 of the canonical bytes, when known
+        if not verified and checksum is None:
+            raise ValueError("an unverified chunk needs the checksum to verify it against")
+        self.verified = verified
+        self._on_corrupt = on_corrupt
         self._finalizer = weakref.finalize(self, on_release) if on_release else None
 
     @classmethod
@@ -65,17 +89,65 @@ class Chunk:
         return self.data.size
 
     def segments(self) -> Iterator[np.ndarray]:
-        """The canonical bytes as contiguous 1-d runs, in order (one run when contiguous)."""
+        """The canonical bytes as contiguous 1-d runs, in order (one run when contiguous).
+
+        Verifies an unverified chunk first (raises ``IntegrityError``).
+        """
+        self._check()
         yield from iter_segments(self.data)
 
     def compute_checksum(self) -> int:
         h = xxhash.xxh3_64()
-        for seg in self.segments():
+        for seg in iter_segments(self.data):
             h.update(seg)
         return h.intdigest()
 
+    def verify(self) -> bool:
+        """Check an unverified chunk against its checksum; a failure drops the tier's copy."""
+        if not self.verified:
+            if self.compute_checksum() != self.checksum:
+                self._corrupt()
+                return False
+            self.verified = True
+        return True
+
     def tobytes(self) -> bytes:
+        self._check()
         return self.data.tobytes()
+
+    def copy_to(self, dst: np.ndarray, *, need_checksum: bool = False) -> None:
+        """Copy the canonical bytes into ``dst`` (same 4-d byte shape, may be strided).
+
+        An unverified chunk is verified on the way, block by block; on a mismatch ``dst``
+        holds garbage and ``IntegrityError`` is raised. With ``need_checksum`` an unknown
+        checksum is computed the same way.
+        """
+        if dst.shape != self.data.shape:
+            raise LayoutError(f"cannot copy a chunk of shape {self.data.shape} into {dst.shape}")
+        if self.verified and (self.checksum is not None or not need_checksum):
+            np.copyto(dst, self.data)
+            return
+        h = xxhash.xxh3_64()
+        for piece in _pieces(dst.shape):
+            out = dst[piece]
+            np.copyto(out, self.data[piece])
+            _hash_runs(h, out)  # just copied: still in cache
+        if self.verified:
+            self.checksum = h.intdigest()
+        elif h.intdigest() != self.checksum:
+            self._corrupt()
+            self._check()
+        else:
+            self.verified = True
+
+    def _check(self) -> None:
+        if not self.verify():
+            raise IntegrityError(f"chunk {self.key.hex()[:16]} failed its checksum")
+
+    def _corrupt(self) -> None:
+        callback, self._on_corrupt = self._on_corrupt, None
+        if callback is not None:
+            callback()
 
     def release(self) -> None:
         """End the lease on tier memory (idempotent). The data must not be read after."""
@@ -103,6 +175,37 @@ def iter_segments(arr: np.ndarray) -> Iterator[np.ndarray]:
             break
     for index in np.ndindex(arr.shape[:lead]):
         yield arr[index].reshape(-1)
+
+
+_BLOCK = 512 * 1024  # copy, then hash, this much at a time: it stays in L2 between the two
+
+
+def _hash_runs(h: xxhash.xxh3_64, arr: np.ndarray) -> None:
+    """Feed the bytes of ``arr`` to ``h`` in C order, one contiguous run at a time."""
+    if arr.flags.c_contiguous:
+        h.update(arr)
+    else:
+        for sub in arr:
+            _hash_runs(h, sub)
+
+
+def _pieces(shape: tuple[int, ...]) -> Iterator[tuple]:
+    """Index tuples cutting a ``[layers, kv_factor, tokens, row]`` array into pieces of at
+    most ``_BLOCK`` bytes (one row at least), in canonical order."""
+    layers, factor, tokens, row = shape
+    if factor * tokens * row <= _BLOCK:
+        for layer in range(layers):
+            yield (layer,)
+    elif tokens * row <= _BLOCK:
+        for layer in range(layers):
+            for f in range(factor):
+                yield (layer, f)
+    else:
+        step = max(1, _BLOCK // row)
+        for layer in range(layers):
+            for f in range(factor):
+                for start in range(0, tokens, step):
+                    yield (layer, f, slice(start, start + step))
 
 
 def release_all(chunks) -> None:

@@ -124,7 +124,12 @@ class TieredStore:
                 keys, targets = job
                 first = self.tiers[0]
                 held = self._call(first, "get", first.get, keys, default=None) or []
-                chunks = [c for c in held if c is not None]
+                chunks = []
+                for chunk in held:  # the leading run that is present and intact
+                    if chunk is None or not chunk.verify():
+                        break
+                    chunks.append(chunk)
+                release_all(held[len(chunks) :])
                 try:
                     for tier in targets:
                         self._call(tier, "put", tier.put, chunks, default=None)

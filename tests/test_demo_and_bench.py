@@ -1,0 +1,59 @@
+"""The README's main job and the benchmark run end to end (small sizes; no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_runs_and_checks_its_own_results():
+    run = subprocess.run([sys.executable, "-m", "lmtier", "demo"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "byte-identical to A's KV: True" in run.stdout
+    assert "B found 4096 of 4396 tokens cached" in run.stdout
+    assert "another model, same prompt: 0 tokens found" in run.stdout
+    assert "demo passed" in run.stdout
+
+
+def test_console_script_is_installed():
+    lmtier = Path(sys.executable).parent / "lmtier"
+    run = subprocess.run(
+        [str(lmtier), "size", "--model", "llama-3-8b", "--tokens", "8k", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["total_bytes"] == 1024**3
+
+
+def test_cpu_benchmark_reports_both_sides_and_their_ratio(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_cpu_tier.py"),
+            "--working-set-mib",
+            "32",
+            "--rounds",
+            "1",
+            "--json-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert set(results) == {"reference_copyto", "cpu_tier", "reference_strided", "embedded_api"}
+    for name in ("cpu_tier", "embedded_api"):
+        r = results[name]
+        assert r["gb_per_s"] > 0
+        assert r["ratio_to_reference"] == r["gb_per_s"] / results[r["reference"]]["gb_per_s"]
+    assert "| cpu_tier |" in run.stdout  # the table follows the JSON
