@@ -54,19 +54,19 @@ def parse_count(text: str | int) -> int:
     return _parse(text, _COUNT_UNITS, "count")
 
 
-def format_bytes(n: float) -> str:
-    """Binary units, three significant digits: ``1.00 GiB``, ``320 KiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.4g} {unit}"
-        n /= 1024
+def _format(n: float, base: int, units: tuple[str, ...], digits: int) -> str:
+    for unit in units:
+        if abs(n) < base or unit == units[-1]:
+            return f"{int(n)} B" if unit == "B" else f"{n:.{digits}g} {unit}"
+        n /= base
     raise AssertionError("unreachable")
+
+
+def format_bytes(n: float) -> str:
+    """Binary units, four significant digits: ``1 GiB``, ``320 KiB``, ``30.52 GiB``."""
+    return _format(n, 1024, ("B", "KiB", "MiB", "GiB", "TiB", "PiB"), 4)
 
 
 def format_si(n: float) -> str:
-    """Decimal units, for comparing with vendor figures: ``32.8 GB``."""
-    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
+    """Decimal units, three significant digits, as vendors print them: ``32.8 GB``."""
+    return _format(n, 1000, ("B", "kB", "MB", "GB", "TB", "PB"), 3)
