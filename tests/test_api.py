@@ -124,3 +124,21 @@ def test_configuration_from_the_environment(monkeypatch, tmp_path):
 def test_preset_names_are_accepted_as_layouts():
     with lmtier.open_store(["cpu://?size=64MiB"], model="m", layout="llama-3-8b", chunk_tokens=16) as store:
         assert store.layout.bytes_per_token == 128 * 1024
+
+
+def test_the_core_runs_without_importing_torch():
+    """The cache server and sidecar install the core without torch: keep it that way."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, numpy as np, lmtier;"
+        "layout = lmtier.KVLayout(2, 2, 8, 'float32');"
+        "s = lmtier.open_store(['cpu://?size=1MiB'], model='m', layout=layout, chunk_tokens=8);"
+        "kv = np.ones(layout.tensor_shape(16), np.float32);"
+        "assert s.put(np.arange(16), kv) == 16 and s.lookup(np.arange(16)) == 16;"
+        "out = np.zeros_like(kv); assert s.get_into(np.arange(16), out) == 16 and (out == kv).all();"
+        "s.close(); assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr

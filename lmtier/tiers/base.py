@@ -10,6 +10,9 @@ A tier implements five batch primitives; everything else is derived here, once:
 
 Batches are in prompt order: ``keys[i]`` extends ``keys[i - 1]``. Tiers are thread-safe
 and synchronous; the ``TieredStore`` adds background work and failure handling on top.
+A tier may hand out unverified chunks that check their checksum when read (see
+``lmtier.chunk``); ``stats()`` reports at least ``capacity_bytes``, ``used_bytes``,
+``chunks`` and ``corrupt``, which the contract suite checks.
 
 One URL configures one tier: ``scheme://location?option=value``. Each tier class declares
 its options with a parser per option, so ``cpu://?size=8GiB`` arrives as an int and a
