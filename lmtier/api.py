@@ -84,6 +84,8 @@ class KVStore:
         data = self._byte_view(out, len(chunks) * self.chunk_tokens, allow_longer=True)
         size = self.chunk_tokens
         for i, chunk in enumerate(chunks):
+            if chunk.layout != self.layout or chunk.num_tokens != size:
+                return i * size  # a foreign chunk under our key: never copy it in
             try:
                 chunk.copy_to(data[:, :, i * size : (i + 1) * size])
             except IntegrityError:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import xxhash
 
-from lmtier.errors import IntegrityError, LayoutError
+from lmtier.errors import ChecksumError, LayoutError
 from lmtier.layout import KVLayout
 
 
@@ -142,7 +142,7 @@ class Chunk:
 
     def _check(self) -> None:
         if not self.verify():
-            raise IntegrityError(f"chunk {self.key.hex()[:16]} failed its checksum")
+            raise ChecksumError(f"chunk {self.key.hex()[:16]} failed its checksum")
 
     def _corrupt(self) -> None:
         callback, self._on_corrupt = self._on_corrupt, None

@@ -6,15 +6,20 @@
     6       2     flags (0)
     8       4     header length H
     12      8     payload length P
-    20      8     xxh3-64 of bytes [0, 20) + header + payload
-    28      4     zero padding (keeps the header 32-byte aligned)
-    32      H     header: msgpack map {v, ns, key, layout, tokens, codec, raw_len}
-    32+H    P     payload: the canonical chunk bytes, as stored by the codec
+    20      8     payload checksum: xxh3-64 of the P payload bytes
+    28      8     header checksum: xxh3-64 of bytes [0, 28) + the H header bytes
+    36      4     zero padding (the preamble is 40 bytes)
+    40      H     header: msgpack map {v, ns, key, layout, tokens, codec, raw_len}
+    40+H    P     payload: the canonical chunk bytes, as stored by the codec
 
-The checksum covers every byte but itself and the padding (which must be zero), so any
-single flipped byte is refused. Decoding checks the checksum first, then the header, the
-layout, the namespace and the key, and raises a typed ``IntegrityError``; callers treat
-that as a miss.
+Two checksums, so that the payload's can be known before the frame is built (it is the
+chunk's own checksum for ``raw``) and checked late: the header checksum covers every
+preamble field, the payload checksum and the header, so any flipped byte outside the
+payload is caught at once, and any flipped payload byte by the payload checksum.
+``decode`` checks both, then the layout, the namespace and the key, and raises a typed
+``IntegrityError``; callers treat that as a miss. ``decode(..., lazy=True)`` leaves the
+payload check of a ``raw`` frame to the chunk, which does it while the reader copies the
+bytes out (one pass over memory instead of two).
 
 Codecs: ``raw`` (the payload is the canonical bytes; encoding copies nothing) and
 ``lz4``. KV values compress poorly as they are; splitting 16-bit values into a plane of
@@ -24,6 +29,7 @@ high bytes and a plane of low bytes first exposes the redundant exponent bytes t
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import lz4.block
@@ -32,13 +38,20 @@ import numpy as np
 import xxhash
 
 from lmtier.chunk import Chunk
-from lmtier.errors import ChecksumError, ConfigError, FormatError, LayoutMismatch, NamespaceMismatch
+from lmtier.errors import (
+    ChecksumError,
+    ConfigError,
+    FormatError,
+    IntegrityError,
+    LayoutMismatch,
+    NamespaceMismatch,
+)
 from lmtier.layout import KVLayout
 
 MAGIC = b"LMTK"
 FRAME_VERSION = 1
-PREAMBLE = struct.Struct("<4sHHIQQ4x")  # 32 bytes
-CHECKED = 20  # the preamble bytes covered by the checksum
+PREAMBLE = struct.Struct("<4sHHIQQQ4x")  # 40 bytes
+CHECKED = 28  # preamble bytes covered by the header checksum
 MAX_HEADER = 64 * 1024
 CODECS = ("raw", "lz4")
 
@@ -51,17 +64,13 @@ class Header:
     num_tokens: int
     codec: str
     raw_len: int
+    payload_sum: int
 
 
-def encode_parts(chunk: Chunk, codec: str = "raw") -> list:
-    """The frame as a list of buffers (preamble+header, then payload runs), for writev.
-
-    With ``raw`` the payload runs are views of the chunk: nothing is copied.
-    """
+def _header_bytes(chunk: Chunk, codec: str) -> bytes:
     if codec not in CODECS:
         raise ConfigError(f"unknown codec {codec!r}; choose one of {CODECS}")
-    payload = list(chunk.segments()) if codec == "raw" else [_lz4_compress(chunk)]
-    header = msgpack.packb(
+    return msgpack.packb(
         {
             "v": FRAME_VERSION,
             "ns": chunk.namespace,
@@ -73,44 +82,82 @@ def encode_parts(chunk: Chunk, codec: str = "raw") -> list:
         },
         use_bin_type=True,
     )
-    payload_len = sum(len(p) for p in payload)
-    head = PREAMBLE.pack(MAGIC, FRAME_VERSION, 0, len(header), payload_len, 0)
-    h = xxhash.xxh3_64(head[:CHECKED])
-    h.update(header)
-    for part in payload:
-        h.update(part)
-    head = PREAMBLE.pack(MAGIC, FRAME_VERSION, 0, len(header), payload_len, h.intdigest())
-    return [head + header, *payload]
+
+
+def _preamble(header: bytes, payload_len: int, payload_sum: int) -> bytes:
+    head = PREAMBLE.pack(MAGIC, FRAME_VERSION, 0, len(header), payload_len, payload_sum, 0)
+    header_sum = xxhash.xxh3_64(head[:CHECKED] + header).intdigest()
+    return PREAMBLE.pack(MAGIC, FRAME_VERSION, 0, len(header), payload_len, payload_sum, header_sum)
+
+
+def encode_parts(chunk: Chunk, codec: str = "raw") -> list:
+    """The frame as a list of buffers (preamble+header, then payload runs), for writev.
+
+    With ``raw`` the payload runs are views of the chunk: nothing is copied, and a chunk
+    whose checksum is known is not even hashed again. An unverified chunk is verified
+    (``IntegrityError`` if it fails), so a damaged chunk is never re-encoded as good.
+    """
+    header = _header_bytes(chunk, codec)
+    if not chunk.verify():
+        raise ChecksumError("chunk failed its checksum")
+    if codec == "raw":
+        if chunk.checksum is None:
+            chunk.checksum = chunk.compute_checksum()
+        payload = list(chunk.segments())
+        payload_sum = chunk.checksum
+    else:
+        payload = [_lz4_compress(chunk)]
+        payload_sum = xxhash.xxh3_64_intdigest(payload[0])
+    payload_len = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in payload)
+    return [_preamble(header, payload_len, payload_sum) + header, *payload]
 
 
 def encode(chunk: Chunk, codec: str = "raw") -> bytes:
     """The frame as one ``bytes`` object."""
-    return b"".join(bytes(p) if isinstance(p, np.ndarray) else p for p in encode_parts(chunk, codec))
+    return b"".join(p if isinstance(p, bytes) else p.tobytes() for p in encode_parts(chunk, codec))
 
 
-def frame_size(header_len: int, payload_len: int) -> int:
-    return PREAMBLE.size + header_len + payload_len
+def encoded_size(chunk: Chunk, codec: str = "raw") -> int:
+    """Frame size of a ``raw`` chunk, known without encoding (an upper bound for lz4's)."""
+    return PREAMBLE.size + len(_header_bytes(chunk, codec)) + chunk.nbytes
+
+
+def encode_into(chunk: Chunk, buf: memoryview | np.ndarray) -> int:
+    """Write the ``raw`` frame of ``chunk`` into ``buf``; returns the frame length.
+
+    The payload is copied with ``Chunk.copy_to``, which hashes it block by block as it
+    lands (and verifies an unverified chunk on the way): one pass over memory builds the
+    frame and its checksum. For writers that need the frame in their own buffer (O_DIRECT).
+    """
+    header = _header_bytes(chunk, "raw")
+    start = PREAMBLE.size + len(header)
+    end = start + chunk.nbytes
+    out = np.frombuffer(buf, dtype=np.uint8, count=end)
+    chunk.copy_to(out[start:end].reshape(chunk.data.shape), need_checksum=True)
+    out[:start] = np.frombuffer(_preamble(header, chunk.nbytes, chunk.checksum) + header, dtype=np.uint8)
+    return end
 
 
 def read_header(frame) -> tuple[Header, memoryview]:
-    """Verify a frame and parse its header; returns the header and the payload view.
+    """Check a frame's preamble and header; returns the header and the payload view.
 
-    Raises ``FormatError`` or ``ChecksumError``. Nothing is copied.
+    The payload itself is not checked here (see ``decode``). Raises ``FormatError`` or
+    ``ChecksumError``. Nothing is copied.
     """
     view = memoryview(frame).cast("B")
     if len(view) < PREAMBLE.size:
         raise FormatError(f"frame of {len(view)} bytes is shorter than its preamble")
-    magic, version, flags, header_len, payload_len, checksum = PREAMBLE.unpack_from(view)
+    magic, version, flags, header_len, payload_len, payload_sum, header_sum = PREAMBLE.unpack_from(view)
     if magic != MAGIC:
         raise FormatError("bad magic: not an lmtier chunk")
-    if version != FRAME_VERSION or flags != 0 or any(view[28:32]):
+    if version != FRAME_VERSION or flags != 0 or any(view[36:40]):
         raise FormatError(f"unsupported frame version {version} / flags {flags}")
     if header_len > MAX_HEADER or len(view) != PREAMBLE.size + header_len + payload_len:
         raise FormatError(f"frame length {len(view)} disagrees with its preamble")
     h = xxhash.xxh3_64(view[:CHECKED])
-    h.update(view[PREAMBLE.size :])
-    if h.intdigest() != checksum:
-        raise ChecksumError("chunk checksum mismatch")
+    h.update(view[PREAMBLE.size : PREAMBLE.size + header_len])
+    if h.intdigest() != header_sum:
+        raise ChecksumError("chunk header checksum mismatch")
     try:
         raw = msgpack.unpackb(view[PREAMBLE.size : PREAMBLE.size + header_len], raw=False)
         header = Header(
@@ -120,12 +167,13 @@ def read_header(frame) -> tuple[Header, memoryview]:
             num_tokens=int(raw["tokens"]),
             codec=str(raw["codec"]),
             raw_len=int(raw["raw_len"]),
+            payload_sum=payload_sum,
         )
     except Exception as exc:  # any malformed header, whatever msgpack raises
         raise FormatError(f"malformed chunk header: {exc}") from exc
     if raw.get("v") != FRAME_VERSION or header.codec not in CODECS:
         raise FormatError(f"unsupported header version or codec {header.codec!r}")
-    if header.raw_len != header.layout.chunk_bytes(header.num_tokens):
+    if header.num_tokens < 0 or header.raw_len != header.layout.chunk_bytes(header.num_tokens):
         raise FormatError("header length disagrees with its layout")
     if header.codec == "raw" and payload_len != header.raw_len:
         raise FormatError("raw payload length disagrees with its layout")
@@ -138,10 +186,15 @@ def decode(
     layout: KVLayout | None = None,
     namespace: bytes | None = None,
     key: bytes | None = None,
+    lazy: bool = False,
+    on_release: Callable[[], None] | None = None,
+    on_corrupt: Callable[[], None] | None = None,
 ) -> Chunk:
     """Verify and decode a frame. A ``raw`` chunk is a view of ``frame`` (no copy).
 
-    ``layout``, ``namespace`` and ``key``, when given, must match the header.
+    ``layout``, ``namespace`` and ``key``, when given, must match the header. With
+    ``lazy`` a ``raw`` payload is verified when the returned chunk is read, not here.
+    ``on_release`` and ``on_corrupt`` are handed to the chunk (see ``lmtier.chunk``).
     """
     header, payload = read_header(frame)
     if layout is not None and header.layout != layout:
@@ -150,12 +203,38 @@ def decode(
         raise NamespaceMismatch("chunk belongs to another namespace")
     if key is not None and header.key != key:
         raise NamespaceMismatch("chunk is stored under another key")
-    data = _lz4_decompress(payload, header) if header.codec == "lz4" else payload
-    return Chunk.from_buffer(header.key, header.layout, header.num_tokens, data, namespace=header.namespace)
+    if header.codec == "raw" and lazy:
+        data, verified = payload, False
+    else:
+        if xxhash.xxh3_64_intdigest(payload) != header.payload_sum:
+            raise ChecksumError("chunk payload checksum mismatch")
+        data, verified = payload, True
+        if header.codec == "lz4":
+            data = _lz4_decompress(payload, header)
+    checksum = header.payload_sum if header.codec == "raw" else None
+    return Chunk.from_buffer(
+        header.key,
+        header.layout,
+        header.num_tokens,
+        data,
+        namespace=header.namespace,
+        checksum=checksum,
+        verified=verified,
+        on_release=on_release,
+        on_corrupt=on_corrupt,
+    )
+
+
+def decode_or_none(frame, **expect) -> Chunk | None:
+    """``decode``, with any integrity failure turned into ``None`` (a miss)."""
+    try:
+        return decode(frame, **expect)
+    except IntegrityError:
+        return None
 
 
 def _lz4_compress(chunk: Chunk) -> bytes:
-    raw = np.ascontiguousarray(chunk.data).reshape(-1)
+    raw = np.ascontiguousarray(chunk.data).reshape(-1)  # verified by the caller
     item = chunk.layout.itemsize
     if item > 1:
         # [n, item] -> [item, n]: byte planes, so exponent bytes sit together.

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmtier import codec
 from lmtier.chunk import Chunk
-from lmtier.errors import FormatError, IntegrityError, LayoutError, LayoutMismatch, NamespaceMismatch
+from lmtier.errors import ChecksumError, FormatError, IntegrityError, LayoutError, LayoutMismatch, NamespaceMismatch
 from lmtier.layout import KVLayout
 
 LAYOUTS = [
@@ -131,11 +132,8 @@ def test_a_well_checksummed_frame_with_a_lying_header_is_refused():
 
 
 def _frame(header: bytes, payload: bytes) -> bytes:
-    import xxhash
-
-    head = codec.PREAMBLE.pack(codec.MAGIC, 1, 0, len(header), len(payload), 0)
-    h = xxhash.xxh3_64(head[: codec.CHECKED] + header + payload).intdigest()
-    return codec.PREAMBLE.pack(codec.MAGIC, 1, 0, len(header), len(payload), h) + header + payload
+    """A frame with valid checksums around whatever header and payload it is given."""
+    return codec._preamble(header, len(payload), xxhash.xxh3_64_intdigest(payload)) + header + payload
 
 
 @settings(max_examples=300, deadline=None)
@@ -163,3 +161,37 @@ def test_decoding_checksummed_garbage_headers_never_crashes(header, payload):
 
     with pytest.raises(IntegrityError):
         codec.decode(_frame(msgpack.packb(header), payload))
+
+
+def test_lazy_decoding_defers_the_payload_check_to_the_reader():
+    chunk = kv_chunk(LAYOUTS[2])
+    frame = bytearray(codec.encode(chunk))
+    frame[-5] ^= 0x10  # damage the payload only
+    lazy = codec.decode(frame, lazy=True)
+    assert not lazy.verified
+    out = np.empty_like(chunk.data)
+    with pytest.raises(ChecksumError):
+        lazy.copy_to(out)
+    with pytest.raises(ChecksumError):
+        codec.decode(frame)
+    good = codec.decode(codec.encode(chunk), lazy=True)
+    good.copy_to(out)
+    assert good.verified and out.tobytes() == chunk.tobytes()
+
+
+def test_encode_into_builds_the_same_frame_in_one_pass():
+    chunk = kv_chunk(KVLayout(4, 8, 128, "bfloat16"), tokens=64)
+    buf = np.zeros(codec.encoded_size(chunk) + 100, dtype=np.uint8)
+    n = codec.encode_into(chunk, buf)
+    assert n == codec.encoded_size(chunk)
+    assert buf[:n].tobytes() == codec.encode(chunk)
+
+
+def test_a_damaged_chunk_is_never_re_encoded_as_good():
+    chunk = kv_chunk(LAYOUTS[1])
+    bad = Chunk(chunk.key, chunk.layout, chunk.data.copy(), namespace=NS, checksum=12345, verified=False)
+    for name in codec.CODECS:
+        with pytest.raises(ChecksumError):
+            codec.encode(bad, name)
+    with pytest.raises(ChecksumError):
+        codec.encode_into(bad, np.zeros(codec.encoded_size(bad), np.uint8))

@@ -143,6 +143,7 @@ def parse_bool(text: str) -> bool:
 # scheme -> ("module:Class", extra that provides its dependencies, or None for core)
 _REGISTRY: dict[str, tuple[str, str | None]] = {
     "cpu": ("lmtier.tiers.cpu:CpuTier", None),
+    "file": ("lmtier.tiers.disk:DiskTier", None),
 }
 
 

@@ -1,0 +1,138 @@
+"""The disk tier's index: which chunks a directory holds, their sizes, their recency.
+
+A SQLite database in the tier's directory, shared by every process that opens it. SQLite
+gives what several engine processes (and a sidecar) on one node need from one directory:
+writers serialize on its lock, so the size bound is checked and updated atomically and
+never double-counted; recency survives a restart; and a process killed mid-transaction
+leaves the database as it was before the transaction.
+
+The files are the truth, the index a summary of them: ``reconcile`` (run when a tier
+opens, under the write lock) brings the index back in line with the files after a crash,
+and rebuilds it from the files if the database is lost.
+
+    present(keys) -> set             which keys the index holds
+    transaction() -> Txn             BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error)
+    Txn.usage() / set_usage(n)       bytes of published chunks
+    Txn.add(rows) / remove(keys)     rows of (key, size, atime)
+    Txn.oldest(n, exclude)           eviction candidates, least recent first
+    Txn.touch(rows)                  new recency for (key, atime)
+    count() -> int
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS chunks (key BLOB PRIMARY KEY, size INTEGER NOT NULL, atime INTEGER NOT NULL)
+    WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS chunks_by_atime ON chunks (atime);
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta VALUES ('usage', 0);
+"""
+_BATCH = 500  # SQLite's bound on host parameters is far above this
+
+
+class DiskIndex:
+    def __init__(self, path: str, busy_timeout_s: float = 60.0) -> None:
+        self.path = path
+        self._busy_timeout_s = busy_timeout_s
+        self._pid = -1
+        self._lock = threading.RLock()
+
+    def _conn(self) -> sqlite3.Connection:
+        """One connection per process, made lazily and anew after ``fork``."""
+        if self._pid != os.getpid():
+            conn = sqlite3.connect(
+                self.path, timeout=self._busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
+            conn.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+            conn.execute("PRAGMA synchronous=NORMAL")  # consistent after a crash; files are the truth
+            conn.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} COMMIT;")
+            self._db, self._pid = conn, os.getpid()
+        return self._db
+
+    def present(self, keys: Sequence[bytes]) -> set[bytes]:
+        found: set[bytes] = set()
+        with self._lock:
+            db = self._conn()
+            for start in range(0, len(keys), _BATCH):
+                part = keys[start : start + _BATCH]
+                marks = ",".join("?" * len(part))
+                found.update(row[0] for row in db.execute(f"SELECT key FROM chunks WHERE key IN ({marks})", part))
+        return found
+
+    def count(self) -> int:
+        with self._lock:
+            return self._conn().execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
+
+    def usage(self) -> int:
+        with self._lock:
+            return self._conn().execute("SELECT value FROM meta WHERE name='usage'").fetchone()[0]
+
+    def rows(self) -> dict[bytes, tuple[int, int]]:
+        with self._lock:
+            return {k: (s, a) for k, s, a in self._conn().execute("SELECT key, size, atime FROM chunks")}
+
+    @contextmanager
+    def transaction(self) -> Iterator[Txn]:
+        with self._lock:
+            db = self._conn()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield Txn(db)
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                self._db.close()
+            self._pid = -1
+
+
+class Txn:
+    """Operations inside one write transaction."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def usage(self) -> int:
+        return self._db.execute("SELECT value FROM meta WHERE name='usage'").fetchone()[0]
+
+    def set_usage(self, value: int) -> None:
+        self._db.execute("UPDATE meta SET value=? WHERE name='usage'", (value,))
+
+    def sizes(self, keys: Sequence[bytes]) -> dict[bytes, int]:
+        out: dict[bytes, int] = {}
+        for start in range(0, len(keys), _BATCH):
+            part = keys[start : start + _BATCH]
+            marks = ",".join("?" * len(part))
+            out.update(self._db.execute(f"SELECT key, size FROM chunks WHERE key IN ({marks})", part))
+        return out
+
+    def add(self, rows: Iterable[tuple[bytes, int, int]]) -> None:
+        self._db.executemany("INSERT OR REPLACE INTO chunks (key, size, atime) VALUES (?, ?, ?)", rows)
+
+    def remove(self, keys: Iterable[bytes]) -> None:
+        self._db.executemany("DELETE FROM chunks WHERE key=?", ((k,) for k in keys))
+
+    def touch(self, rows: Iterable[tuple[bytes, int]]) -> None:
+        self._db.executemany("UPDATE chunks SET atime=? WHERE key=?", ((a, k) for k, a in rows))
+
+    def oldest(self, n: int, exclude: set[bytes]) -> list[tuple[bytes, int]]:
+        """Up to ``n`` least recently used (key, size), skipping ``exclude``."""
+        out: list[tuple[bytes, int]] = []
+        cursor = self._db.execute("SELECT key, size FROM chunks ORDER BY atime LIMIT ?", (n + len(exclude),))
+        for key, size in cursor:
+            if key not in exclude:
+                out.append((key, size))
+                if len(out) == n:
+                    break
+        return out
