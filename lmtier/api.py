@@ -148,6 +148,7 @@ def open_store(
     salt: str | None = None,
     hash: str | None = None,
     write_queue: int | None = None,
+    write_mode: str | None = None,
     config: str | None = None,
 ) -> KVStore:
     """Open a store for one model. Unset arguments come from the config file and
@@ -159,6 +160,7 @@ def open_store(
         salt=salt,
         hash=hash,
         write_queue=write_queue,
+        write_mode=write_mode,
     )
     if isinstance(layout, str):
         layout = preset(layout)
@@ -181,7 +183,7 @@ def open_store(
         for tier in opened:
             tier.close()
         raise
-    return KVStore(TieredStore(opened, write_queue=cfg.write_queue), namespace)
+    return KVStore(TieredStore(opened, write_queue=cfg.write_queue, write_mode=cfg.write_mode), namespace)
 
 
 def _torch():

@@ -32,6 +32,9 @@ class StoreConfig:
     salt: str = ""
     # Bound on queued background writes; beyond it writes are dropped and counted.
     write_queue: int = 64
+    # "through": every put reaches every tier (in the background below the first).
+    # "back": lower tiers receive what the first tier evicts, and what it holds at close.
+    write_mode: str = "through"
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, str):
@@ -45,6 +48,8 @@ class StoreConfig:
             raise ConfigError(f"hash must be one of {HASHES}, got {self.hash!r}")
         if self.write_queue < 0:
             raise ConfigError("write_queue must not be negative")
+        if self.write_mode not in ("through", "back"):
+            raise ConfigError(f"write_mode must be 'through' or 'back', got {self.write_mode!r}")
 
 
 _ENV_PREFIX = "LMTIER_"

@@ -12,6 +12,10 @@ Policy, in one place:
 - ``put`` writes the first tier synchronously and lower tiers in the background
   (write-through), through a bounded queue; when the queue is full the write is dropped
   and counted. The caller never waits on a slow tier.
+- In write-back mode ``put`` writes the first tier only; a chunk it evicts is demoted to
+  the second tier (through the same queue) instead of being lost, and ``close`` flushes
+  what the first tier still holds. Less write traffic, at the price of chunks that live
+  only in memory until evicted or flushed.
 - A tier that raises is a miss plus a metric; a tier that keeps failing opens a circuit
   breaker and is skipped until its cooldown has passed. Nothing raises from here on the
   engine's hot path.
@@ -30,10 +34,12 @@ from typing import Any, TypeVar
 from lmtier import metrics
 from lmtier.breaker import CircuitBreaker
 from lmtier.chunk import Chunk, release_all
+from lmtier.errors import ConfigError
 from lmtier.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+WRITE_MODES = ("through", "back")
 _STOP = object()
 
 
@@ -43,11 +49,19 @@ class TieredStore:
         tiers: Sequence[Tier],
         *,
         write_queue: int = 64,
+        write_mode: str = "through",
         breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
     ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
+        if write_mode not in WRITE_MODES:
+            raise ConfigError(f"write_mode must be one of {WRITE_MODES}, got {write_mode!r}")
         self.tiers = list(tiers)
+        self.write_back = write_mode == "back" and len(self.tiers) > 1
+        if self.write_back:
+            if not hasattr(self.tiers[0], "evict_hook"):
+                raise ConfigError(f"write-back needs a first tier that reports evictions (cpu://), not {tiers[0]}")
+            self.tiers[0].evict_hook = self._demote
         self._breakers = {id(t): breaker() for t in self.tiers}
         self._queue_size = write_queue
         self._pid = -1
@@ -88,7 +102,7 @@ class TieredStore:
         first = self.tiers[0]
         self._call(first, "put", first.put, chunks, default=None)
         keys = [c.key for c in chunks]
-        if len(self.tiers) > 1:
+        if len(self.tiers) > 1 and not self.write_back:
             self._enqueue(keys, self.tiers[1:])
         return self._call(first, "contains", first.contains, keys, default=0)
 
@@ -106,13 +120,23 @@ class TieredStore:
             self._thread.start()
         return self._jobs
 
-    def _enqueue(self, keys: list[bytes], targets: list[Tier]) -> None:
+    def _enqueue(self, keys: list[bytes], targets: list[Tier], chunks: list[Chunk] | None = None) -> bool:
+        """Queue a background write of ``keys`` (read back from the first tier) or of
+        ``chunks`` (leased, released once written); False when the queue is full."""
         try:
-            self._writer().put_nowait((keys, targets))
+            self._writer().put_nowait((keys, targets, chunks))
         except queue.Full:
             self.dropped_writes += 1
             for tier in targets:
                 metrics.WRITE_QUEUE_DROPS.labels(tier.name).inc()
+            return False
+        return True
+
+    def _demote(self, chunk: Chunk) -> bool:
+        """The first tier's evict hook in write-back mode: queue the chunk for tier two."""
+        if self._closed:
+            return False
+        return self._enqueue([chunk.key], self.tiers[1:2], [chunk])
 
     def _drain(self) -> None:
         jobs = self._jobs
@@ -121,9 +145,9 @@ class TieredStore:
             try:
                 if job is _STOP:
                     return
-                keys, targets = job
+                keys, targets, given = job
                 first = self.tiers[0]
-                held = self._call(first, "get", first.get, keys, default=None) or []
+                held = given if given is not None else self._call(first, "get", first.get, keys, default=None) or []
                 chunks = []
                 for chunk in held:  # the leading run that is present and intact
                     if chunk is None or not chunk.verify():
@@ -152,6 +176,23 @@ class TieredStore:
                     return False
                 self._jobs.all_tasks_done.wait(left)
         return True
+
+    def _flush_first_tier(self, timeout: float) -> None:
+        """Write-back mode, closing: write what only the first tier holds to the second."""
+        first, second = self.tiers[0], self.tiers[1]
+        deadline = time.monotonic() + timeout
+        keys = self._call(first, "keys", first.keys, default=[])
+        for start in range(0, len(keys), 16):
+            if time.monotonic() > deadline:
+                log.warning("write-back flush of %s stopped at its deadline", first.name)
+                return
+            batch = keys[start : start + 16]
+            held = self._call(first, "get", first.get, batch, default=None) or []
+            chunks = [c for c in held if c is not None]
+            try:
+                self._call(second, "put", second.put, chunks, default=None)
+            finally:
+                release_all(chunks)
 
     def _promote(self, chunks: list[Chunk], source: list[int]) -> None:
         lower = [c for c, level in zip(chunks, source, strict=True) if level > 0]
@@ -190,6 +231,8 @@ class TieredStore:
     def close(self, timeout: float = 10.0) -> None:
         if self._closed:
             return
+        if self.write_back:
+            self._flush_first_tier(timeout)
         self._closed = True
         if self._pid == os.getpid():
             self.flush(timeout)

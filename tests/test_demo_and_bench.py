@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -57,3 +59,37 @@ def test_cpu_benchmark_reports_both_sides_and_their_ratio(tmp_path):
         assert r["gb_per_s"] > 0
         assert r["ratio_to_reference"] == r["gb_per_s"] / results[r["reference"]]["gb_per_s"]
     assert "| cpu_tier |" in run.stdout  # the table follows the JSON
+
+
+def test_disk_benchmark_measures_dd_and_the_tier_in_the_same_run(tmp_path):
+    out = tmp_path / "disk.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_disk_tier.py"),
+            "--dir",
+            str(tmp_path),
+            "--working-set-mib",
+            "32",
+            "--rounds",
+            "1",
+            "--batch",
+            "8",
+            "--rebuild-chunks",
+            "500",
+            "--json-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    for direction in ("write", "read"):
+        r = report["throughput"][direction]
+        assert r["dd_gb_per_s"] > 0 and r["lmtier_gb_per_s"] > 0
+        assert r["ratio_of_bests"] == pytest.approx(r["lmtier_gb_per_s"] / r["dd_gb_per_s"])
+    assert report["rebuild"]["chunks"] == 500
+    assert "| read |" in run.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]  # cleaned up after itself

@@ -28,13 +28,14 @@ import os
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import xxhash
 
 from lmtier import metrics
+from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk, iter_segments
 from lmtier.errors import ConfigError, IntegrityError
 from lmtier.layout import KVLayout
@@ -81,6 +82,10 @@ class CpuTier(Tier):
         self.name = name
         self._pin = pin
         self._closed = False
+        # Called with each evicted chunk (a leased view); returns whether it took it. Set by
+        # a TieredStore in write-back mode.
+        self.evict_hook: Callable[[Chunk], bool] | None = None
+        self._demote_buffers = BufferPool(max_free=8)
         self._reset()
         metrics.TIER_CAPACITY_BYTES.labels(name).set(self.capacity)
 
@@ -199,6 +204,11 @@ class CpuTier(Tier):
             self._slab = None  # leased views keep their memory alive until released
 
     # -- derived ------------------------------------------------------------------------
+    def keys(self) -> list[bytes]:
+        """Every key held, most recently used first (for flushing in write-back mode)."""
+        with self._state():
+            return [k for k, e in reversed(self._index.items()) if e.ready]
+
     @property
     def used_bytes(self) -> int:
         return (self.num_slots - len(self._free)) * self.slot_bytes if not self._closed else 0
@@ -222,10 +232,40 @@ class CpuTier(Tier):
             victim = next((k for k, e in self._index.items() if e.ready and e.leases == 0), None)
             if victim is None:
                 return None  # everything is leased or being written
+            if self.evict_hook is not None:
+                self._demote(victim)
             self._drop(victim)
             self._counts["evictions"] += 1
             metrics.EVICTIONS.labels(self.name).inc()
         return [self._free.pop() for _ in range(count)]
+
+    def _demote(self, key: bytes) -> None:
+        """Offer an evicted chunk to ``evict_hook`` (write-back to a lower tier).
+
+        The bytes are copied out into a pooled buffer first, so the slot is free at once:
+        waiting for the lower tier to write them would starve the very put that needs the
+        room. The hook must not block (it queues); when it refuses, the chunk is lost.
+        """
+        entry = self._index[key]
+        buf = self._demote_buffers.acquire(entry.nbytes)
+        flat = np.frombuffer(buf, dtype=np.uint8, count=entry.nbytes)
+        np.concatenate(self._slot_views(self._slab, entry), out=flat)
+        shape = entry.layout.byte_shape(entry.nbytes // entry.layout.bytes_per_token)
+        chunk = Chunk(
+            key,
+            entry.layout,
+            flat.reshape(shape),
+            namespace=entry.namespace,
+            checksum=entry.checksum,
+            verified=False,
+            on_release=lambda: self._demote_buffers.release(buf),
+        )
+        try:
+            accepted = self.evict_hook(chunk)
+        except Exception:
+            accepted = False
+        if not accepted:
+            chunk.release()
 
     def _drop(self, key: bytes) -> None:
         entry = self._index.pop(key, None)

@@ -1,0 +1,144 @@
+"""Memory over disk: write-through, write-back, promotion, restarts, a slow disk."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lmtier
+from lmtier.chunk import release_all
+from lmtier.errors import ConfigError
+from lmtier.store import TieredStore
+from lmtier.tiers.cpu import CpuTier
+from lmtier.tiers.disk import DiskTier
+
+from conftest import make_prompt
+from tier_contract import CHUNK_BYTES
+
+FRAME_ROOM = 64 * (CHUNK_BYTES + 4096)
+
+
+def cpu(chunks: int) -> CpuTier:
+    return CpuTier(size=chunks * CHUNK_BYTES, slot=CHUNK_BYTES)
+
+
+class SlowDisk(DiskTier):
+    """Fault injection: a disk whose writes wait until the test opens the gate."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+
+    def put(self, chunks):
+        self.gate.wait(timeout=60)
+        super().put(chunks)
+
+
+def test_write_through_survives_a_restart_and_promotes_on_the_way_back(tmp_path):
+    p = make_prompt(6)
+    with TieredStore([cpu(16), DiskTier(tmp_path, size=FRAME_ROOM)]) as store:
+        assert store.put(p.chunks()) == 6
+        assert store.flush()
+    hot = cpu(16)
+    with TieredStore([hot, DiskTier(tmp_path, size=FRAME_ROOM)]) as store:  # a new process, in effect
+        assert hot.contains(p.keys) == 0
+        assert store.lookup(p.keys) == 6
+        chunks = store.get(p.keys)
+        assert [c.tobytes() for c in chunks] == [p.chunk_bytes(i) for i in range(6)]
+        release_all(chunks)
+        assert hot.contains(p.keys) == 6  # promoted
+
+
+def test_a_slow_disk_never_blocks_put_and_what_overflows_is_counted(tmp_path):
+    disk = SlowDisk(tmp_path, size=FRAME_ROOM)
+    store = TieredStore([cpu(32), disk], write_queue=2)
+    prompts = [make_prompt(1, seed=s) for s in range(8)]
+    for p in prompts:
+        assert store.put(p.chunks()) == 1  # returns at once: the disk is stuck
+    assert store.dropped_writes >= 5
+    disk.gate.set()
+    assert store.flush()
+    assert sum(disk.contains(p.keys) for p in prompts) == 8 - store.dropped_writes
+    store.close()
+
+
+def test_write_back_demotes_evicted_chunks_and_flushes_the_rest_on_close(tmp_path):
+    hot, disk = cpu(3), DiskTier(tmp_path, size=FRAME_ROOM)
+    store = TieredStore([hot, disk], write_mode="back")
+    prompts = [make_prompt(2, seed=s) for s in range(4)]
+    for p in prompts:
+        store.put(p.chunks())
+    assert store.flush()
+    assert disk.contains(prompts[-1].keys) == 0  # still only in memory
+    assert disk.contains(prompts[0].keys) == 2  # evicted from memory, demoted
+    for p in prompts:
+        assert store.lookup(p.keys) == 2
+    store.close()
+    again = DiskTier(tmp_path, size=FRAME_ROOM)
+    assert all(again.contains(p.keys) == 2 for p in prompts)
+    for p in prompts:
+        got = again.get(p.keys)
+        assert [c.tobytes() for c in got] == [p.chunk_bytes(0), p.chunk_bytes(1)]
+        release_all(got)
+    again.close()
+
+
+def test_write_back_with_a_full_queue_loses_chunks_but_never_memory(tmp_path):
+    hot, disk = cpu(2), SlowDisk(tmp_path, size=FRAME_ROOM)
+    store = TieredStore([hot, disk], write_mode="back", write_queue=1)
+    for s in range(10):
+        store.put(make_prompt(1, seed=s).chunks())
+    assert hot.stats()["used_bytes"] <= hot.capacity
+    disk.gate.set()
+    assert store.flush()
+    assert all(e.leases == 0 for e in hot._index.values())
+    assert len(hot._free) + sum(len(e.slots) for e in hot._index.values()) == hot.num_slots  # no slot leaked
+    store.close()
+
+
+def test_write_back_needs_a_first_tier_that_reports_evictions(tmp_path):
+    with pytest.raises(ConfigError, match="write-back"):
+        TieredStore([DiskTier(tmp_path / "a", size=FRAME_ROOM), cpu(4)], write_mode="back")
+    with pytest.raises(ConfigError, match="write_mode"):
+        TieredStore([cpu(4)], write_mode="sideways")
+
+
+def test_a_damaged_disk_chunk_ends_the_prefix_served(tmp_path):
+    disk = DiskTier(tmp_path, size=FRAME_ROOM)
+    p = make_prompt(4)
+    disk.put(p.chunks())
+    path = Path(disk._path(p.keys[2]))
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with TieredStore([cpu(8), disk]) as store:
+        chunks = store.get(p.keys)
+        assert [c.tobytes() for c in chunks] == [p.chunk_bytes(0), p.chunk_bytes(1)]
+        release_all(chunks)
+        assert store.lookup(p.keys) == 2
+
+
+def test_the_embedded_api_shares_kv_between_processes_through_the_disk(tmp_path):
+    layout = lmtier.KVLayout(2, 2, 16, "float16")
+    tiers = ["cpu://?size=4MiB", f"file://{tmp_path}?size=16MiB"]
+    kv = np.random.default_rng(0).standard_normal(layout.tensor_shape(100)).astype(np.float16)
+    np.save(tmp_path / "kv.npy", kv)
+    script = textwrap.dedent(f"""
+        import numpy as np, lmtier
+        layout = lmtier.KVLayout(2, 2, 16, "float16")
+        with lmtier.open_store({tiers!r}, model="m", layout=layout, chunk_tokens=16) as store:
+            print(store.put(np.arange(100), np.load({str(tmp_path / "kv.npy")!r})))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert run.stdout.strip() == "96"
+    with lmtier.open_store(tiers, model="m", layout=layout, chunk_tokens=16) as store:
+        assert store.lookup(np.arange(100)) == 96
+        out = np.zeros_like(kv)
+        assert store.get_into(np.arange(100), out) == 96
+        assert np.array_equal(out[:, :, :96], kv[:, :, :96])
