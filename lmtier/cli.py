@@ -98,7 +98,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from lmtier.demo import run_demo
 
-    return run_demo(tiers=args.tier or None)
+    return run_demo(tiers=args.tier or None, directory=args.dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hash", default="xxh3", choices=HASHES)
     p.set_defaults(func=cmd_keys)
 
-    p = sub.add_parser("demo", help="two instances share a system prompt's KV through lmtier")
-    p.add_argument("--tier", action="append", help="tier URL (repeatable; default: cpu://?size=1GiB)")
+    p = sub.add_parser("demo", help="two instances in two processes share a system prompt's KV")
+    p.add_argument("--tier", action="append", help="tier URL (repeatable; default: 1 GiB memory over a temp dir)")
+    p.add_argument("--dir", help="where the demo's temporary disk tier lives (default: the system temp dir)")
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -15,8 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_demo_runs_and_checks_its_own_results():
     run = subprocess.run([sys.executable, "-m", "lmtier", "demo"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
+    assert "[A] stored 4352 of 4396 tokens" in run.stdout
     assert "byte-identical to A's KV: True" in run.stdout
-    assert "B found 4096 of 4396 tokens cached" in run.stdout
+    assert "[B] found 4096 of 4396 tokens cached" in run.stdout
+    assert "get returns 512 tokens" in run.stdout
     assert "another model, same prompt: 0 tokens found" in run.stdout
     assert "demo passed" in run.stdout
 
