@@ -272,6 +272,7 @@ def test_two_processes_sharing_a_directory_stay_consistent_and_bounded(tmp_path)
         subprocess.Popen(
             [sys.executable, "-c", script, str(tmp_path), str(size), str(seed), "400"],
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
         )
         for seed in (1, 2)
@@ -279,7 +280,8 @@ def test_two_processes_sharing_a_directory_stay_consistent_and_bounded(tmp_path)
     for w in writers:
         assert w.stdout.readline().strip() == "ready"
     for w in writers:
-        assert w.wait(timeout=240) == 0
+        _, err = w.communicate(timeout=240)
+        assert w.returncode == 0, err
     assert check_directory(tmp_path, size) > 10
 
 

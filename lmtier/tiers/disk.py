@@ -93,8 +93,6 @@ class DiskTier(Tier):
         self._counter = itertools.count()
         self._counts = {"stored": 0, "dropped": 0, "evictions": 0, "corrupt": 0, "write_errors": 0}
         self._counts_lock = threading.Lock()
-        self._spares: list[str] = []  # retired chunk files, reused by the next writes
-        self._spare_pid = os.getpid()
         self._pid = -1
         self.rebuild_seconds = self.reconcile()
         metrics.TIER_CAPACITY_BYTES.labels(name).set(size)
@@ -155,15 +153,13 @@ class DiskTier(Tier):
         with self.index.transaction() as txn:
             sizes = txn.sizes(keys)
             for key in sizes:
-                self._retire(self._path(key))
+                _unlink(self._path(key))
             txn.remove(sizes)
             txn.set_usage(txn.usage() - sum(sizes.values()))
 
     def close(self) -> None:
         if self._pid == os.getpid():
             self._executor.shutdown(wait=True)
-        while (spare := self._take_spare()) is not None:
-            _unlink(spare)
         self._pid = -1
         self.index.close()
 
@@ -226,11 +222,10 @@ class DiskTier(Tier):
         Returns ``(key, temporary path, size)``, or why not: ``"io"`` (disk full, directory
         gone, ...) or ``"corrupt"`` (the chunk failed verification on its way in).
         """
-        spare = self._take_spare()
-        tmp = spare or str(self._tmp / f"{os.getpid()}-{next(self._counter)}.tmp")
+        tmp = str(self._tmp / f"{os.getpid()}-{next(self._counter)}.tmp")
         buf = None
         try:
-            flags = os.O_WRONLY | (0 if spare else os.O_CREAT | os.O_EXCL) | (os.O_DIRECT if self.o_direct else 0)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.o_direct else 0)
             if self.o_direct:
                 buf = self._buffers.acquire(round_up(codec.encoded_size(chunk)))
                 size = codec.encode_into(chunk, buf)
@@ -243,7 +238,7 @@ class DiskTier(Tier):
             fd = os.open(tmp, flags, 0o644)
             try:
                 _write_all(fd, parts)
-                if os.fstat(fd).st_size != size:  # O_DIRECT padding, or a longer spare
+                if self.o_direct and size % ALIGN:  # drop the padding O_DIRECT wrote
                     os.ftruncate(fd, size)
                 if self.fsync:
                     os.fsync(fd)
@@ -294,7 +289,7 @@ class DiskTier(Tier):
         published = {key for key, _, _ in fresh}
         for key, tmp, _ in ready:
             if key not in published:
-                self._retire(tmp)
+                _unlink(tmp)
         if self.fsync:
             for d in dirs:
                 _fsync_dir(d)
@@ -320,7 +315,7 @@ class DiskTier(Tier):
             for key, size in victims:
                 if freed >= excess:
                     break
-                self._retire(self._path(key))
+                _unlink(self._path(key))
                 freed += size
                 taken.append(key)
             txn.remove(taken)
@@ -407,35 +402,6 @@ class DiskTier(Tier):
         with self._counts_lock:
             self._counts[what] += n
 
-    def _retire(self, path: str) -> None:
-        """An evicted or deleted chunk file: keep it as a spare for the next write.
-
-        Overwriting a file whose blocks are allocated skips the file creation and block
-        allocation that dominate small-file writes on many filesystems; in steady state a
-        full tier evicts about as much as it writes. At most ``2 x threads`` spares are kept
-        (their bytes are outside ``size``, bounded by that count); the rest are unlinked.
-        """
-        with self._counts_lock:
-            if self._spare_pid != os.getpid():
-                self._spare_pid, self._spares = os.getpid(), []
-            keep = len(self._spares) < 2 * self.threads
-        if keep:
-            spare = str(self._tmp / f"{os.getpid()}-spare-{next(self._counter)}.tmp")
-            try:
-                os.rename(path, spare)
-            except FileNotFoundError:
-                return
-            with self._counts_lock:
-                self._spares.append(spare)
-        else:
-            _unlink(path)
-
-    def _take_spare(self) -> str | None:
-        with self._counts_lock:
-            if self._spare_pid == os.getpid() and self._spares:
-                return self._spares.pop()
-        return None
-
     def _remove_dead_temporaries(self) -> None:
         for entry in os.scandir(self._tmp):
             pid_text = entry.name.split("-", 1)[0]
@@ -510,4 +476,4 @@ def _supports_o_direct(directory: Path) -> bool:
     return True
 
 
-__all__ = ["ALIGN", "DiskTier"]
+__all__ = ["DiskTier"]
