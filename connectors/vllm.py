@@ -1,0 +1,405 @@
+"""``LMTierConnector``: lmtier as a vLLM (v1, 0.32) KV connector.
+
+    --kv-transfer-config '{"kv_connector": "LMTierConnector",
+                           "kv_connector_module_path": "lmtier.connectors.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"tiers": ["cpu://?size=4GiB",
+                                                                   "file:///var/lib/lmtier?size=100GiB"]}}'
+
+Extra-config keys (all optional): ``tiers``, ``chunk_tokens``, ``hash``, ``salt``,
+``write_queue``, ``write_mode``, ``config`` (a config file), ``model_id`` (the model's
+name in the namespace; default: the engine's model path or name). Unset keys come from
+``LMTIER_*`` environment variables, then lmtier's defaults.
+
+Deciding and moving live apart, as vLLM splits them:
+
+- Scheduler side (engine-core process): ``get_num_new_matched_tokens`` looks up the
+  prompt's chunk keys *for every tensor-parallel rank* (each rank stores its slice of the
+  KV heads under its own namespace) and counts the chunks all ranks have: what the workers
+  can actually load. Only full chunks; a whole-prompt hit leaves the last token to the
+  engine. ``build_connector_meta`` turns allocations into plain plans: which keys to load
+  into which blocks, which newly computed full chunks to save from which blocks.
+- Worker side (each worker process): ``start_load_kv`` loads the planned chunks into the
+  paged cache (``CopyEngine.scatter``) before the forward pass; ``wait_for_save`` copies
+  newly computed full chunks out of the paged cache (``CopyEngine.gather``) and hands them
+  to a background thread that stores them, so storing never sits on the request's
+  critical path beyond one memory copy.
+
+Failure is a recompute, never wrong output: a chunk that is missing, fails verification
+or does not arrive is reported through ``get_block_ids_with_load_errors``, and vLLM
+recomputes those blocks. Set ``kv_load_failure_policy="recompute"`` in the
+``KVTransferConfig`` (``--kv-transfer-config '{..., "kv_load_failure_policy": "recompute"}'``);
+lmtier sets it itself when the engine lets it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from lmtier.chunk import Chunk, release_all
+from lmtier.config import StoreConfig, load_config
+from lmtier.keys import Namespace, chunk_keys
+from lmtier.layout import KVLayout
+from lmtier.store import TieredStore
+from lmtier.tiers.base import TierContext, open_tier
+from lmtier.transfer import CopyEngine, check_chunk_size
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("lmtier.vllm")
+
+
+# -- plans: scheduler -> workers ----------------------------------------------------------------
+@dataclass
+class LoadPlan:
+    req_id: str
+    keys: list[list[bytes]]  # [rank][chunk]: the chunks covering the tokens to load
+    block_ids: list[int]  # engine blocks of those chunks, in token order
+    first_block: int  # load blocks block_ids[first_block:] (the engine computed the rest)
+    num_blocks: int  # ... up to block_ids[:num_blocks]
+
+
+@dataclass
+class SavePlan:
+    req_id: str
+    keys: list[list[bytes]]  # [rank][chunk]
+    block_ids: list[int]  # engine blocks of those chunks, in token order
+
+
+@dataclass
+class LMTierMetadata(KVConnectorMetadata):
+    loads: list[LoadPlan] = field(default_factory=list)
+    saves: list[SavePlan] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    """Scheduler-side state of one request (dropped when it finishes)."""
+
+    request: Any
+    hit_chunks: int = 0  # leading chunks every rank holds (at the last lookup)
+    local_tokens: int = 0  # the engine's own prefix-cache hit
+    external_tokens: int = 0  # tokens planned to load
+    load_pending: bool = False
+    block_ids: list[int] = field(default_factory=list)
+    saved_chunks: int = 0  # leading chunks known stored (hit or saved)
+    keys: list[list[bytes]] = field(default_factory=list)  # [rank][chunk], grown as tokens grow
+
+
+# -- one store per process and configuration ---------------------------------------------------
+_STORES: dict[tuple, TieredStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _shared_store(cfg: StoreConfig, chunk_bytes: int) -> TieredStore:
+    """The scheduler and worker connectors of one process share their tiers, so that in
+    single-process mode a chunk in host memory is visible to both. Keyed by process."""
+    key = (os.getpid(), cfg.tiers, cfg.write_mode, chunk_bytes)
+    with _STORES_LOCK:
+        store = _STORES.get(key)
+        if store is None:
+            context = TierContext(chunk_bytes=chunk_bytes)
+            tiers = [open_tier(url, context) for url in cfg.tiers]
+            store = TieredStore(tiers, write_queue=cfg.write_queue, write_mode=cfg.write_mode)
+            _STORES[key] = store
+        return store
+
+
+def _layer_index(name: str) -> int:
+    numbers = re.findall(r"\.(\d+)\.", f".{name}.")
+    return int(numbers[0]) if numbers else 0
+
+
+class LMTierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        known = {"tiers", "chunk_tokens", "hash", "salt", "write_queue", "write_mode", "config", "model_id"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"lmtier: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        tiers = extra.get("tiers")
+        self.config = load_config(
+            extra.get("config"),
+            tiers=tuple(tiers) if tiers else None,
+            chunk_tokens=extra.get("chunk_tokens"),
+            hash=extra.get("hash"),
+            salt=extra.get("salt"),
+            write_queue=extra.get("write_queue"),
+            write_mode=extra.get("write_mode"),
+        )
+        self.block_size = vllm_config.cache_config.block_size
+        self.chunk_tokens = self.config.chunk_tokens
+        check_chunk_size(self.chunk_tokens, self.block_size)
+        self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        self.num_blocks = kv_cache_config.num_blocks
+
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        self.tp_size = parallel.tensor_parallel_size
+        self.layout = _layout_of(vllm_config)
+        model_id = extra.get("model_id") or str(model.model)
+        self.namespaces = [
+            Namespace(model=model_id, layout=self.layout, chunk_tokens=self.chunk_tokens,
+                      revision=str(model.revision or ""), tp_rank=r, tp_size=self.tp_size,
+                      salt=self.config.salt, hash=self.config.hash)
+            for r in range(self.tp_size)
+        ]
+        self.store = _shared_store(self.config, self.layout.chunk_bytes(self.chunk_tokens))
+        if hasattr(self._kv_transfer_config, "kv_load_failure_policy"):
+            try:
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            except Exception:  # a frozen config: the user must set it (see the module docstring)
+                pass
+        # scheduler side
+        self._requests: dict[str, _Request] = {}
+        # worker side
+        self._engine: CopyEngine | None = None
+        self._rank = 0
+        self._failed_blocks: set[int] = set()
+        self._saves: queue.Queue | None = None
+        self._saver: threading.Thread | None = None
+        self._dropped_saves = 0
+        self._saver_pid = -1
+
+    # ======================================================================================
+    # Scheduler side
+    # ======================================================================================
+    def _keys_for(self, state: _Request, num_tokens: int) -> list[list[bytes]]:
+        """Keys of every full chunk of the request's first ``num_tokens`` tokens, per rank."""
+        chunks = num_tokens // self.chunk_tokens
+        if not state.keys or len(state.keys[0]) < chunks:
+            tokens = np.asarray(state.request.all_token_ids[: chunks * self.chunk_tokens], dtype=np.int64)
+            state.keys = [chunk_keys(tokens, ns) for ns in self.namespaces]
+        return [k[:chunks] for k in state.keys]
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _Request(request)
+        prompt_len = len(request.prompt_token_ids or [])
+        try:
+            keys = self._keys_for(state, prompt_len)
+            state.hit_chunks = min(self.store.lookup(k) for k in keys) if keys and keys[0] else 0
+        except Exception:  # never break the scheduler: a lookup that fails is a miss
+            log.exception("lmtier lookup failed for %s", request.request_id)
+            state.hit_chunks = 0
+        # Whole blocks only, and never the whole prompt: the engine computes the last token.
+        loadable = min(state.hit_chunks * self.chunk_tokens, (prompt_len - 1) // self.block_size * self.block_size)
+        state.local_tokens = num_computed_tokens
+        state.external_tokens = max(0, loadable - num_computed_tokens)
+        state.saved_chunks = max(state.saved_chunks, state.hit_chunks)
+        return state.external_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        state.external_tokens = num_external_tokens
+        state.load_pending = num_external_tokens > 0
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = LMTierMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._plan(state, new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # back from preemption: a fresh block list
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                state.block_ids.extend(new_blocks[0])
+            self._plan(state, req_id, cached.num_computed_tokens[i], scheduled.get(req_id, 0), meta)
+        return meta
+
+    def _plan(self, state: _Request, req_id: str, computed: int, scheduled: int, meta: LMTierMetadata) -> None:
+        if state.load_pending:
+            state.load_pending = False
+            start = state.local_tokens  # block-aligned: the engine's own hit
+            end = start + state.external_tokens
+            first_chunk, last_chunk = start // self.chunk_tokens, -(-end // self.chunk_tokens)
+            keys = self._keys_for(state, last_chunk * self.chunk_tokens)
+            block_ids = state.block_ids[first_chunk * self.blocks_per_chunk : last_chunk * self.blocks_per_chunk]
+            meta.loads.append(LoadPlan(
+                req_id, [k[first_chunk:last_chunk] for k in keys], block_ids,
+                first_block=(start - first_chunk * self.chunk_tokens) // self.block_size,
+                num_blocks=(end - first_chunk * self.chunk_tokens) // self.block_size,
+            ))
+        # Save every chunk that is complete after this step and not known to be stored.
+        done = min(computed + scheduled, len(state.request.all_token_ids)) // self.chunk_tokens
+        if done > state.saved_chunks and len(state.block_ids) >= done * self.blocks_per_chunk:
+            keys = self._keys_for(state, done * self.chunk_tokens)
+            first = state.saved_chunks
+            meta.saves.append(SavePlan(
+                req_id, [k[first:done] for k in keys],
+                state.block_ids[first * self.blocks_per_chunk : done * self.blocks_per_chunk],
+            ))
+            state.saved_chunks = done
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        return False, None  # saves copy their blocks out within the step: nothing to hold
+
+    # ======================================================================================
+    # Worker side
+    # ======================================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self._rank = get_tensor_model_parallel_rank()
+        names = sorted(kv_caches, key=_layer_index)
+        self._engine = CopyEngine([kv_caches[n] for n in names], self.layout, self.block_size, self.num_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, LMTierMetadata) or self._engine is None:
+            return
+        for plan in meta.loads:
+            self._load(plan)
+
+    def _load(self, plan: LoadPlan) -> None:
+        keys = plan.keys[self._rank]
+        loaded_blocks = plan.first_block  # blocks before this are the engine's own
+        chunks: list[Chunk] = []
+        try:
+            chunks = self.store.get(keys)
+            for i, chunk in enumerate(chunks):
+                lo = i * self.blocks_per_chunk
+                hi = min(lo + self.blocks_per_chunk, plan.num_blocks)
+                if hi <= plan.first_block:
+                    loaded_blocks = max(loaded_blocks, hi)
+                    continue
+                if chunk.layout != self.layout or not chunk.verify():
+                    break
+                src = _as_tensor(chunk, self.layout)  # [L, 2, chunk_tokens, H, D]
+                skip = max(0, plan.first_block - lo)
+                tok0, tok1 = skip * self.block_size, (hi - lo) * self.block_size
+                self._engine.scatter(plan.block_ids[lo + skip : hi], src.narrow(self.layout.token_axis, tok0,
+                                                                                  tok1 - tok0))
+                loaded_blocks = hi
+        except Exception:
+            log.exception("lmtier load failed for %s", plan.req_id)
+        finally:
+            release_all(chunks)
+        if loaded_blocks < plan.num_blocks:  # the engine recomputes what did not arrive
+            self._failed_blocks.update(plan.block_ids[loaded_blocks : plan.num_blocks])
+            log.warning("lmtier: %d of %d blocks of %s not loaded; the engine recomputes them",
+                        plan.num_blocks - loaded_blocks, plan.num_blocks - plan.first_block, plan.req_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves copy whole chunks in wait_for_save, once every layer is computed
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, LMTierMetadata) or self._engine is None:
+            return
+        for plan in meta.saves:
+            try:
+                keys = plan.keys[self._rank]
+                tokens = len(keys) * self.chunk_tokens
+                kv = torch.empty(self.layout.tensor_shape(tokens), dtype=getattr(torch, self.layout.dtype))
+                self._engine.gather(plan.block_ids, kv)  # the one copy on the critical path
+                self._enqueue_save(keys, kv)
+            except Exception:
+                log.exception("lmtier save failed for %s", plan.req_id)
+
+    def _enqueue_save(self, keys: list[bytes], kv: torch.Tensor) -> None:
+        if self._saves is None or self._saver_pid != os.getpid():
+            self._saves = queue.Queue(maxsize=max(1, self.config.write_queue))
+            self._saver = threading.Thread(target=self._save_loop, name="lmtier-save", daemon=True)
+            self._saver_pid = os.getpid()
+            self._saver.start()
+        try:
+            self._saves.put_nowait((keys, kv))
+        except queue.Full:
+            self._dropped_saves += 1  # a future miss, never a stall
+
+    def _save_loop(self) -> None:
+        assert self._saves is not None
+        while True:
+            keys, kv = self._saves.get()
+            try:
+                if keys is None:
+                    return
+                ns = self.namespaces[self._rank]
+                data = kv.view(torch.uint8).numpy().reshape(self.layout.byte_shape(kv.shape[self.layout.token_axis]))
+                size = self.chunk_tokens
+                self.store.put([
+                    Chunk(key, self.layout, data[:, :, i * size : (i + 1) * size], namespace=ns.digest)
+                    for i, key in enumerate(keys)
+                ])
+            except Exception:
+                log.exception("lmtier background save failed")
+            finally:
+                self._saves.task_done()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for queued saves (tests and shutdown)."""
+        if self._saves is not None and self._saver_pid == os.getpid():
+            self._saves.join()
+        self.store.flush(timeout)
+
+    def shutdown(self) -> None:
+        try:
+            self.flush()
+        except Exception:
+            log.exception("lmtier flush at shutdown failed")
+
+
+def _as_tensor(chunk: Chunk, layout: KVLayout) -> torch.Tensor:
+    """A chunk's bytes as a tensor in the canonical layout (a view: no copy)."""
+    data = np.ascontiguousarray(chunk.data)
+    flat = torch.from_numpy(data.reshape(-1)).view(getattr(torch, layout.dtype))
+    return flat.reshape(layout.tensor_shape(chunk.num_tokens))
+
+
+def _layout_of(vllm_config: VllmConfig) -> KVLayout:
+    """The KV layout of one tensor-parallel rank, from the engine's configuration."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    dtype = model.dtype if cache_dtype in (None, "auto") else cache_dtype
+    if str(dtype) in ("fp8", "fp8_e4m3"):
+        dtype = "float8_e4m3fn"
+    layers = model.get_num_layers(parallel)
+    if getattr(model, "use_mla", False):
+        return KVLayout(layers, 1, model.get_head_size(), dtype, mla=True)
+    return KVLayout(layers, model.get_num_kv_heads(parallel), model.get_head_size(), dtype)
