@@ -160,9 +160,16 @@ class LMTierConnector(KVConnectorBase_V1):
         self.layout = _layout_of(vllm_config)
         model_id = extra.get("model_id") or str(model.model)
         self.namespaces = [
-            Namespace(model=model_id, layout=self.layout, chunk_tokens=self.chunk_tokens,
-                      revision=str(model.revision or ""), tp_rank=r, tp_size=self.tp_size,
-                      salt=self.config.salt, hash=self.config.hash)
+            Namespace(
+                model=model_id,
+                layout=self.layout,
+                chunk_tokens=self.chunk_tokens,
+                revision=str(model.revision or ""),
+                tp_rank=r,
+                tp_size=self.tp_size,
+                salt=self.config.salt,
+                hash=self.config.hash,
+            )
             for r in range(self.tp_size)
         ]
         self.store = _shared_store(self.config, self.layout.chunk_bytes(self.chunk_tokens))
@@ -248,20 +255,27 @@ class LMTierConnector(KVConnectorBase_V1):
             first_chunk, last_chunk = start // self.chunk_tokens, -(-end // self.chunk_tokens)
             keys = self._keys_for(state, last_chunk * self.chunk_tokens)
             block_ids = state.block_ids[first_chunk * self.blocks_per_chunk : last_chunk * self.blocks_per_chunk]
-            meta.loads.append(LoadPlan(
-                req_id, [k[first_chunk:last_chunk] for k in keys], block_ids,
-                first_block=(start - first_chunk * self.chunk_tokens) // self.block_size,
-                num_blocks=(end - first_chunk * self.chunk_tokens) // self.block_size,
-            ))
+            meta.loads.append(
+                LoadPlan(
+                    req_id,
+                    [k[first_chunk:last_chunk] for k in keys],
+                    block_ids,
+                    first_block=(start - first_chunk * self.chunk_tokens) // self.block_size,
+                    num_blocks=(end - first_chunk * self.chunk_tokens) // self.block_size,
+                )
+            )
         # Save every chunk that is complete after this step and not known to be stored.
         done = min(computed + scheduled, len(state.request.all_token_ids)) // self.chunk_tokens
         if done > state.saved_chunks and len(state.block_ids) >= done * self.blocks_per_chunk:
             keys = self._keys_for(state, done * self.chunk_tokens)
             first = state.saved_chunks
-            meta.saves.append(SavePlan(
-                req_id, [k[first:done] for k in keys],
-                state.block_ids[first * self.blocks_per_chunk : done * self.blocks_per_chunk],
-            ))
+            meta.saves.append(
+                SavePlan(
+                    req_id,
+                    [k[first:done] for k in keys],
+                    state.block_ids[first * self.blocks_per_chunk : done * self.blocks_per_chunk],
+                )
+            )
             state.saved_chunks = done
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -302,8 +316,9 @@ class LMTierConnector(KVConnectorBase_V1):
                 src = _as_tensor(chunk, self.layout)  # [L, 2, chunk_tokens, H, D]
                 skip = max(0, plan.first_block - lo)
                 tok0, tok1 = skip * self.block_size, (hi - lo) * self.block_size
-                self._engine.scatter(plan.block_ids[lo + skip : hi], src.narrow(self.layout.token_axis, tok0,
-                                                                                  tok1 - tok0))
+                self._engine.scatter(
+                    plan.block_ids[lo + skip : hi], src.narrow(self.layout.token_axis, tok0, tok1 - tok0)
+                )
                 loaded_blocks = hi
         except Exception:
             log.exception("lmtier load failed for %s", plan.req_id)
@@ -311,8 +326,12 @@ class LMTierConnector(KVConnectorBase_V1):
             release_all(chunks)
         if loaded_blocks < plan.num_blocks:  # the engine recomputes what did not arrive
             self._failed_blocks.update(plan.block_ids[loaded_blocks : plan.num_blocks])
-            log.warning("lmtier: %d of %d blocks of %s not loaded; the engine recomputes them",
-                        plan.num_blocks - loaded_blocks, plan.num_blocks - plan.first_block, plan.req_id)
+            log.warning(
+                "lmtier: %d of %d blocks of %s not loaded; the engine recomputes them",
+                plan.num_blocks - loaded_blocks,
+                plan.num_blocks - plan.first_block,
+                plan.req_id,
+            )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -355,10 +374,12 @@ class LMTierConnector(KVConnectorBase_V1):
                 ns = self.namespaces[self._rank]
                 data = kv.view(torch.uint8).numpy().reshape(self.layout.byte_shape(kv.shape[self.layout.token_axis]))
                 size = self.chunk_tokens
-                self.store.put([
-                    Chunk(key, self.layout, data[:, :, i * size : (i + 1) * size], namespace=ns.digest)
-                    for i, key in enumerate(keys)
-                ])
+                self.store.put(
+                    [
+                        Chunk(key, self.layout, data[:, :, i * size : (i + 1) * size], namespace=ns.digest)
+                        for i, key in enumerate(keys)
+                    ]
+                )
             except Exception:
                 log.exception("lmtier background save failed")
             finally:

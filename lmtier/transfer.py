@@ -44,7 +44,9 @@ class CopyEngine:
             raise LayoutError(f"{len(layers)} KV cache layers, but the layout has {layout.num_layers}")
         first = layers[0]
         if first.dim() != 4:
-            raise LayoutError(f"expected per-layer [blocks, heads, tokens, content] views, got shape {tuple(first.shape)}")
+            raise LayoutError(
+                f"expected per-layer [blocks, heads, tokens, content] views, got shape {tuple(first.shape)}"
+            )
         kernel_blocks, heads, kernel_tokens, content = first.shape
         if kernel_blocks % num_blocks or kernel_tokens * (kernel_blocks // num_blocks) != block_size:
             raise LayoutError(

@@ -1,0 +1,96 @@
+"""Runs one real vLLM engine (CPU build) over scripted scenarios; used by the engine tests,
+the demo and the TTFT benchmark. Usage: python vllm_driver.py SPEC.json RESULT.json
+
+SPEC: {"model": dir, "lmtier": {extra config} | null, "multiprocess": bool, "tp": 1|2,
+       "block_size": 64, "prefix_caching": false, "phases": [...]}
+A phase is {"name", "prompts": [[ids...], ...]} or {"name", "chat": {"first": [...],
+"questions": [[...], ...]}} (each round's prompt: the previous prompt, its answer, the
+next question). Each output records its tokens, greedy logprobs and num_cached_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocess") or spec.get("tp", 1) > 1 else "0"
+    if spec.get("tp", 1) > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(spec["tp"])))
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs = {}
+    if spec.get("lmtier") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LMTierConnector",
+            kv_connector_module_path="lmtier.connectors.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["lmtier"],
+        )
+    llm = LLM(
+        model=spec["model"],
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=spec.get("max_model_len", 8192),
+        block_size=spec.get("block_size", 64),
+        enable_prefix_caching=spec.get("prefix_caching", False),
+        tensor_parallel_size=spec.get("tp", 1),
+        seed=0,
+        # Asynchronous scheduling (on by default in multiprocess mode, off with a KV
+        # connector) runs decode steps with other shapes, which moves the last bits of
+        # the logprobs: off in every run, so runs with and without lmtier compare bit for bit.
+        async_scheduling=spec.get("async_scheduling", False),
+        **kwargs,
+    )
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, logprobs=1)
+
+    def run(prompts):
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        return [
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "logprobs": [
+                    lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
+                ],
+                "cached": o.num_cached_tokens,
+                "prompt_len": len(o.prompt_token_ids),
+                "seconds": elapsed,
+            }
+            for o in outs
+        ]
+
+    results = {}
+    for phase in spec["phases"]:
+        if "prompts" in phase:
+            results[phase["name"]] = run(phase["prompts"])
+        else:
+            chat, prompt, rounds = phase["chat"], list(phase["chat"]["first"]), []
+            for question in [None, *chat["questions"]]:
+                if question is not None:
+                    prompt = prompt + rounds[-1]["tokens"] + question
+                rounds.append(run([prompt])[0])
+            results[phase["name"]] = rounds
+    stats = {}
+    if spec.get("lmtier") is not None and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+        from lmtier.connectors import vllm as connector
+
+        for store in connector._STORES.values():
+            store.flush()
+            stats = store.stats()
+    llm.llm_engine.engine_core.shutdown()  # workers flush their saves on shutdown
+    Path(sys.argv[2]).write_text(json.dumps({"results": results, "stats": stats}))
+
+
+if __name__ == "__main__":
+    main()
