@@ -286,9 +286,14 @@ class LMTierConnector(KVConnectorBase_V1):
     # Worker side
     # ======================================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed import parallel_state
 
-        self._rank = get_tensor_model_parallel_rank()
+        if parallel_state.model_parallel_is_initialized():
+            self._rank = parallel_state.get_tensor_model_parallel_rank()
+        elif self.tp_size == 1:
+            self._rank = 0  # a worker outside torch.distributed (tests, tools)
+        else:
+            raise RuntimeError("lmtier: tensor parallelism without an initialized model-parallel group")
         names = sorted(kv_caches, key=_layer_index)
         self._engine = CopyEngine([kv_caches[n] for n in names], self.layout, self.block_size, self.num_blocks)
 

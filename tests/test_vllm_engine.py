@@ -17,9 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiny_llama import build
+from lmtier.tinymodel import build
 
-HERE = Path(__file__).resolve().parent
 CHUNK, BLOCK = 128, 64
 
 
@@ -51,7 +50,7 @@ def engine(tmp: Path, model: str, name: str, disk: Path | None, phases=SCENARIO,
     spec_path, out = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps({"model": model, "lmtier": lmtier, "block_size": BLOCK, "phases": phases, **spec}))
     run = subprocess.run(
-        [sys.executable, str(HERE / "vllm_driver.py"), str(spec_path), str(out)],
+        [sys.executable, "-m", "lmtier.enginerun", str(spec_path), str(out)],
         capture_output=True,
         text=True,
         timeout=600,

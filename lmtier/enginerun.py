@@ -1,5 +1,7 @@
-"""Runs one real vLLM engine (CPU build) over scripted scenarios; used by the engine tests,
-the demo and the TTFT benchmark. Usage: python vllm_driver.py SPEC.json RESULT.json
+"""Runs one real vLLM engine over scripted phases, in its own process: the engine tests,
+the demo and the TTFT benchmark drive engines through it.
+
+    python -m lmtier.enginerun SPEC.json RESULT.json
 
 SPEC: {"model": dir, "lmtier": {extra config} | null, "multiprocess": bool, "tp": 1|2,
        "block_size": 64, "prefix_caching": false, "phases": [...]}

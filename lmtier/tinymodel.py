@@ -1,4 +1,7 @@
-"""A small Llama with random weights and a word-level tokenizer, built offline."""
+"""A small Llama with random weights and a word-level tokenizer, built offline.
+
+For the demo, the engine tests and the benchmarks: no model hub is needed, and the KV
+shapes are those of a real Llama (grouped-query attention, bf16)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from pathlib import Path
 VOCAB = 512
 
 
-def build(out: str | Path, layers: int = 4, seed: int = 0) -> Path:
+def build(out: str | Path, layers: int = 4, hidden: int = 256, seed: int = 0) -> Path:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast

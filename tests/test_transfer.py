@@ -1,0 +1,86 @@
+"""CopyEngine: paged engine layouts <-> canonical chunks, for any physical order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmtier.errors import LayoutError
+from lmtier.layout import KVLayout
+from lmtier.transfer import CopyEngine, check_chunk_size
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+BLOCKS, BLOCK = 10, 4
+
+
+def paged(
+    order: tuple[int, int, int, int] = (0, 1, 2, 3),
+    blocks: int = BLOCKS,
+    tokens: int = BLOCK,
+    heads: int = 2,
+    content: int = 16,
+) -> list[torch.Tensor]:
+    """Per-layer logical [B, H, N, C] views whose memory is laid out in ``order``."""
+    logical = (blocks, heads, tokens, content)
+    layers = []
+    for i in range(LAYOUT.num_layers):
+        physical = torch.randn([logical[d] for d in order], generator=torch.Generator().manual_seed(i))
+        inverse = [order.index(d) for d in range(4)]
+        layers.append(physical.to(torch.bfloat16).permute(*inverse))  # logical view over that memory
+    return layers
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (0, 2, 1, 3), (1, 0, 2, 3)], ids=["BHNC", "BNHC", "HBNC"])
+def test_gather_then_scatter_elsewhere_moves_exactly_those_blocks(order):
+    layers = paged(order)
+    engine = CopyEngine(layers, LAYOUT, BLOCK, BLOCKS)
+    out = torch.empty(LAYOUT.tensor_shape(2 * BLOCK), dtype=torch.bfloat16)
+    engine.gather([7, 2], out)
+    # canonical: [layers, K/V, tokens, heads, dim]; token t of block b is layers[l][b, :, t]
+    assert torch.equal(out[1, 0, BLOCK + 3], layers[1][2, :, 3, :8])  # K of block 2, token 3
+    assert torch.equal(out[2, 1, 0], layers[2][7, :, 0, 8:])  # V of block 7, token 0
+    before = [t.clone() for t in layers]
+    engine.scatter([5, 9], out)
+    for layer, old in zip(layers, before, strict=True):
+        assert torch.equal(layer[5], old[7]) and torch.equal(layer[9], old[2])
+        untouched = [b for b in range(BLOCKS) if b not in (5, 9)]
+        assert torch.equal(layer[untouched], old[untouched])
+
+
+def test_engine_blocks_split_into_kernel_blocks():
+    layers = paged(blocks=2 * BLOCKS, tokens=BLOCK // 2)  # each engine block = 2 kernel blocks
+    engine = CopyEngine(layers, LAYOUT, BLOCK, BLOCKS)
+    out = torch.empty(LAYOUT.tensor_shape(BLOCK), dtype=torch.bfloat16)
+    engine.gather([3], out)
+    assert torch.equal(out[0, 0, :2], layers[0][6, :, :, :8].transpose(0, 1))
+    assert torch.equal(out[0, 0, 2:], layers[0][7, :, :, :8].transpose(0, 1))
+
+
+def test_mla_latents_and_layer_by_layer_scatter():
+    layout = KVLayout(num_layers=3, num_kv_heads=1, head_dim=24, dtype="bfloat16", mla=True)
+    layers = paged(heads=1, content=24)
+    engine = CopyEngine(layers, layout, BLOCK, BLOCKS)
+    out = torch.empty(layout.tensor_shape(BLOCK), dtype=torch.bfloat16)  # [layers, tokens, latent]
+    engine.gather([4], out)
+    assert torch.equal(out[2], layers[2][4, 0])
+    engine.scatter([0], out, layers=[1])
+    assert torch.equal(layers[1][0], layers[1][4]) and not torch.equal(layers[0][0], layers[0][4])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"heads": 4}, "heads"), ({"content": 8}, "values per token"), ({"blocks": 7}, "does not match")],
+)
+def test_layouts_that_disagree_with_the_tensors_are_refused(kwargs, match):
+    with pytest.raises(LayoutError, match=match):
+        CopyEngine(paged(**kwargs), LAYOUT, BLOCK, BLOCKS)
+    with pytest.raises(LayoutError, match="dtype"):
+        CopyEngine([t.float() for t in paged()], LAYOUT, BLOCK, BLOCKS)
+    with pytest.raises(LayoutError, match="layers"):
+        CopyEngine(paged()[:2], LAYOUT, BLOCK, BLOCKS)
+
+
+def test_chunk_size_must_be_a_multiple_of_the_block_size():
+    check_chunk_size(256, 64)
+    with pytest.raises(LayoutError, match="multiple of the engine's block size"):
+        check_chunk_size(100, 64)

@@ -1,0 +1,199 @@
+"""The connector inside vLLM's real Scheduler (no model run): hits, misses, tails,
+whole-prompt hits, preemption, and a worker whose load fails."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from lmtier.connectors.vllm import LMTierConnector, LMTierMetadata
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from lmtier.chunk import Chunk
+from lmtier.tinymodel import build
+
+BLOCK, CHUNK, NUM_BLOCKS = 64, 128, 256
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(build(tmp_path_factory.mktemp("model")))
+
+
+@pytest.fixture
+def vllm_config(model, tmp_path) -> VllmConfig:
+    transfer = KVTransferConfig(
+        kv_connector="LMTierConnector",
+        kv_connector_module_path="lmtier.connectors.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"tiers": [f"file://{tmp_path}/disk?size=256MiB"], "chunk_tokens": CHUNK},
+    )
+    cache = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=False)
+    cache.num_gpu_blocks = NUM_BLOCKS
+    return VllmConfig(
+        model_config=ModelConfig(model=model, dtype="bfloat16", max_model_len=4096),
+        cache_config=cache,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=4096,
+            max_model_len=4096,
+            is_encoder_decoder=False,
+            enable_chunked_prefill=True,
+        ),
+        kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def kv_cache_config() -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+
+
+@pytest.fixture
+def scheduler(vllm_config) -> Scheduler:
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config(),
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+    )
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(5, 500, n)]
+
+
+def store_chunks(connector: LMTierConnector, prompt: list[int], n: int) -> list[np.ndarray]:
+    """Put the first ``n`` chunks of ``prompt`` into the store, as a worker would."""
+    ns = connector.namespaces[0]
+    layout = connector.layout
+    data = [np.random.default_rng(i).integers(0, 256, layout.byte_shape(CHUNK), dtype=np.uint8) for i in range(n)]
+    connector.store.put(
+        [Chunk(k, layout, d, namespace=ns.digest) for k, d in zip(ns.keys(prompt)[:n], data, strict=True)]
+    )
+    return data
+
+
+def schedule(scheduler: Scheduler, prompt: list[int], req_id: str = "r"):
+    request = Request(
+        request_id=req_id, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=4), pooling_params=None
+    )
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    return request, out, out.kv_connector_metadata
+
+
+def test_a_miss_computes_everything_and_saves_the_full_chunks(scheduler):
+    prompt = tokens(500)
+    _, out, meta = schedule(scheduler, prompt)
+    assert out.num_scheduled_tokens["r"] == 500
+    assert meta.loads == []
+    (save,) = meta.saves
+    assert len(save.keys[0]) == 3 and save.block_ids == request_blocks(scheduler, "r")[:6]
+
+
+def request_blocks(scheduler: Scheduler, req_id: str) -> list[int]:
+    return list(scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+
+def test_a_hit_loads_whole_chunks_and_the_engine_computes_the_partial_tail(scheduler):
+    prompt = tokens(450)
+    store_chunks(scheduler.connector, prompt, 3)
+    request, out, meta = schedule(scheduler, prompt)
+    assert request.num_computed_tokens - out.num_scheduled_tokens["r"] == 384
+    assert out.num_scheduled_tokens["r"] == 450 - 384  # the 66-token tail
+    (load,) = meta.loads
+    assert load.keys[0] == scheduler.connector.namespaces[0].keys(prompt)[:3]
+    assert (load.first_block, load.num_blocks) == (0, 6)
+    assert load.block_ids == request_blocks(scheduler, "r")[:6]
+    assert meta.saves == []  # nothing new is complete: the hit chunks are not saved again
+
+
+def test_a_whole_prompt_hit_leaves_the_last_token_to_the_engine(scheduler):
+    prompt = tokens(512)
+    store_chunks(scheduler.connector, prompt, 4)
+    _, out, meta = schedule(scheduler, prompt)
+    assert out.num_scheduled_tokens["r"] == 64  # the last block, whose last token the engine must compute
+    (load,) = meta.loads
+    assert (load.first_block, load.num_blocks, len(load.keys[0])) == (0, 7, 4)
+
+
+def test_asking_twice_gives_the_same_answer(scheduler):
+    prompt = tokens(700)
+    store_chunks(scheduler.connector, prompt, 2)
+    request = Request(
+        request_id="q", prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1), pooling_params=None
+    )
+    connector = scheduler.connector
+    assert (
+        connector.get_num_new_matched_tokens(request, 0)
+        == connector.get_num_new_matched_tokens(request, 0)
+        == (256, False)
+    )
+    assert connector.get_num_new_matched_tokens(request, 128) == (128, False)  # beyond the engine's own hit
+
+
+def test_a_preempted_request_is_planned_again_into_its_new_blocks(scheduler):
+    prompt = tokens(450)
+    store_chunks(scheduler.connector, prompt, 3)
+    request, out, meta = schedule(scheduler, prompt)
+    assert len(meta.loads) == 1
+    # The step runs (one token sampled), then the request is preempted.
+    scheduler.update_from_output(
+        out, ModelRunnerOutput(req_ids=["r"], req_id_to_index={"r": 0}, sampled_token_ids=[[7]])
+    )
+    scheduler.running.remove(request)  # as the scheduler does when it must free blocks
+    scheduler._preempt_request(request, 0.0)
+    out = scheduler.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    assert load.block_ids == request_blocks(scheduler, "r")[:6]
+    assert out.num_scheduled_tokens["r"] == 451 - 384  # the tail and the sampled token
+
+
+def test_finished_requests_leave_no_state_behind(scheduler):
+    prompt = tokens(300)
+    request, _, _ = schedule(scheduler, prompt)
+    assert "r" in scheduler.connector._requests
+    scheduler.finish_requests(["r"], request.status.FINISHED_ABORTED)
+    assert "r" not in scheduler.connector._requests
+
+
+def test_a_worker_reports_blocks_it_could_not_load_and_loads_the_rest(vllm_config, scheduler):
+    prompt = tokens(600)
+    data = store_chunks(scheduler.connector, prompt, 4)
+    _, _, meta = schedule(scheduler, prompt)
+    (load,) = meta.loads
+    worker = LMTierConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config())
+    caches = {name: torch.zeros(NUM_BLOCKS, 2, BLOCK, 128, dtype=torch.bfloat16) for name in LAYERS}
+    worker.register_kv_caches(caches)
+    # Chunk 2 goes bad on disk between lookup and load.
+    disk = worker.store.tiers[0]
+    path = disk._path(load.keys[0][2])
+    raw = bytearray(Path(path).read_bytes())
+    raw[-7] ^= 1
+    Path(path).write_bytes(bytes(raw))
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    failed = worker.get_block_ids_with_load_errors()
+    assert failed == set(load.block_ids[4:8])  # chunks 2 and 3: nothing after a bad chunk is used
+    assert worker.get_block_ids_with_load_errors() == set()  # reported once
+    # Chunks 0 and 1 arrived in the right blocks: K of token 70 (block 1, slot 6) of layer 0.
+    k = torch.from_numpy(data[0].copy()).view(torch.bfloat16).reshape(connector_shape(worker))
+    assert torch.equal(caches[LAYERS[0]][load.block_ids[1], :, 6, :64], k[0, 0, 70])
+    assert isinstance(meta, LMTierMetadata)
+
+
+def connector_shape(worker: LMTierConnector) -> tuple[int, ...]:
+    return worker.layout.tensor_shape(CHUNK)
