@@ -352,7 +352,11 @@ class LMTierConnector(KVConnectorBase_V1):
             try:
                 keys = plan.keys[self._rank]
                 tokens = len(keys) * self.chunk_tokens
-                kv = torch.empty(self.layout.tensor_shape(tokens), dtype=getattr(torch, self.layout.dtype))
+                kv = torch.empty(
+                    self.layout.tensor_shape(tokens),
+                    dtype=getattr(torch, self.layout.dtype),
+                    pin_memory=self._engine.device.type == "cuda",
+                )  # pinned: async D2H
                 self._engine.gather(plan.block_ids, kv)  # the one copy on the critical path
                 self._enqueue_save(keys, kv)
             except Exception:

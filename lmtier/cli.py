@@ -96,9 +96,13 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from lmtier.demo import run_demo
+    if args.store_only:
+        from lmtier.demo import run_demo
 
-    return run_demo(tiers=args.tier or None, directory=args.dir)
+        return run_demo(tiers=args.tier or None, directory=args.dir)
+    from lmtier.demo_vllm import run_vllm_demo
+
+    return run_vllm_demo(out_dir=args.out, docs=args.docs, doc_tokens=args.doc_tokens, directory=args.dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,9 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hash", default="xxh3", choices=HASHES)
     p.set_defaults(func=cmd_keys)
 
-    p = sub.add_parser("demo", help="two instances in two processes share a system prompt's KV")
-    p.add_argument("--tier", action="append", help="tier URL (repeatable; default: 1 GiB memory over a temp dir)")
-    p.add_argument("--dir", help="where the demo's temporary disk tier lives (default: the system temp dir)")
+    p = sub.add_parser("demo", help="two vLLM engines in two processes: the second skips the first's prefills")
+    p.add_argument("--out", default="lmtier-demo", help="where the TTFT plot and JSON go (default ./lmtier-demo)")
+    p.add_argument("--docs", type=int, default=3, help="documents (default 3)")
+    p.add_argument("--doc-tokens", type=int, default=4096, help="tokens per document (default 4096)")
+    p.add_argument("--dir", help="where the demo's temporary files live (default: the system temp dir)")
+    p.add_argument("--store-only", action="store_true", help="the embedded store alone, without an engine")
+    p.add_argument("--tier", action="append", help="with --store-only: tier URL (repeatable)")
     p.set_defaults(func=cmd_demo)
     return parser
 

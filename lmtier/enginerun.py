@@ -53,9 +53,11 @@ def main() -> None:
         async_scheduling=spec.get("async_scheduling", False),
         **kwargs,
     )
-    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, logprobs=1)
 
-    def run(prompts):
+    default_max_tokens = spec.get("max_tokens", 8)
+
+    def run(prompts, max_tokens=default_max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=1, ignore_eos=True)
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
@@ -72,10 +74,20 @@ def main() -> None:
             for o in outs
         ]
 
+    def flush_stores() -> None:
+        if spec.get("lmtier") is not None and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+            from lmtier.connectors import vllm as connector
+
+            for store in connector._STORES.values():
+                store.flush()
+
     results = {}
     for phase in spec["phases"]:
+        if phase.get("flush"):  # let background saves land before the next phase
+            flush_stores()
+            continue
         if "prompts" in phase:
-            results[phase["name"]] = run(phase["prompts"])
+            results[phase["name"]] = run(phase["prompts"], phase.get("max_tokens", default_max_tokens))
         else:
             chat, prompt, rounds = phase["chat"], list(phase["chat"]["first"]), []
             for question in [None, *chat["questions"]]:

@@ -73,16 +73,36 @@ class CopyEngine:
         self._event: Any = None
 
     # -- indexing -----------------------------------------------------------------------
-    def _kernel_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
-        if self.ratio > 1:  # engine block b = kernel blocks b*ratio .. b*ratio + ratio-1
-            ids = (ids[:, None] * self.ratio + torch.arange(self.ratio)[None, :]).reshape(-1)
-        return ids.to(self.device)
+    def _kernel_runs(self, block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+        """(first kernel block, count, position in the chunk) for each run of consecutive
+        kernel blocks: a run is copied as one strided view, with no index gather."""
+        runs: list[tuple[int, int, int]] = []
+        for pos, block in enumerate(block_ids):
+            first = block * self.ratio  # engine block b = kernel blocks b*ratio .. b*ratio + ratio-1
+            where = pos * self.ratio
+            if runs and runs[-1][0] + runs[-1][1] == first and runs[-1][2] + runs[-1][1] == where:
+                runs[-1] = (runs[-1][0], runs[-1][1] + self.ratio, runs[-1][2])
+            else:
+                runs.append((first, self.ratio, where))
+        return runs
 
-    def _tokens_view(self, layer: torch.Tensor, kernel_ids: torch.Tensor) -> torch.Tensor:
-        """[kernel_blocks, heads, tokens, content] -> [tokens, heads, content] (a copy)."""
-        picked = layer.index_select(0, kernel_ids)  # [nb, H, N, C]
-        return picked.permute(0, 2, 1, 3).reshape(-1, picked.shape[1], picked.shape[3])  # [nb*N, H, C]
+    def _views(self, layer: torch.Tensor, chunk: torch.Tensor, first: int, count: int, where: int):
+        """Matching views of ``count`` kernel blocks of ``layer`` and of the chunk's tokens.
+
+        layer[first:first+count]: [count, H, N, C]; as [count, H, N, kv, D] and permuted to
+        [kv, count, N, H, D], it lines up with the chunk's [kv, tokens, H, D] (MLA: [tokens,
+        latent]) cut into blocks of N tokens.
+        """
+        blocks = layer[first : first + count]  # [r, H, N, C]
+        n = blocks.shape[2]
+        if self.layout.mla:
+            src = blocks[:, 0]  # [r, N, latent]
+            dst = chunk.reshape(-1, n, chunk.shape[-1])[where : where + count]  # [r, N, latent]
+            return src, dst
+        d = self.layout.head_dim
+        src = blocks.unflatten(3, (2, d)).permute(3, 0, 2, 1, 4)  # [kv, r, N, H, D]
+        dst = chunk.unflatten(1, (-1, n))[:, where : where + count]  # [kv, r, N, H, D]
+        return src, dst
 
     # -- moving ---------------------------------------------------------------------------
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
@@ -91,16 +111,12 @@ class CopyEngine:
         tokens = len(block_ids) * self.block_size
         if tuple(out.shape) != self.layout.tensor_shape(tokens):
             raise LayoutError(f"gather into {tuple(out.shape)}, expected {self.layout.tensor_shape(tokens)}")
-        kernel_ids = self._kernel_blocks(block_ids)
+        runs = self._kernel_runs(block_ids)
         with self._on_copy_stream():
             for i, layer in enumerate(self.layers):
-                rows = self._tokens_view(layer, kernel_ids)  # [T, H, C]
-                if self.layout.mla:
-                    out[i].copy_(rows[:, 0, :], non_blocking=True)  # [T, latent]
-                else:
-                    d = self.layout.head_dim
-                    out[i, 0].copy_(rows[..., :d], non_blocking=True)  # K: [T, H, D]
-                    out[i, 1].copy_(rows[..., d:], non_blocking=True)  # V: [T, H, D]
+                for first, count, where in runs:
+                    src, dst = self._views(layer, out[i], first, count, where)
+                    dst.copy_(src, non_blocking=True)
         self.synchronize()
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor, layers: Sequence[int] | None = None) -> None:
@@ -109,18 +125,12 @@ class CopyEngine:
         tokens = len(block_ids) * self.block_size
         if tuple(src.shape) != self.layout.tensor_shape(tokens):
             raise LayoutError(f"scatter from {tuple(src.shape)}, expected {self.layout.tensor_shape(tokens)}")
-        kernel_ids = self._kernel_blocks(block_ids)
-        n, k = len(kernel_ids), tokens // len(kernel_ids)
+        runs = self._kernel_runs(block_ids)
         with self._on_copy_stream():
             for i in layers if layers is not None else range(len(self.layers)):
-                layer = self.layers[i]
-                if self.layout.mla:
-                    rows = src[i].to(self.device, non_blocking=True).unsqueeze(1)  # [T, 1, latent]
-                else:
-                    rows = torch.cat([src[i, 0], src[i, 1]], dim=-1).to(self.device, non_blocking=True)  # [T, H, 2D]
-                # [T, H, C] -> [nb, N, H, C] -> [nb, H, N, C], written block by block
-                blocks = rows.reshape(n, k, rows.shape[1], rows.shape[2]).permute(0, 2, 1, 3)
-                layer.index_copy_(0, kernel_ids, blocks)
+                for first, count, where in runs:
+                    engine_view, chunk_view = self._views(self.layers[i], src[i], first, count, where)
+                    engine_view.copy_(chunk_view, non_blocking=True)
         self.synchronize()
 
     # -- CUDA plumbing ----------------------------------------------------------------------

@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_runs_and_checks_its_own_results():
-    run = subprocess.run([sys.executable, "-m", "lmtier", "demo"], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "lmtier", "demo", "--store-only"], capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "[A] stored 4352 of 4396 tokens" in run.stdout
     assert "byte-identical to A's KV: True" in run.stdout
@@ -95,3 +97,61 @@ def test_disk_benchmark_measures_dd_and_the_tier_in_the_same_run(tmp_path):
     assert report["rebuild"]["chunks"] == 500
     assert "| read |" in run.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]  # cleaned up after itself
+
+
+def test_the_vllm_demo_runs_two_engines_and_checks_its_own_answers(tmp_path):
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lmtier",
+            "demo",
+            "--docs",
+            "2",
+            "--doc-tokens",
+            "1024",
+            "--out",
+            str(tmp_path / "out"),
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "| B, new instance (lmtier disk hit) |" in run.stdout
+    assert "demo passed" in run.stdout
+    assert (tmp_path / "out" / "ttft.png").stat().st_size > 1000
+
+
+def test_ttft_benchmark_measures_every_configuration(tmp_path):
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_vllm_ttft.py"),
+            "--lengths",
+            "512",
+            "--docs",
+            "1",
+            "--layers",
+            "2",
+            "--hidden",
+            "256",
+            "--throughput-prompts",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "ttft.json").read_text())
+    (row,) = report["rows"]
+    for key in ("no_cache", "vllm_prefix_hit", "lmtier_store", "lmtier_cpu_hit", "lmtier_disk_hit"):
+        assert row[key] > 0
+    assert row["cached_tokens"]["lmtier_disk_hit"] == 256  # one full chunk of the 448-token document
+    assert report["no_reuse_throughput"]["ratio"] > 0
+    assert (tmp_path / "ttft.png").stat().st_size > 1000
