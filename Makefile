@@ -22,6 +22,7 @@ test: lint unit
 bench: venv
 	$(PY) benchmarks/bench_cpu_tier.py
 	$(PY) benchmarks/bench_disk_tier.py
+	$(PY) benchmarks/bench_vllm_ttft.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -35,7 +35,7 @@ import numpy as np
 
 from lmtier.tinymodel import build
 
-CHUNK, BLOCK, QUESTION = 256, 64, 64
+BLOCK, QUESTION = 64, 64
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -56,11 +56,13 @@ def engine(tmp: Path, name: str, spec: dict) -> dict:
     return json.loads(out.read_text())["results"]
 
 
-def run(lengths: list[int], docs: int, out_dir: Path, layers: int, hidden: int, throughput_prompts: int) -> dict:
+def run(
+    lengths: list[int], docs: int, out_dir: Path, layers: int, hidden: int, throughput_prompts: int, chunk: int = 256
+) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="lmtier-ttft-"))
     model = str(build(tmp / "model", layers=layers, hidden=hidden))
     disk = tmp / "disk"
-    lmtier = {"tiers": ["cpu://?size=4GiB", f"file://{disk}?size=16GiB"], "chunk_tokens": CHUNK}
+    lmtier = {"tiers": ["cpu://?size=4GiB", f"file://{disk}?size=16GiB"], "chunk_tokens": chunk}
     base = {"model": model, "block_size": BLOCK, "max_model_len": max(lengths) + 1024, "max_tokens": 1}
 
     def doc(length: int, d: int) -> list[int]:
@@ -141,7 +143,7 @@ def run(lengths: list[int], docs: int, out_dir: Path, layers: int, hidden: int, 
     report = {
         "benchmark": "vllm_ttft",
         "model": {"layers": layers, "hidden": hidden, "kv_heads": 2, "head_dim": 64, "dtype": "bfloat16"},
-        "chunk_tokens": CHUNK,
+        "chunk_tokens": chunk,
         "docs": docs,
         "rows": table,
         "no_reuse_throughput": throughput,
@@ -212,10 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--throughput-prompts", type=int, default=16)
+    parser.add_argument("--chunk-tokens", type=int, default=256, help="lmtier's chunk size (default 256)")
     parser.add_argument("--out", default="benchmarks/results", help="where the JSON and the PNG go")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    report = run(args.lengths, args.docs, out, args.layers, args.hidden, args.throughput_prompts)
+    report = run(args.lengths, args.docs, out, args.layers, args.hidden, args.throughput_prompts, args.chunk_tokens)
     text = json.dumps(report, indent=2)
     (out / "ttft.json").write_text(text + "\n")
     print(text)
