@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from lmtier.enginerun import run_engine
 from lmtier.tinymodel import build
 
 BLOCK, QUESTION = 64, 64
@@ -43,17 +43,7 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 def engine(tmp: Path, name: str, spec: dict) -> dict:
-    spec_path, out = tmp / f"{name}.json", tmp / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
-    run = subprocess.run(
-        [sys.executable, "-m", "lmtier.enginerun", str(spec_path), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if run.returncode:
-        raise RuntimeError(f"engine {name} failed:\n{run.stderr[-4000:]}")
-    return json.loads(out.read_text())["results"]
+    return run_engine(spec, tmp, name, timeout=1800)["results"]
 
 
 def run(

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from lmtier.enginerun import run_engine
 from lmtier.tinymodel import build
 
 QUESTION = 64
@@ -32,15 +31,8 @@ def _ids(n: int, seed: int) -> list[int]:
 
 
 def _engine(tmp: Path, name: str, spec: dict) -> dict:
-    spec_path, out = tmp / f"{name}.json", tmp / f"{name}.out.json"
-    spec_path.write_text(json.dumps(spec))
     print(f"  starting engine {name} ...", flush=True)
-    run = subprocess.run(
-        [sys.executable, "-m", "lmtier.enginerun", str(spec_path), str(out)], capture_output=True, text=True
-    )
-    if run.returncode:
-        raise RuntimeError(f"engine {name} failed:\n{run.stderr[-4000:]}")
-    return json.loads(out.read_text())["results"]
+    return run_engine(spec, tmp, name)["results"]
 
 
 def run_vllm_demo(

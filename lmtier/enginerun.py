@@ -19,6 +19,28 @@ import time
 from pathlib import Path
 
 
+def run_engine(spec: dict, workdir: Path, name: str, timeout: float | None = None) -> dict:
+    """Run one engine over ``spec`` in a new process; returns its results (and its log).
+
+    Raises ``RuntimeError`` with the end of the engine's log when it fails.
+    """
+    import subprocess
+
+    spec_path, out = workdir / f"{name}.json", workdir / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    run = subprocess.run(
+        [sys.executable, "-m", "lmtier.enginerun", str(spec_path), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if run.returncode:
+        raise RuntimeError(f"engine {name} failed:\n{run.stderr[-5000:]}")
+    result = json.loads(out.read_text())
+    result["log"] = run.stderr
+    return result
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

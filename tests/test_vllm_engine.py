@@ -9,14 +9,12 @@ multiprocess mode and with tensor parallelism 2, and after chunk files were dama
 from __future__ import annotations
 
 import itertools
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from lmtier.enginerun import run_engine
 from lmtier.tinymodel import build
 
 CHUNK, BLOCK = 128, 64
@@ -47,18 +45,8 @@ def engine(tmp: Path, model: str, name: str, disk: Path | None, phases=SCENARIO,
     lmtier = None
     if disk is not None:
         lmtier = {"tiers": ["cpu://?size=256MiB", f"file://{disk}?size=1GiB"], "chunk_tokens": CHUNK}
-    spec_path, out = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
-    spec_path.write_text(json.dumps({"model": model, "lmtier": lmtier, "block_size": BLOCK, "phases": phases, **spec}))
-    run = subprocess.run(
-        [sys.executable, "-m", "lmtier.enginerun", str(spec_path), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-5000:]
-    result = json.loads(out.read_text())
-    result["log"] = run.stderr
-    return result
+    spec = {"model": model, "lmtier": lmtier, "block_size": BLOCK, "phases": phases, **spec}
+    return run_engine(spec, tmp, name, timeout=600)
 
 
 def expected_hit(prompt_len: int, stored_tokens: int) -> int:
