@@ -13,7 +13,6 @@ import mmap
 import os
 import threading
 
-PAGE = mmap.PAGESIZE
 ALIGN = 4096  # O_DIRECT alignment for offsets, lengths and addresses
 
 

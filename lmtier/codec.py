@@ -42,7 +42,6 @@ from lmtier.errors import (
     ChecksumError,
     ConfigError,
     FormatError,
-    IntegrityError,
     LayoutMismatch,
     NamespaceMismatch,
 )
@@ -223,14 +222,6 @@ def decode(
         on_release=on_release,
         on_corrupt=on_corrupt,
     )
-
-
-def decode_or_none(frame, **expect) -> Chunk | None:
-    """``decode``, with any integrity failure turned into ``None`` (a miss)."""
-    try:
-        return decode(frame, **expect)
-    except IntegrityError:
-        return None
 
 
 def _lz4_compress(chunk: Chunk) -> bytes:

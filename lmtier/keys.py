@@ -14,7 +14,6 @@ never Python's ``hash()``, so keys agree across processes, machines and versions
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -134,21 +133,3 @@ def chunk_keys(tokens: Any, namespace: Namespace) -> list[ChunkKey]:
         prev = h(prev + data[start : start + step])
         keys.append(prev)
     return keys
-
-
-def full_chunks(num_tokens: int, chunk_tokens: int) -> int:
-    return num_tokens // chunk_tokens
-
-
-def key_hex(key: ChunkKey) -> str:
-    return key.hex()
-
-
-def common_prefix(a: Sequence[ChunkKey], b: Sequence[ChunkKey]) -> int:
-    """Number of leading keys two key lists share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

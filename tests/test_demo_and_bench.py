@@ -37,65 +37,52 @@ def test_console_script_is_installed():
     assert json.loads(run.stdout)["total_bytes"] == 1024**3
 
 
-def test_cpu_benchmark_reports_both_sides_and_their_ratio(tmp_path):
-    out = tmp_path / "bench.json"
+def run_benchmark(script: str, out: Path, *args: str) -> tuple[dict, str]:
+    """Run a benchmark script with ``--json-out out``; returns its report and its stdout."""
     run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_cpu_tier.py"),
-            "--working-set-mib",
-            "32",
-            "--rounds",
-            "1",
-            "--json-out",
-            str(out),
-        ],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args, "--json-out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stderr
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text()), run.stdout
+
+
+def test_cpu_benchmark_reports_both_sides_and_their_ratio(tmp_path):
+    report, stdout = run_benchmark(
+        "bench_cpu_tier.py", tmp_path / "bench.json", "--working-set-mib", "32", "--rounds", "1"
+    )
     results = report["results"]
     assert set(results) == {"reference_copyto", "cpu_tier", "reference_strided", "embedded_api"}
     for name in ("cpu_tier", "embedded_api"):
         r = results[name]
         assert r["gb_per_s"] > 0
         assert r["ratio_to_reference"] == r["gb_per_s"] / results[r["reference"]]["gb_per_s"]
-    assert "| cpu_tier |" in run.stdout  # the table follows the JSON
+    assert "| cpu_tier |" in stdout  # the table follows the JSON
 
 
 def test_disk_benchmark_measures_dd_and_the_tier_in_the_same_run(tmp_path):
-    out = tmp_path / "disk.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_disk_tier.py"),
-            "--dir",
-            str(tmp_path),
-            "--working-set-mib",
-            "32",
-            "--rounds",
-            "1",
-            "--batch",
-            "8",
-            "--rebuild-chunks",
-            "500",
-            "--json-out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    report, stdout = run_benchmark(
+        "bench_disk_tier.py",
+        tmp_path / "disk.json",
+        "--dir",
+        str(tmp_path),
+        "--working-set-mib",
+        "32",
+        "--rounds",
+        "1",
+        "--batch",
+        "8",
+        "--rebuild-chunks",
+        "500",
     )
-    assert run.returncode == 0, run.stderr
-    report = json.loads(out.read_text())
     for direction in ("write", "read"):
         r = report["throughput"][direction]
         assert r["dd_gb_per_s"] > 0 and r["lmtier_gb_per_s"] > 0
         assert r["ratio_of_bests"] == pytest.approx(r["lmtier_gb_per_s"] / r["dd_gb_per_s"])
     assert report["rebuild"]["chunks"] == 500
-    assert "| read |" in run.stdout
+    assert "| read |" in stdout
     assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]  # cleaned up after itself
 
 

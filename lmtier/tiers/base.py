@@ -72,12 +72,6 @@ class Tier(ABC):
         return cls(**url.typed_options(cls.OPTIONS), context=context)
 
     # -- derived conveniences -----------------------------------------------------------
-    def get_one(self, key: bytes) -> Chunk | None:
-        return self.get([key])[0]
-
-    def put_one(self, chunk: Chunk) -> None:
-        self.put([chunk])
-
     def has(self, key: bytes) -> bool:
         return self.contains([key]) == 1
 

@@ -32,11 +32,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from lmtier import metrics
 from lmtier.buffers import BufferPool
-from lmtier.chunk import Chunk, iter_segments
+from lmtier.chunk import Chunk, checksum, iter_segments
 from lmtier.errors import ConfigError, IntegrityError
 from lmtier.layout import KVLayout
 from lmtier.tiers.base import Tier, TierContext, parse_bool
@@ -320,7 +319,7 @@ class CpuTier(Tier):
         if not chunk.verify():
             raise IntegrityError("chunk failed its checksum")
         _scatter(chunk.data, views)
-        return chunk.checksum if chunk.checksum is not None else _checksum(views)
+        return chunk.checksum if chunk.checksum is not None else checksum(*views)
 
     def _corrupt(self, key: bytes, entry: _Entry) -> None:
         """A reader found this entry's bytes damaged: drop it, count it."""
@@ -361,12 +360,3 @@ def _scatter(src: np.ndarray, dst: list[np.ndarray]) -> None:
             out[pos : pos + n] = seg[done : done + n]
             pos += n
             done += n
-
-
-def _checksum(views: list[np.ndarray]) -> int:
-    if len(views) == 1:
-        return xxhash.xxh3_64_intdigest(views[0])
-    h = xxhash.xxh3_64()
-    for view in views:
-        h.update(view)
-    return h.intdigest()

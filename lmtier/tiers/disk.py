@@ -94,7 +94,7 @@ class DiskTier(Tier):
         self._counts = {"stored": 0, "dropped": 0, "evictions": 0, "corrupt": 0, "write_errors": 0}
         self._counts_lock = threading.Lock()
         self._pid = -1
-        self.rebuild_seconds = self.reconcile()
+        self.reconcile()
         metrics.TIER_CAPACITY_BYTES.labels(name).set(size)
 
     @classmethod
