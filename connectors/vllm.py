@@ -25,6 +25,11 @@ Deciding and moving live apart, as vLLM splits them:
   to a background thread that stores them, so storing never sits on the request's
   critical path beyond one memory copy.
 
+A request can opt out with ``kv_transfer_params`` (``SamplingParams(extra_args=
+{"kv_transfer_params": {"lmtier": {"save": false}}})``, or the same field in an OpenAI
+API request): ``"save": false`` keeps its KV out of the store (private documents),
+``"load": false`` makes it ignore stored KV.
+
 Failure is a recompute, never wrong output: a chunk that is missing, fails verification
 or does not arrive is reported through ``get_block_ids_with_load_errors``, and vLLM
 recomputes those blocks. Set ``kv_load_failure_policy="recompute"`` in the
@@ -39,6 +44,7 @@ import os
 import queue
 import re
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmtier.chunk import Chunk, release_all
-from lmtier.config import StoreConfig, load_config
+from lmtier.config import StoreConfig, load_config, resolve_chunk_tokens
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.store import TieredStore
@@ -67,6 +73,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("lmtier.vllm")
+
+LOAD_BATCH_BYTES = 4 << 20  # read ahead in batches of this much KV
+SAVE_BUFFER_BYTES = 256 << 20  # bound on host memory holding chunks on their way to the store
 
 
 # -- plans: scheduler -> workers ----------------------------------------------------------------
@@ -104,11 +113,26 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0  # leading chunks known stored (hit or saved)
     keys: list[list[bytes]] = field(default_factory=list)  # [rank][chunk], grown as tokens grow
+    load: bool = True  # per request: kv_transfer_params {"lmtier": {"load": false}}
+    save: bool = True  # ... {"lmtier": {"save": false}}
 
 
 # -- one store per process and configuration ---------------------------------------------------
 _STORES: dict[tuple, TieredStore] = {}
 _STORES_LOCK = threading.Lock()
+_CONNECTORS: weakref.WeakSet[LMTierConnector] = weakref.WeakSet()  # this process's, for flush_all
+
+
+def flush_all(timeout: float = 30.0) -> list[dict[str, Any]]:
+    """Wait until every save of this process's connectors has reached every tier; returns
+    their stores' stats. For single-process engines (tests, benchmarks, the demo)."""
+    for connector in list(_CONNECTORS):
+        connector.flush(timeout)
+    with _STORES_LOCK:
+        stores = list(_STORES.values())
+    for store in stores:
+        store.flush(timeout)
+    return [store.stats() for store in stores]
 
 
 def _shared_store(cfg: StoreConfig, chunk_bytes: int) -> TieredStore:
@@ -123,6 +147,20 @@ def _shared_store(cfg: StoreConfig, chunk_bytes: int) -> TieredStore:
             store = TieredStore(tiers, write_queue=cfg.write_queue, write_mode=cfg.write_mode)
             _STORES[key] = store
         return store
+
+
+def _request_options(request: Any) -> dict[str, bool]:
+    """A request's own switches, from its ``kv_transfer_params``:
+    ``{"lmtier": {"load": false, "save": false}}`` (both default to true). Unknown or
+    malformed values are ignored with a warning: a request is never refused for them."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    mine = params.get("lmtier") if isinstance(params, dict) else None
+    if mine is None:
+        return {}
+    if not isinstance(mine, dict) or not all(isinstance(mine.get(k, True), bool) for k in ("load", "save")):
+        log.warning("lmtier: ignoring kv_transfer_params %r (expected {'load': bool, 'save': bool})", mine)
+        return {}
+    return {k: mine[k] for k in ("load", "save") if k in mine}
 
 
 def _layer_index(name: str) -> int:
@@ -149,15 +187,17 @@ class LMTierConnector(KVConnectorBase_V1):
             write_mode=extra.get("write_mode"),
         )
         self.block_size = vllm_config.cache_config.block_size
-        self.chunk_tokens = self.config.chunk_tokens
-        check_chunk_size(self.chunk_tokens, self.block_size)
-        self.blocks_per_chunk = self.chunk_tokens // self.block_size
         self.num_blocks = kv_cache_config.num_blocks
-
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
         self.tp_size = parallel.tensor_parallel_size
         self.layout = _layout_of(vllm_config)
+        self.chunk_tokens = resolve_chunk_tokens(self.config.chunk_tokens, self.block_size, self.layout.chunk_bytes(1))
+        check_chunk_size(self.chunk_tokens, self.block_size)
+        self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        self.chunk_bytes = self.layout.chunk_bytes(self.chunk_tokens)
+        # chunks read per batch when loading: the next batch is read while one is copied in
+        self.load_batch = max(1, LOAD_BATCH_BYTES // self.chunk_bytes)
         model_id = extra.get("model_id") or str(model.model)
         self.namespaces = [
             Namespace(
@@ -184,10 +224,12 @@ class LMTierConnector(KVConnectorBase_V1):
         self._engine: CopyEngine | None = None
         self._rank = 0
         self._failed_blocks: set[int] = set()
+        self._save_buffers: _SaveBuffers | None = None
         self._saves: queue.Queue | None = None
         self._saver: threading.Thread | None = None
         self._dropped_saves = 0
         self._saver_pid = -1
+        _CONNECTORS.add(self)
 
     # ======================================================================================
     # Scheduler side
@@ -203,10 +245,10 @@ class LMTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = _Request(request)
+            state = self._requests[request.request_id] = _Request(request, **_request_options(request))
         prompt_len = len(request.prompt_token_ids or [])
         try:
-            keys = self._keys_for(state, prompt_len)
+            keys = self._keys_for(state, prompt_len) if state.load else None
             state.hit_chunks = min(self.store.lookup(k) for k in keys) if keys and keys[0] else 0
         except Exception:  # never break the scheduler: a lookup that fails is a miss
             log.exception("lmtier lookup failed for %s", request.request_id)
@@ -266,7 +308,7 @@ class LMTierConnector(KVConnectorBase_V1):
             )
         # Save every chunk that is complete after this step and not known to be stored.
         done = min(computed + scheduled, len(state.request.all_token_ids)) // self.chunk_tokens
-        if done > state.saved_chunks and len(state.block_ids) >= done * self.blocks_per_chunk:
+        if state.save and done > state.saved_chunks and len(state.block_ids) >= done * self.blocks_per_chunk:
             keys = self._keys_for(state, done * self.chunk_tokens)
             first = state.saved_chunks
             meta.saves.append(
@@ -307,36 +349,44 @@ class LMTierConnector(KVConnectorBase_V1):
     def _load(self, plan: LoadPlan) -> None:
         keys = plan.keys[self._rank]
         loaded_blocks = plan.first_block  # blocks before this are the engine's own
-        chunks: list[Chunk] = []
+        first_chunk = plan.first_block // self.blocks_per_chunk  # chunks before it: nothing to load
+        batches = self.store.iter_get(keys[first_chunk:], self.load_batch)
         try:
-            chunks = self.store.get(keys)
-            for i, chunk in enumerate(chunks):
-                lo = i * self.blocks_per_chunk
-                hi = min(lo + self.blocks_per_chunk, plan.num_blocks)
-                if hi <= plan.first_block:
-                    loaded_blocks = max(loaded_blocks, hi)
-                    continue
-                if chunk.layout != self.layout or not chunk.verify():
-                    break
-                src = _as_tensor(chunk, self.layout)  # [L, 2, chunk_tokens, H, D]
-                skip = max(0, plan.first_block - lo)
-                tok0, tok1 = skip * self.block_size, (hi - lo) * self.block_size
-                self._engine.scatter(
-                    plan.block_ids[lo + skip : hi], src.narrow(self.layout.token_axis, tok0, tok1 - tok0)
-                )
-                loaded_blocks = hi
+            i = first_chunk
+            for chunks in batches:
+                try:
+                    for chunk in chunks:
+                        lo = i * self.blocks_per_chunk
+                        hi = min(lo + self.blocks_per_chunk, plan.num_blocks)
+                        if chunk.layout != self.layout or not chunk.verify():
+                            return
+                        skip = max(0, plan.first_block - lo)
+                        tok0, tok1 = skip * self.block_size, (hi - lo) * self.block_size
+                        self._engine.scatter(plan.block_ids[lo + skip : hi], self._source(chunk, tok0, tok1))
+                        loaded_blocks = hi
+                        i += 1
+                finally:
+                    release_all(chunks)
         except Exception:
             log.exception("lmtier load failed for %s", plan.req_id)
         finally:
-            release_all(chunks)
-        if loaded_blocks < plan.num_blocks:  # the engine recomputes what did not arrive
-            self._failed_blocks.update(plan.block_ids[loaded_blocks : plan.num_blocks])
-            log.warning(
-                "lmtier: %d of %d blocks of %s not loaded; the engine recomputes them",
-                plan.num_blocks - loaded_blocks,
-                plan.num_blocks - plan.first_block,
-                plan.req_id,
-            )
+            batches.close()
+            if loaded_blocks < plan.num_blocks:  # the engine recomputes what did not arrive
+                self._failed_blocks.update(plan.block_ids[loaded_blocks : plan.num_blocks])
+                log.warning(
+                    "lmtier: %d of %d blocks of %s not loaded; the engine recomputes them",
+                    plan.num_blocks - loaded_blocks,
+                    plan.num_blocks - plan.first_block,
+                    plan.req_id,
+                )
+
+    def _source(self, chunk: Chunk, tok0: int, tok1: int) -> torch.Tensor | np.ndarray:
+        """Tokens ``tok0:tok1`` of a chunk, as the copy engine takes them: the bytes
+        themselves on a CPU engine, a tensor view for a device engine."""
+        if self._engine.device.type == "cpu":
+            return chunk.data[:, :, tok0:tok1]
+        kv = _as_tensor(np.ascontiguousarray(chunk.data), self.layout)
+        return kv.narrow(self.layout.token_axis, tok0, tok1 - tok0)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -346,52 +396,60 @@ class LMTierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, LMTierMetadata) or self._engine is None:
+        if not isinstance(meta, LMTierMetadata) or self._engine is None or not meta.saves:
             return
+        if self._save_buffers is None:
+            self._save_buffers = _SaveBuffers(self.layout, self.chunk_tokens, self._engine.device.type == "cuda")
         for plan in meta.saves:
+            keys = plan.keys[self._rank]
+            taken: list[torch.Tensor] = []
             try:
-                keys = plan.keys[self._rank]
-                tokens = len(keys) * self.chunk_tokens
-                kv = torch.empty(
-                    self.layout.tensor_shape(tokens),
-                    dtype=getattr(torch, self.layout.dtype),
-                    pin_memory=self._engine.device.type == "cuda",
-                )  # pinned: async D2H
-                self._engine.gather(plan.block_ids, kv)  # the one copy on the critical path
-                self._enqueue_save(keys, kv)
+                for i in range(len(keys)):
+                    buf = self._save_buffers.acquire()
+                    if buf is None:  # every buffer is on its way to the store: a future miss
+                        self._dropped_saves += len(keys) - i
+                        break
+                    taken.append(buf)
+                    blocks = plan.block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk]
+                    self._engine.gather(blocks, buf)  # the one copy on the critical path
+                if taken and self._enqueue_save(keys[: len(taken)], taken):
+                    taken = []
             except Exception:
                 log.exception("lmtier save failed for %s", plan.req_id)
+            finally:
+                for buf in taken:
+                    self._save_buffers.release(buf)
 
-    def _enqueue_save(self, keys: list[bytes], kv: torch.Tensor) -> None:
+    def _enqueue_save(self, keys: list[bytes], bufs: list[torch.Tensor]) -> bool:
         if self._saves is None or self._saver_pid != os.getpid():
             self._saves = queue.Queue(maxsize=max(1, self.config.write_queue))
             self._saver = threading.Thread(target=self._save_loop, name="lmtier-save", daemon=True)
             self._saver_pid = os.getpid()
             self._saver.start()
         try:
-            self._saves.put_nowait((keys, kv))
+            self._saves.put_nowait((keys, bufs))
         except queue.Full:
-            self._dropped_saves += 1  # a future miss, never a stall
+            self._dropped_saves += len(keys)  # a future miss, never a stall
+            return False
+        return True
 
     def _save_loop(self) -> None:
-        assert self._saves is not None
+        assert self._saves is not None and self._save_buffers is not None
         while True:
-            keys, kv = self._saves.get()
+            keys, bufs = self._saves.get()
             try:
-                if keys is None:
-                    return
                 ns = self.namespaces[self._rank]
-                data = kv.view(torch.uint8).numpy().reshape(self.layout.byte_shape(kv.shape[self.layout.token_axis]))
-                size = self.chunk_tokens
-                self.store.put(
-                    [
-                        Chunk(key, self.layout, data[:, :, i * size : (i + 1) * size], namespace=ns.digest)
-                        for i, key in enumerate(keys)
-                    ]
-                )
+                shape = self.layout.byte_shape(self.chunk_tokens)
+                chunks = [
+                    Chunk(key, self.layout, buf.view(torch.uint8).numpy().reshape(shape), namespace=ns.digest)
+                    for key, buf in zip(keys, bufs, strict=True)
+                ]
+                self.store.put(chunks)  # copies into the first tier; lower tiers read it back from there
             except Exception:
                 log.exception("lmtier background save failed")
             finally:
+                for buf in bufs:
+                    self._save_buffers.release(buf)
                 self._saves.task_done()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -414,11 +472,38 @@ class LMTierConnector(KVConnectorBase_V1):
             log.exception("lmtier flush at shutdown failed")
 
 
-def _as_tensor(chunk: Chunk, layout: KVLayout) -> torch.Tensor:
-    """A chunk's bytes as a tensor in the canonical layout (a view: no copy)."""
-    data = np.ascontiguousarray(chunk.data)
+class _SaveBuffers:
+    """Host buffers, one chunk each, for KV on its way from the engine to the store:
+    reused (fresh memory costs page faults on the critical path), pinned on CUDA, and
+    bounded (``SAVE_BUFFER_BYTES``, at least two)."""
+
+    def __init__(self, layout: KVLayout, chunk_tokens: int, pinned: bool) -> None:
+        self.shape = layout.tensor_shape(chunk_tokens)
+        self.dtype = getattr(torch, layout.dtype)
+        self.pinned = pinned
+        self.limit = max(2, SAVE_BUFFER_BYTES // layout.chunk_bytes(chunk_tokens))
+        self._free: list[torch.Tensor] = []
+        self._made = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> torch.Tensor | None:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if self._made >= self.limit:
+                return None
+            self._made += 1
+        return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pinned)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+def _as_tensor(data: np.ndarray, layout: KVLayout) -> torch.Tensor:
+    """Contiguous canonical bytes as a tensor in the canonical layout (a view: no copy)."""
     flat = torch.from_numpy(data.reshape(-1)).view(getattr(torch, layout.dtype))
-    return flat.reshape(layout.tensor_shape(chunk.num_tokens))
+    return flat.reshape(layout.tensor_shape(data.shape[2]))
 
 
 def _layout_of(vllm_config: VllmConfig) -> KVLayout:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from lmtier.chunk import Chunk, release_all
-from lmtier.config import load_config
+from lmtier.config import load_config, resolve_chunk_tokens
 from lmtier.errors import IntegrityError, LayoutError, MissingDependency
 from lmtier.keys import Namespace, as_token_array
 from lmtier.layout import KVLayout, canonical_dtype, preset
@@ -167,7 +167,7 @@ def open_store(
     namespace = Namespace(
         model=model,
         layout=layout,
-        chunk_tokens=cfg.chunk_tokens,
+        chunk_tokens=resolve_chunk_tokens(cfg.chunk_tokens),
         revision=revision,
         tp_rank=tp_rank,
         tp_size=tp_size,

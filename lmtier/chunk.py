@@ -8,7 +8,9 @@ nothing is copied until a tier copies it into its own memory.
 
 A chunk handed out by a tier may be a view of that tier's memory; it then holds a lease
 that keeps the memory from being reused. ``release()`` (or leaving a ``with`` block, or
-garbage collection) ends the lease.
+garbage collection) ends the lease. ``share()`` gives a second chunk over the same memory
+with its own hold on the lease (for a background job that outlives the caller's use):
+the memory is returned once every holder has released.
 
 Verification happens where the bytes are read. A tier may hand out an *unverified* chunk
 that carries the checksum recorded when it was stored; ``copy_to``, ``tobytes``,
@@ -20,6 +22,7 @@ treat it as a miss. ``data`` itself is the raw, possibly unverified view.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -34,6 +37,7 @@ class Chunk:
     __slots__ = (
         "__weakref__",
         "_finalizer",
+        "_lease",
         "_on_corrupt",
         "checksum",
         "data",
@@ -73,7 +77,29 @@ class Chunk:
             raise ValueError("an unverified chunk needs the checksum to verify it against")
         self.verified = verified
         self._on_corrupt = on_corrupt
-        self._finalizer = weakref.finalize(self, on_release) if on_release else None
+        self._lease = _Lease(on_release) if on_release else None
+        self._finalizer = weakref.finalize(self, self._lease.drop) if self._lease else None
+
+    def share(self) -> Chunk:
+        """Another chunk over the same bytes, holding the lease until it is released too.
+
+        Must be called while this chunk is still held (before ``release``)."""
+        other = Chunk(
+            self.key,
+            self.layout,
+            self.data,
+            namespace=self.namespace,
+            checksum=self.checksum,
+            verified=self.verified,
+            on_corrupt=self._on_corrupt,
+        )
+        if self._lease is not None:
+            if self._finalizer is None or not self._finalizer.alive:
+                raise RuntimeError(f"chunk {self.key.hex()[:16]} was released: nothing to share")
+            self._lease.hold()
+            other._lease = self._lease
+            other._finalizer = weakref.finalize(other, self._lease.drop)
+        return other
 
     @classmethod
     def from_buffer(cls, key: bytes, layout: KVLayout, num_tokens: int, buffer, **kw) -> Chunk:
@@ -159,6 +185,28 @@ class Chunk:
 
     def __repr__(self) -> str:
         return f"Chunk({self.key.hex()[:12]}, {self.num_tokens} tokens, {self.nbytes} B)"
+
+
+class _Lease:
+    """A count of holders of one piece of tier memory; the last one out returns it."""
+
+    __slots__ = ("_callback", "_count", "_lock")
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+        self._count = 1
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def drop(self) -> None:
+        with self._lock:
+            self._count -= 1
+            last = self._count == 0
+        if last:
+            self._callback()
 
 
 def iter_segments(arr: np.ndarray) -> Iterator[np.ndarray]:

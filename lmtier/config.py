@@ -24,8 +24,10 @@ class StoreConfig:
     # Tier URLs, fastest first. The first is written synchronously, the rest in the
     # background. Default: 1 GiB of host memory and nothing else.
     tiers: tuple[str, ...] = ("cpu://?size=1GiB",)
-    # Tokens per chunk: the unit of caching. Must be a multiple of the engine's block size.
-    chunk_tokens: int = 256
+    # Tokens per chunk: the unit of caching, a multiple of the engine's block size.
+    # 0 ("auto"): an engine adapter picks the smallest multiple of its block size that
+    # holds at least 256 KiB (at most 256 tokens); elsewhere 256.
+    chunk_tokens: int = 0
     # Key hash: "xxh3" (fast) or "sha256" (cryptographic).
     hash: str = "xxh3"
     # Tenant / cache salt: stores with different salts never share chunks.
@@ -42,14 +44,35 @@ class StoreConfig:
         object.__setattr__(self, "tiers", tuple(self.tiers))
         if not self.tiers:
             raise ConfigError("at least one tier is needed")
-        if self.chunk_tokens <= 0:
-            raise ConfigError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
+        if self.chunk_tokens < 0:
+            raise ConfigError(f"chunk_tokens must be positive (or 0 / 'auto'), got {self.chunk_tokens}")
         if self.hash not in HASHES:
             raise ConfigError(f"hash must be one of {HASHES}, got {self.hash!r}")
         if self.write_queue < 0:
             raise ConfigError("write_queue must not be negative")
         if self.write_mode not in ("through", "back"):
             raise ConfigError(f"write_mode must be 'through' or 'back', got {self.write_mode!r}")
+
+
+AUTO_CHUNK_MIN_BYTES = 256 * 1024
+DEFAULT_CHUNK_TOKENS = 256
+
+
+def resolve_chunk_tokens(configured: int, block_size: int | None = None, token_bytes: int | None = None) -> int:
+    """The chunk size to use: the configured one, or the automatic choice.
+
+    Automatic, for an engine with ``block_size`` and ``token_bytes`` of KV per token: the
+    smallest multiple of the block size holding ``AUTO_CHUNK_MIN_BYTES``, at most 256
+    tokens (rounded up to a whole block). Small chunks lose less on a prompt that diverges
+    mid-chunk (the engine recomputes the rest of that chunk); big ones cost less per byte.
+    """
+    if configured > 0:
+        return configured
+    if not block_size or not token_bytes:
+        return DEFAULT_CHUNK_TOKENS
+    blocks = -(-AUTO_CHUNK_MIN_BYTES // (block_size * token_bytes))
+    cap = -(-DEFAULT_CHUNK_TOKENS // block_size)
+    return min(blocks, cap) * block_size
 
 
 _ENV_PREFIX = "LMTIER_"
@@ -63,6 +86,8 @@ def _from_mapping(data: Mapping[str, Any], source: str) -> dict[str, Any]:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)} in {source}; known: {', '.join(sorted(known))}")
     out: dict[str, Any] = {}
     for name, value in data.items():
+        if name == "chunk_tokens" and value == "auto":
+            value = 0
         if name in _INT_FIELDS:
             try:
                 value = int(value)

@@ -7,7 +7,10 @@ SPEC: {"model": dir, "lmtier": {extra config} | null, "multiprocess": bool, "tp"
        "block_size": 64, "prefix_caching": false, "phases": [...]}
 A phase is {"name", "prompts": [[ids...], ...]} or {"name", "chat": {"first": [...],
 "questions": [[...], ...]}} (each round's prompt: the previous prompt, its answer, the
-next question). Each output records its tokens, greedy logprobs and num_cached_tokens.
+next question), with optional "max_tokens", "request" (the requests' kv_transfer_params,
+e.g. {"lmtier": {"save": false}}) and "settle": true (let background saves land after
+each request, untimed). {"flush": true} as a phase lets saves land between phases. Each
+output records its tokens, greedy logprobs, num_cached_tokens and seconds.
 """
 
 from __future__ import annotations
@@ -78,8 +81,9 @@ def main() -> None:
 
     default_max_tokens = spec.get("max_tokens", 8)
 
-    def run(prompts, max_tokens=default_max_tokens):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=1, ignore_eos=True)
+    def run(prompts, max_tokens=default_max_tokens, request=None):
+        extra = {"kv_transfer_params": request} if request else None
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=1, ignore_eos=True, extra_args=extra)
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
@@ -96,34 +100,37 @@ def main() -> None:
             for o in outs
         ]
 
-    def flush_stores() -> None:
+    def flush_stores() -> list[dict]:
+        """Let background saves land (single-process engines; workers flush at shutdown)."""
         if spec.get("lmtier") is not None and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
-            from lmtier.connectors import vllm as connector
+            from lmtier.connectors.vllm import flush_all
 
-            for store in connector._STORES.values():
-                store.flush()
+            return flush_all()
+        return []
 
     results = {}
     for phase in spec["phases"]:
         if phase.get("flush"):  # let background saves land before the next phase
             flush_stores()
             continue
-        if "prompts" in phase:
-            results[phase["name"]] = run(phase["prompts"], phase.get("max_tokens", default_max_tokens))
+        max_tokens, request = phase.get("max_tokens", default_max_tokens), phase.get("request")
+        if "prompts" in phase and phase.get("settle"):
+            results[phase["name"]] = []
+            for prompt in phase["prompts"]:
+                results[phase["name"]] += run([prompt], max_tokens, request)
+                flush_stores()
+        elif "prompts" in phase:
+            results[phase["name"]] = run(phase["prompts"], max_tokens, request)
         else:
             chat, prompt, rounds = phase["chat"], list(phase["chat"]["first"]), []
             for question in [None, *chat["questions"]]:
                 if question is not None:
                     prompt = prompt + rounds[-1]["tokens"] + question
-                rounds.append(run([prompt])[0])
+                rounds.append(run([prompt], max_tokens, request)[0])
+                if phase.get("settle"):  # the user reads the answer before the next question
+                    flush_stores()
             results[phase["name"]] = rounds
-    stats = {}
-    if spec.get("lmtier") is not None and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
-        from lmtier.connectors import vllm as connector
-
-        for store in connector._STORES.values():
-            store.flush()
-            stats = store.stats()
+    stats = (flush_stores() or [{}])[-1]
     llm.llm_engine.engine_core.shutdown()  # workers flush their saves on shutdown
     Path(sys.argv[2]).write_text(json.dumps({"results": results, "stats": stats}))
 

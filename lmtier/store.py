@@ -8,7 +8,9 @@
 Policy, in one place:
 - ``lookup`` walks the tiers fastest-first; a prefix may be spread over several tiers.
 - ``get`` reads each chunk from the fastest tier holding it and promotes lower-tier hits
-  into the first tier (and into the tiers between, in the background).
+  into the faster tiers in the background (off the caller's critical path; the job holds
+  its own lease on the chunks). ``iter_get`` does the same batch by batch, reading the
+  next batch while the caller consumes the current one.
 - ``put`` writes the first tier synchronously and lower tiers in the background
   (write-through), through a bounded queue; when the queue is full the write is dropped
   and counted. The caller never waits on a slow tier.
@@ -28,7 +30,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from lmtier import metrics
@@ -65,6 +68,7 @@ class TieredStore:
         self._breakers = {id(t): breaker() for t in self.tiers}
         self._queue_size = write_queue
         self._pid = -1
+        self._reader_pid = -1
         self._closed = False
         self.dropped_writes = 0
 
@@ -96,6 +100,32 @@ class TieredStore:
         self._promote(chunks, source[:prefix])
         return chunks
 
+    def iter_get(self, keys: Sequence[bytes], batch: int) -> Iterator[list[Chunk]]:
+        """``get`` in batches of ``batch`` keys, the next batch read in the background while
+        the caller uses the current one; stops after the first batch with a miss.
+
+        Each yielded list is the leading run found in its batch; the caller releases the
+        chunks. Close the generator (or exhaust it) when stopping early: a batch read
+        ahead is then released here.
+        """
+        batches = [keys[i : i + batch] for i in range(0, len(keys), max(1, batch))]
+        if not batches:
+            return
+        ahead: Future | None = None
+        try:
+            current = self.get(batches[0])
+            for i, wanted in enumerate(batches):
+                complete = len(current) == len(wanted)
+                if complete and i + 1 < len(batches):
+                    ahead = self._reader().submit(self.get, batches[i + 1])
+                yield current
+                if not complete or ahead is None:
+                    return
+                current, ahead = ahead.result(), None
+        finally:
+            if ahead is not None:
+                release_all(ahead.result())
+
     def put(self, chunks: Sequence[Chunk]) -> int:
         if not chunks or self._closed:
             return 0
@@ -110,7 +140,14 @@ class TieredStore:
         for tier in self.tiers:
             self._call(tier, "delete", tier.delete, keys, default=None)
 
-    # -- background writes --------------------------------------------------------------
+    # -- background work ----------------------------------------------------------------
+    def _reader(self) -> ThreadPoolExecutor:
+        """One thread that reads batches ahead for ``iter_get``, made anew after ``fork``."""
+        if self._reader_pid != os.getpid():
+            self._reader_pool = ThreadPoolExecutor(1, thread_name_prefix="lmtier-read-ahead")
+            self._reader_pid = os.getpid()
+        return self._reader_pool
+
     def _writer(self) -> queue.Queue:
         """The write queue and its thread, made lazily and anew after ``fork``."""
         if self._pid != os.getpid():
@@ -196,14 +233,13 @@ class TieredStore:
 
     def _promote(self, chunks: list[Chunk], source: list[int]) -> None:
         lower = [c for c, level in zip(chunks, source, strict=True) if level > 0]
-        if not lower:
+        if not lower or self._closed:
             return
-        first = self.tiers[0]
-        self._call(first, "put", first.put, lower, default=None)
-        metrics.PROMOTIONS.labels(first.name).inc(len(lower))
-        deepest = max(source)
-        if deepest > 1:
-            self._enqueue([c.key for c in lower], self.tiers[1:deepest])
+        shared = [c.share() for c in lower]
+        if self._enqueue([c.key for c in shared], self.tiers[: max(source)], shared):
+            metrics.PROMOTIONS.labels(self.tiers[0].name).inc(len(shared))
+        else:
+            release_all(shared)
 
     # -- failure handling ---------------------------------------------------------------
     def _call(self, tier: Tier, op: str, fn: Callable[..., T], *args: Any, default: T) -> T:
@@ -234,6 +270,9 @@ class TieredStore:
         if self.write_back:
             self._flush_first_tier(timeout)
         self._closed = True
+        if self._reader_pid == os.getpid():
+            self._reader_pool.shutdown(wait=True)
+            self._reader_pid = -1
         if self._pid == os.getpid():
             self.flush(timeout)
             try:

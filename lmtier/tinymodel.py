@@ -20,10 +20,10 @@ def build(out: str | Path, layers: int = 4, hidden: int = 256, seed: int = 0) ->
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
+        num_attention_heads=hidden // 64,
         num_key_value_heads=2,
         head_dim=64,
         max_position_embeddings=16384,

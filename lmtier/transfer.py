@@ -15,8 +15,11 @@ Block ids are the engine's (manager) block ids, in token order; ``block_ids`` mu
 whole blocks, so a chunk is a whole number of blocks (``chunk_tokens`` a multiple of the
 block size). On CUDA the copies run on the engine's device with ``non_blocking`` copies
 through pinned memory on a dedicated stream that first waits on the compute stream; an
-event marks completion (``synchronize``). On CPU the same indexing runs as plain copies,
-so tests exercise exactly the indexing used on GPUs.
+event marks completion (``synchronize``). On CPU the copies run in numpy over the same
+views, with each head's ``head_dim`` values as one opaque element (``V{bytes}``): the
+copy is a transpose of 64 - 256 byte pieces, and numpy moves those as whole items,
+about twice as fast as torch's element-wise strided copy. Layers whose content is not
+contiguous in memory take the torch path on CPU too.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from lmtier.errors import LayoutError
@@ -71,6 +75,42 @@ class CopyEngine:
         self.device = first.device
         self._stream: Any = None
         self._event: Any = None
+        # CPU: each layer as numpy items of one head's values; [kv, blocks, N, H] (MLA: [blocks, N])
+        self._items: list[np.ndarray] | None = None
+        if self.device.type == "cpu" and all(t.stride(3) == 1 for t in self.layers):
+            self._items = [self._item_view(t) for t in self.layers]
+
+    def _item_view(self, layer: torch.Tensor) -> np.ndarray:
+        raw = layer.view(torch.uint8).numpy()  # [B, H, N, content bytes], any strides
+        if self.layout.mla:
+            return raw.view(np.dtype(f"V{raw.shape[3]}"))[:, 0, :, 0]  # [B, N]
+        items = raw.view(np.dtype(f"V{raw.shape[3] // 2}"))  # [B, H, N, 2]: K and V of a head
+        return items.transpose(3, 0, 2, 1)  # [kv, B, N, H]
+
+    def _chunk_items(self, chunk: torch.Tensor | np.ndarray) -> np.ndarray:
+        """Canonical KV on the CPU as items: [layers, kv, blocks, N, H] (MLA: [layers, blocks, N])."""
+        n = self.layers[0].shape[2]
+        if isinstance(chunk, torch.Tensor):
+            raw = chunk.view(torch.uint8).numpy()
+            items = raw.view(np.dtype(f"V{raw.shape[-1]}"))[..., 0]  # [L, kv, T, H] (MLA: [L, T])
+        else:  # a chunk's bytes, [L, kv, T, row bytes]
+            items = chunk.view(np.dtype(f"V{self.layout.head_dim * self.layout.itemsize}"))
+            if self.layout.mla:
+                items = items[:, 0, :, 0]
+        t = 1 if self.layout.mla else 2
+        split = items.view()
+        split.shape = (*items.shape[:t], items.shape[t] // n, n, *items.shape[t + 1 :])  # a view or an error
+        return split
+
+    def _check_shape(self, what: str, kv: torch.Tensor | np.ndarray, tokens: int) -> None:
+        if isinstance(kv, np.ndarray):
+            if self._items is None:
+                raise LayoutError("KV as bytes is for CPU engines; pass a tensor")
+            expected = self.layout.byte_shape(tokens)
+            if kv.dtype != np.uint8 or kv.shape != expected:
+                raise LayoutError(f"{what} {kv.dtype} {kv.shape}, expected uint8 {expected}")
+        elif tuple(kv.shape) != self.layout.tensor_shape(tokens):
+            raise LayoutError(f"{what} {tuple(kv.shape)}, expected {self.layout.tensor_shape(tokens)}")
 
     # -- indexing -----------------------------------------------------------------------
     def _kernel_runs(self, block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -105,13 +145,21 @@ class CopyEngine:
         return src, dst
 
     # -- moving ---------------------------------------------------------------------------
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor | np.ndarray) -> None:
         """Copy the KV of ``block_ids`` (every layer) into ``out``, a CPU tensor in the
-        canonical layout for ``len(block_ids) x block_size`` tokens."""
-        tokens = len(block_ids) * self.block_size
-        if tuple(out.shape) != self.layout.tensor_shape(tokens):
-            raise LayoutError(f"gather into {tuple(out.shape)}, expected {self.layout.tensor_shape(tokens)}")
+        canonical layout for ``len(block_ids) x block_size`` tokens, or (on a CPU engine)
+        its bytes ``[layers, kv, tokens, row bytes]`` as a numpy array."""
+        self._check_shape("gather into", out, len(block_ids) * self.block_size)
         runs = self._kernel_runs(block_ids)
+        if self._items is not None and _inner_contiguous(out):
+            chunk = self._chunk_items(out)
+            for i, layer in enumerate(self._items):
+                for first, count, where in runs:
+                    if self.layout.mla:
+                        chunk[i, where : where + count] = layer[first : first + count]
+                    else:
+                        chunk[i, :, where : where + count] = layer[:, first : first + count]
+            return
         with self._on_copy_stream():
             for i, layer in enumerate(self.layers):
                 for first, count, where in runs:
@@ -119,15 +167,27 @@ class CopyEngine:
                     dst.copy_(src, non_blocking=True)
         self.synchronize()
 
-    def scatter(self, block_ids: Sequence[int], src: torch.Tensor, layers: Sequence[int] | None = None) -> None:
-        """Copy canonical KV ``src`` (for ``len(block_ids) x block_size`` tokens) into the
-        engine's blocks, for all layers or the given ones (layer-by-layer loading)."""
-        tokens = len(block_ids) * self.block_size
-        if tuple(src.shape) != self.layout.tensor_shape(tokens):
-            raise LayoutError(f"scatter from {tuple(src.shape)}, expected {self.layout.tensor_shape(tokens)}")
+    def scatter(
+        self, block_ids: Sequence[int], src: torch.Tensor | np.ndarray, layers: Sequence[int] | None = None
+    ) -> None:
+        """Copy canonical KV ``src`` (for ``len(block_ids) x block_size`` tokens; a tensor,
+        or on a CPU engine its bytes as in ``gather``) into the engine's blocks, for all
+        layers or the given ones (layer-by-layer loading)."""
+        self._check_shape("scatter from", src, len(block_ids) * self.block_size)
         runs = self._kernel_runs(block_ids)
+        which = layers if layers is not None else range(len(self.layers))
+        if self._items is not None and _inner_contiguous(src):
+            chunk = self._chunk_items(src)
+            for i in which:
+                layer = self._items[i]
+                for first, count, where in runs:
+                    if self.layout.mla:
+                        layer[first : first + count] = chunk[i, where : where + count]
+                    else:
+                        layer[:, first : first + count] = chunk[i, :, where : where + count]
+            return
         with self._on_copy_stream():
-            for i in layers if layers is not None else range(len(self.layers)):
+            for i in which:
                 for first, count, where in runs:
                     engine_view, chunk_view = self._views(self.layers[i], src[i], first, count, where)
                     engine_view.copy_(chunk_view, non_blocking=True)
@@ -148,6 +208,12 @@ class CopyEngine:
         if self._stream is not None:
             self._event.record(self._stream)
             self._event.synchronize()
+
+
+def _inner_contiguous(kv: torch.Tensor | np.ndarray) -> bool:
+    if isinstance(kv, np.ndarray):
+        return kv.strides[-1] == kv.itemsize
+    return kv.stride(-1) == 1
 
 
 class _NullContext:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lmtier.config import StoreConfig, load_config
+from lmtier.config import StoreConfig, load_config, resolve_chunk_tokens
 from lmtier.errors import ConfigError, MissingDependency
 from lmtier.tiers.base import TierURL, known_schemes, open_tier, register_tier
 
@@ -39,7 +39,7 @@ def test_json_files_and_whitespace_separated_tier_lists(tmp_path):
     ("env", "match"),
     [
         ({"LMTIER_CHUNK_TOKENS": "many"}, "integer"),
-        ({"LMTIER_CHUNK_TOKENS": "0"}, "positive"),
+        ({"LMTIER_CHUNK_TOKENS": "-64"}, "positive"),
         ({"LMTIER_HASH": "md5"}, "hash"),
         ({"LMTIER_TIERS": ""}, "at least one tier"),
     ],
@@ -77,3 +77,14 @@ def test_a_missing_optional_dependency_names_the_extra():
     register_tier("needsdep", "_missing_dep_tier:Tier", extra="redis")
     with pytest.raises(MissingDependency, match=r"pip install 'lmtier\[redis\]'"):
         open_tier("needsdep://host")
+
+
+def test_chunk_tokens_auto_follows_the_engine_block_and_the_kv_size():
+    assert load_config(env={"LMTIER_CHUNK_TOKENS": "auto"}).chunk_tokens == 0
+    assert load_config(env={}).chunk_tokens == 0  # auto is the default
+    assert resolve_chunk_tokens(128, 16, 1 << 20) == 128  # configured: kept
+    assert resolve_chunk_tokens(0) == 256  # no engine: 256
+    assert resolve_chunk_tokens(0, 16, 128 * 1024) == 16  # Llama-3-8B, vLLM GPU block: one block is 2 MiB
+    assert resolve_chunk_tokens(0, 64, 4096) == 64  # a small model: 64 x 4 KiB = 256 KiB
+    assert resolve_chunk_tokens(0, 16, 1024) == 256  # tiny KV: capped at 256 tokens
+    assert resolve_chunk_tokens(0, 96, 64) == 288  # the cap rounds up to whole blocks

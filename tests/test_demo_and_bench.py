@@ -137,8 +137,9 @@ def test_ttft_benchmark_measures_every_configuration(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((tmp_path / "ttft.json").read_text())
     (row,) = report["rows"]
-    for key in ("no_cache", "vllm_prefix_hit", "lmtier_store", "lmtier_cpu_hit", "lmtier_disk_hit"):
+    for key in ("no_cache", "vllm_prefix_hit", "lmtier_store", "lmtier_no_store", "lmtier_cpu_hit", "lmtier_disk_hit"):
         assert row[key] > 0
+    assert row["disk_floor"] > row["vllm_prefix_hit"]
     assert row["cached_tokens"]["lmtier_disk_hit"] == 256  # one full chunk of the 448-token document
     assert report["no_reuse_throughput"]["ratio"] > 0
     assert (tmp_path / "ttft.png").stat().st_size > 1000

@@ -68,6 +68,7 @@ def test_lookup_finds_a_prefix_spread_over_tiers_and_get_promotes_it():
         chunks = store.get(p.keys)
         assert [c.tobytes() for c in chunks] == [p.chunk_bytes(i) for i in range(6)]
         release_all(chunks)
+        assert store.flush()  # promotion runs in the background
         assert hot.contains(p.keys) == 6  # promoted
 
 
@@ -83,6 +84,32 @@ def test_get_returns_only_the_leading_run():
         release_all(chunks)
         assert cold.get([p.keys[3]])[0] is not None  # and were released, not leaked
         assert cold._index[p.keys[3]].leases == 0
+
+
+def test_iter_get_reads_ahead_in_batches_and_stops_at_the_first_miss():
+    hot = cpu(16, "hot")
+    with TieredStore([hot]) as store:
+        p = make_prompt(7)
+        hot.put(p.chunks(0, 5))  # chunks 5 and 6 missing
+        got = []
+        for batch in store.iter_get(p.keys, 2):
+            got.append(len(batch))
+            assert [c.tobytes() for c in batch] == [p.chunk_bytes(i) for i in range(sum(got) - len(batch), sum(got))]
+            release_all(batch)
+        assert got == [2, 2, 1]  # the third batch ([4, 5]) ends the run
+        assert all(e.leases == 0 for e in hot._index.values())
+
+
+def test_iter_get_closed_early_releases_the_batch_read_ahead():
+    hot = cpu(16, "hot")
+    with TieredStore([hot]) as store:
+        p = make_prompt(6)
+        hot.put(p.chunks())
+        batches = store.iter_get(p.keys, 2)
+        first = next(batches)  # the second batch is being read meanwhile
+        release_all(first)
+        batches.close()
+        assert all(e.leases == 0 for e in hot._index.values())
 
 
 def test_evicted_from_the_first_tier_still_served_from_the_second():

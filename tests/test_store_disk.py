@@ -52,7 +52,41 @@ def test_write_through_survives_a_restart_and_promotes_on_the_way_back(tmp_path)
         chunks = store.get(p.keys)
         assert [c.tobytes() for c in chunks] == [p.chunk_bytes(i) for i in range(6)]
         release_all(chunks)
+        assert store.flush()  # promotion runs in the background
         assert hot.contains(p.keys) == 6  # promoted
+
+
+class GatedCpu(CpuTier):
+    """Fault injection: a memory tier whose puts wait until the test opens the gate."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+
+    def put(self, chunks):
+        self.gate.wait(timeout=60)
+        super().put(chunks)
+
+
+def test_background_promotion_holds_its_own_lease_on_the_read_buffers(tmp_path):
+    """The caller releases the chunks at once and the disk tier reuses its buffers for
+    other reads; the promotion, still queued, must copy the original bytes."""
+    a, b = make_prompt(4, seed=1), make_prompt(4, seed=2)
+    with TieredStore([cpu(16), DiskTier(tmp_path, size=FRAME_ROOM)]) as store:
+        store.put(a.chunks() + b.chunks())
+        assert store.flush()
+    hot = GatedCpu(size=16 * CHUNK_BYTES, slot=CHUNK_BYTES)
+    with TieredStore([hot, DiskTier(tmp_path, size=FRAME_ROOM)]) as store:
+        release_all(store.get(a.keys))  # promotion queued, stuck behind the gate
+        for _ in range(3):  # the pool hands the freed buffers out again, if it may
+            chunks = store.get(b.keys)
+            assert [c.tobytes() for c in chunks] == [b.chunk_bytes(i) for i in range(4)]
+            release_all(chunks)
+        hot.gate.set()
+        assert store.flush()
+        held = hot.get(a.keys)
+        assert [c.tobytes() for c in held] == [a.chunk_bytes(i) for i in range(4)]
+        release_all(held)
 
 
 def test_a_slow_disk_never_blocks_put_and_what_overflows_is_counted(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,3 +85,38 @@ def test_chunk_size_must_be_a_multiple_of_the_block_size():
     check_chunk_size(256, 64)
     with pytest.raises(LayoutError, match="multiple of the engine's block size"):
         check_chunk_size(100, 64)
+
+
+def test_cpu_item_path_equals_torch_path_on_strided_chunks():
+    """The numpy path (CPU) and the torch path (any device) move the same bytes, also
+    for a chunk that is a token slice of a larger tensor."""
+    layers = paged((0, 2, 1, 3))
+    fast = CopyEngine(layers, LAYOUT, BLOCK, BLOCKS)
+    slow = CopyEngine(layers, LAYOUT, BLOCK, BLOCKS)
+    slow._items = None  # force the torch path
+    assert fast._items is not None
+    big = torch.randn(LAYOUT.tensor_shape(4 * BLOCK)).to(torch.bfloat16)
+    part = big.narrow(LAYOUT.token_axis, BLOCK, 2 * BLOCK)  # strided: not contiguous
+    assert not part.is_contiguous()
+    fast.scatter([6, 1], part)
+    a, b = torch.empty_like(part), torch.empty_like(part)
+    fast.gather([6, 1], a)
+    slow.gather([6, 1], b)
+    assert torch.equal(a, part) and torch.equal(b, part)
+    window = big.narrow(LAYOUT.token_axis, 0, 2 * BLOCK)
+    fast.gather([1, 6], window)  # into a strided destination
+    assert torch.equal(window, torch.cat([part[:, :, BLOCK:], part[:, :, :BLOCK]], dim=LAYOUT.token_axis))
+
+
+def test_chunk_bytes_move_like_tensors_on_a_cpu_engine():
+    layers = paged((1, 0, 2, 3))
+    engine = CopyEngine(layers, LAYOUT, BLOCK, BLOCKS)
+    tensor = torch.empty(LAYOUT.tensor_shape(2 * BLOCK), dtype=torch.bfloat16)
+    engine.gather([3, 8], tensor)
+    raw = np.empty(LAYOUT.byte_shape(2 * BLOCK), dtype=np.uint8)
+    engine.gather([3, 8], raw)
+    assert raw.tobytes() == tensor.view(torch.uint8).numpy().tobytes()
+    engine.scatter([0, 1], raw)
+    assert torch.equal(layers[2][0], layers[2][3]) and torch.equal(layers[2][1], layers[2][8])
+    with pytest.raises(LayoutError, match="expected uint8"):
+        engine.scatter([0], raw)

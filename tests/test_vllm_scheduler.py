@@ -86,10 +86,9 @@ def store_chunks(connector: LMTierConnector, prompt: list[int], n: int) -> list[
     return data
 
 
-def schedule(scheduler: Scheduler, prompt: list[int], req_id: str = "r"):
-    request = Request(
-        request_id=req_id, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=4), pooling_params=None
-    )
+def schedule(scheduler: Scheduler, prompt: list[int], req_id: str = "r", params: dict | None = None):
+    sampling = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params} if params else None)
+    request = Request(request_id=req_id, prompt_token_ids=prompt, sampling_params=sampling, pooling_params=None)
     scheduler.add_request(request)
     out = scheduler.schedule()
     return request, out, out.kv_connector_metadata
@@ -128,6 +127,27 @@ def test_a_whole_prompt_hit_leaves_the_last_token_to_the_engine(scheduler):
     assert out.num_scheduled_tokens["r"] == 64  # the last block, whose last token the engine must compute
     (load,) = meta.loads
     assert (load.first_block, load.num_blocks, len(load.keys[0])) == (0, 7, 4)
+
+
+@pytest.mark.parametrize(
+    ("params", "loads", "saves"),
+    [
+        ({"lmtier": {"save": False}}, 1, 0),
+        ({"lmtier": {"load": False}}, 0, 1),
+        ({"lmtier": {"load": False, "save": False}}, 0, 0),
+        ({"lmtier": {"save": "no"}}, 1, 1),  # malformed: ignored, never refused
+        ({"other_connector": 1}, 1, 1),
+    ],
+)
+def test_a_request_can_opt_out_of_loading_or_saving(scheduler, params, loads, saves):
+    prompt = tokens(600)
+    store_chunks(scheduler.connector, prompt, 1)
+    _, out, meta = schedule(scheduler, prompt, params=params)
+    assert len(meta.loads) == loads
+    assert out.num_scheduled_tokens["r"] == 600 - 128 * loads
+    assert len(meta.saves) == saves
+    if saves:
+        assert len(meta.saves[0].keys[0]) == 4 - loads  # the hit chunk is not saved again
 
 
 def test_asking_twice_gives_the_same_answer(scheduler):

@@ -23,7 +23,7 @@ first chunk of the prompt is made the most recent, so a prompt loses its tail fi
 I/O: large sequential reads and writes in reused page-aligned buffers, with O_DIRECT when
 the filesystem supports it (``o_direct=auto``), so cold reads measure the disk, not the
 page cache, and the cache keeps room for the engine. A small thread pool
-(``threads=8``) overlaps the I/O of a batch's chunks.
+(``threads=16``: small chunks need a deep queue) overlaps the I/O of a batch's chunks.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class DiskTier(Tier):
         size: int | None = None,
         o_direct: bool | None = None,
         fsync: bool = False,
-        threads: int = 8,
+        threads: int = 16,
         name: str = "disk",
         context: TierContext | None = None,
     ) -> None:
@@ -89,7 +89,9 @@ class DiskTier(Tier):
             raise ConfigError(f"cannot use {self.root} as a disk tier: {exc}") from exc
         self.o_direct = _supports_o_direct(self._tmp) if o_direct is None else o_direct
         self.index = DiskIndex(str(self.root / "index.sqlite"))
-        self._buffers = BufferPool(max_free=2 * threads)
+        # Enough idle buffers for a few batched reads in flight (a prompt's worth of chunks
+        # read at once), bounded in bytes: fresh buffers cost page faults on every read.
+        self._buffers = BufferPool(max_free=256, max_free_bytes=256 << 20)
         self._counter = itertools.count()
         self._counts = {"stored": 0, "dropped": 0, "evictions": 0, "corrupt": 0, "write_errors": 0}
         self._counts_lock = threading.Lock()
