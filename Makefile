@@ -2,10 +2,14 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test lint unit bench clean
+.PHONY: venv system demo test lint unit bench clean
 
 venv:
 	@./scripts/setup-venv.sh
+
+# System packages the tests use (redis-server, redis-cli, redis-benchmark); no-op when present.
+system:
+	@./scripts/setup-system.sh
 
 demo: venv
 	$(PY) -m lmtier demo
@@ -14,14 +18,15 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-unit: venv
+unit: venv system
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test: lint unit
 
-bench: venv
+bench: venv system
 	$(PY) benchmarks/bench_cpu_tier.py
 	$(PY) benchmarks/bench_disk_tier.py
+	$(PY) benchmarks/bench_redis_tier.py
 	$(PY) benchmarks/bench_vllm_ttft.py
 
 clean:

@@ -13,10 +13,10 @@ from lmtier.tiers.base import TierContext, open_tier
 from lmtier.tiers.cpu import CpuTier
 
 from conftest import make_prompt
-from tier_contract import CHUNK_BYTES, TierContract
+from tier_contract import CHUNK_BYTES, EvictingTierContract
 
 
-class TestCpuTier(TierContract):
+class TestCpuTier(EvictingTierContract):
     def make_tier(self, capacity_chunks, chunk_bytes):
         return CpuTier(size=capacity_chunks * chunk_bytes, context=TierContext(chunk_bytes=chunk_bytes))
 

@@ -24,7 +24,7 @@ from lmtier.tiers.base import TierContext, open_tier
 from lmtier.tiers.disk import DiskTier
 
 from conftest import SMALL, make_namespace, make_prompt
-from tier_contract import CHUNK_BYTES, TierContract
+from tier_contract import CHUNK_BYTES, EvictingTierContract
 
 ROOT = Path(__file__).resolve().parents[1]
 # A frame is the chunk plus its preamble and header.
@@ -35,7 +35,7 @@ def frame_size(chunk_bytes: int) -> int:
     return chunk_bytes + FRAME - CHUNK_BYTES
 
 
-class TestDiskTier(TierContract):
+class TestDiskTier(EvictingTierContract):
     o_direct = "auto"
 
     @pytest.fixture(autouse=True)

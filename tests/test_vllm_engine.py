@@ -1,7 +1,7 @@
 """lmtier inside real vLLM engines (the CPU build), in separate processes.
 
 Instance A serves prompts and stores their KV; instance B, a new process over the same
-disk directory, serves them again: its scheduler must report the expected hits and its
+disk directory (or the same Redis), serves them again: its scheduler must report the expected hits and its
 greedy tokens and logprobs must equal a run without lmtier. The same in vLLM's default
 multiprocess mode and with tensor parallelism 2, and after chunk files were damaged.
 """
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from lmtier.enginerun import run_engine
+from lmtier.redisproc import RedisServer
 from lmtier.tinymodel import build
 
 CHUNK, BLOCK = 128, 64
@@ -41,10 +42,13 @@ def model(tmp_path_factory) -> str:
     return str(build(tmp_path_factory.mktemp("model")))
 
 
-def engine(tmp: Path, model: str, name: str, disk: Path | None, phases=SCENARIO, **spec) -> dict:
+def engine(
+    tmp: Path, model: str, name: str, disk: Path | None, phases=SCENARIO, shared: str | None = None, **spec
+) -> dict:
+    """One engine run; lmtier's tiers: host memory, then the disk directory or ``shared``."""
     lmtier = None
-    if disk is not None:
-        lmtier = {"tiers": ["cpu://?size=256MiB", f"file://{disk}?size=1GiB"], "chunk_tokens": CHUNK}
+    if disk is not None or shared is not None:
+        lmtier = {"tiers": ["cpu://?size=256MiB", shared or f"file://{disk}?size=1GiB"], "chunk_tokens": CHUNK}
     spec = {"model": model, "lmtier": lmtier, "block_size": BLOCK, "phases": phases, **spec}
     return run_engine(spec, tmp, name, timeout=600)
 
@@ -145,6 +149,25 @@ def test_the_default_multiprocess_mode(model, tmp_path):
     assert_same_outputs(b, a)  # loaded KV answers exactly as computed KV does
     assert_same_tokens_close_logprobs(b, base)
     assert all(b["results"][phase][0]["cached"] > 0 for phase in DOCS)
+
+
+def test_two_instances_share_through_redis_alone(model, single_process, tmp_path):
+    server = RedisServer(tmp_path)
+    try:
+        a = engine(tmp_path, model, "a", None, shared=server.url)
+        assert int(server.call("DBSIZE")) > 0
+        b = engine(tmp_path, model, "b", None, shared=server.url)
+    finally:
+        server.stop()
+    base = single_process["base"]
+    assert_same_outputs(a, base)
+    assert_same_outputs(b, base)
+    for phase in DOCS:
+        (out,), (a_out,) = b["results"][phase], a["results"][phase]
+        assert out["cached"] == expected_hit(out["prompt_len"], out["prompt_len"] + len(a_out["tokens"]) - 1)
+    for r, a_r in zip(b["results"]["chat"], a["results"]["chat"], strict=True):  # A stored every round
+        assert r["cached"] == expected_hit(r["prompt_len"], a_r["prompt_len"] + len(a_r["tokens"]) - 1)
+    assert not (tmp_path / "disk").exists()
 
 
 def test_tensor_parallel_ranks_store_and_load_their_own_slices(model, tmp_path):

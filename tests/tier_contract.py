@@ -1,11 +1,17 @@
 """The contract every tier passes. A new tier is a subclass with two methods:
 
-    class TestMyTier(TierContract):
+    class TestMyTier(EvictingTierContract):
         def make_tier(self, capacity_chunks, chunk_bytes): ...   # a fresh, empty tier
         def corrupt(self, tier, key): ...                        # flip stored bytes of key
 
 Stories, not unit checks: store a prompt, read it back, fill the tier past its size,
 evict, corrupt, race.
+
+``TierContract`` holds what every tier does. ``EvictingTierContract`` adds what a tier
+that bounds itself does (a ``size``, least-recently-used eviction that takes a prompt's
+tail before its head). A tier whose server bounds it (Redis: ``maxmemory`` and the
+server's own eviction) passes ``TierContract`` and tests its bound against a real
+server with a small ``maxmemory`` instead.
 """
 
 from __future__ import annotations
@@ -107,9 +113,10 @@ class TierContract:
     def test_putting_twice_stores_once(self, tiers, prompt):
         tier = tiers()
         tier.put(prompt.chunks())
-        used = tier.stats()["used_bytes"]
+        held = tier.stats()["chunks"]
+        assert held == len(prompt.keys)
         tier.put(prompt.chunks())
-        assert tier.stats()["used_bytes"] == used
+        assert tier.stats()["chunks"] == held
         assert self.read_back(tier, prompt) == [prompt.chunk_bytes(i) for i in range(len(prompt.keys))]
 
     def test_delete_forgets_and_ignores_absent_keys(self, tiers, prompt):
@@ -120,6 +127,57 @@ class TierContract:
         assert tier.get([prompt.keys[3]]) == [None]
         tier.delete(prompt.keys)
         assert tier.contains(prompt.keys) == 0
+        assert tier.stats()["chunks"] == 0
+
+    # -- integrity ------------------------------------------------------------------------
+    def test_a_corrupted_chunk_is_a_miss_never_data(self, tiers, prompt):
+        tier = tiers()
+        tier.put(prompt.chunks())
+        self.corrupt(tier, prompt.keys[2])
+        got = self.read_back(tier, prompt)
+        assert got[2] is None
+        assert got[:2] == [prompt.chunk_bytes(0), prompt.chunk_bytes(1)]
+        assert tier.contains(prompt.keys) == 2  # the bad copy is dropped
+        assert tier.stats()["corrupt"] >= 1
+
+    # -- concurrency ----------------------------------------------------------------------
+    def test_concurrent_puts_and_gets_never_mix_bytes(self, tiers):
+        tier = tiers(capacity_chunks=24)
+        shared = make_prompt(3, seed=500)
+        errors: list[str] = []
+
+        def worker(wid: int) -> None:
+            try:
+                for step in range(15):
+                    p = make_prompt(4, seed=wid * 1000 + step, shared_with=shared, shared_chunks=2)
+                    tier.put(p.chunks())
+                    for q in (p, shared):
+                        got = tier.get(q.keys)
+                        for i, chunk in enumerate(got):
+                            if chunk is not None and chunk.tobytes() != q.chunk_bytes(i):
+                                errors.append(f"worker {wid} step {step} chunk {i}: wrong bytes")
+                        release_all(got)
+            except Exception as exc:  # surfaced below
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        assert errors == []
+        stats = tier.stats()
+        assert stats["capacity_bytes"] == 0 or stats["used_bytes"] <= stats["capacity_bytes"]
+
+
+class EvictingTierContract(TierContract):
+    """A tier that bounds itself: ``size``, and prefix-aware least-recently-used eviction."""
+
+    def test_delete_returns_the_bytes(self, tiers, prompt):
+        tier = tiers()
+        tier.put(prompt.chunks())
+        tier.delete(prompt.keys)
         assert tier.stats()["used_bytes"] == 0
 
     # -- capacity and eviction ----------------------------------------------------------
@@ -175,43 +233,3 @@ class TierContract:
                 held = [tier.has(k) for k in q.keys]
                 run = tier.contains(q.keys)
                 assert held == [True] * run + [False] * (len(q.keys) - run), f"step {step}: orphaned chunks"
-
-    # -- integrity ------------------------------------------------------------------------
-    def test_a_corrupted_chunk_is_a_miss_never_data(self, tiers, prompt):
-        tier = tiers()
-        tier.put(prompt.chunks())
-        self.corrupt(tier, prompt.keys[2])
-        got = self.read_back(tier, prompt)
-        assert got[2] is None
-        assert got[:2] == [prompt.chunk_bytes(0), prompt.chunk_bytes(1)]
-        assert tier.contains(prompt.keys) == 2  # the bad copy is dropped
-        assert tier.stats()["corrupt"] >= 1
-
-    # -- concurrency ----------------------------------------------------------------------
-    def test_concurrent_puts_and_gets_never_mix_bytes(self, tiers):
-        tier = tiers(capacity_chunks=24)
-        shared = make_prompt(3, seed=500)
-        errors: list[str] = []
-
-        def worker(wid: int) -> None:
-            try:
-                for step in range(15):
-                    p = make_prompt(4, seed=wid * 1000 + step, shared_with=shared, shared_chunks=2)
-                    tier.put(p.chunks())
-                    for q in (p, shared):
-                        got = tier.get(q.keys)
-                        for i, chunk in enumerate(got):
-                            if chunk is not None and chunk.tobytes() != q.chunk_bytes(i):
-                                errors.append(f"worker {wid} step {step} chunk {i}: wrong bytes")
-                        release_all(got)
-            except Exception as exc:  # surfaced below
-                errors.append(repr(exc))
-
-        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert not any(t.is_alive() for t in threads)
-        assert errors == []
-        assert tier.stats()["used_bytes"] <= tier.stats()["capacity_bytes"]

@@ -138,6 +138,10 @@ def parse_bool(text: str) -> bool:
 _REGISTRY: dict[str, tuple[str, str | None]] = {
     "cpu": ("lmtier.tiers.cpu:CpuTier", None),
     "file": ("lmtier.tiers.disk:DiskTier", None),
+    "redis": ("lmtier.tiers.redis:RedisTier", "redis"),
+    "rediss": ("lmtier.tiers.redis:RedisTier", "redis"),
+    "unix": ("lmtier.tiers.redis:RedisTier", "redis"),
+    "redis+cluster": ("lmtier.tiers.redis:RedisTier", "redis"),
 }
 
 

@@ -1,0 +1,244 @@
+"""Redis tier against real redis-server processes: a single node and a three-master cluster."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lmtier.chunk import release_all
+from lmtier.errors import ConfigError
+from lmtier.redisproc import RedisCluster, RedisServer, make_certificates
+from lmtier.store import TieredStore
+from lmtier.tiers.base import open_tier
+from lmtier.tiers.redis import RedisTier
+
+from conftest import make_namespace, make_prompt
+from tier_contract import TierContract
+
+BIG = make_namespace(chunk_tokens=256)  # 128 KiB chunks
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    node = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield node
+    node.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = RedisCluster(tmp_path_factory.mktemp("cluster"))
+    yield c
+    c.stop()
+
+
+def flip_a_payload_byte(tier: RedisTier, key: bytes) -> None:
+    node = tier._node_for(tier._rkey(key))
+
+    def work(conn):
+        value = conn.call(b"GET", tier._rkey(key))
+        damaged = bytearray(value)
+        damaged[-100] ^= 0x40
+        assert conn.call(b"SET", tier._rkey(key), bytes(damaged)) == "OK"
+
+    node.run(work)
+
+
+class TestRedisTier(TierContract):
+    @pytest.fixture(autouse=True)
+    def _fresh(self, server):
+        server.call("FLUSHALL")
+        self.url = server.url
+
+    def make_tier(self, capacity_chunks, chunk_bytes):
+        return open_tier(self.url)
+
+    def corrupt(self, tier, key):
+        flip_a_payload_byte(tier, key)
+
+
+class TestRedisClusterTier(TierContract):
+    @pytest.fixture(autouse=True)
+    def _fresh(self, cluster):
+        cluster.flush()
+        self.url = cluster.url
+
+    def make_tier(self, capacity_chunks, chunk_bytes):
+        return open_tier(self.url)
+
+    def corrupt(self, tier, key):
+        flip_a_payload_byte(tier, key)
+
+
+def test_chunks_spread_over_every_master(cluster):
+    cluster.flush()
+    tier = open_tier(cluster.url)
+    try:
+        assert len(tier.masters()) == 3
+        prompt = make_prompt(60, seed=3)
+        tier.put(prompt.chunks())
+        per_master = [int(n.call("DBSIZE")) for n in cluster.nodes]
+        assert sum(per_master) == 60
+        assert all(count >= 5 for count in per_master), per_master
+        assert tier.contains(prompt.keys) == 60
+    finally:
+        tier.close()
+
+
+def test_urls_and_options(server):
+    tier = open_tier(f"{server.url}/3?prefix=t1:&ttl=60&pool=2&timeout=1.5")
+    try:
+        assert (tier.db, tier.prefix, tier.ttl_ms, tier.pool, tier.timeout) == (3, b"t1:", 60_000, 2, 1.5)
+        prompt = make_prompt(2)
+        tier.put(prompt.chunks())
+        assert server.call("-n", "3", "DBSIZE") == "2"
+        keys = server.call("-n", "3", "KEYS", "t1:*").split()
+        assert sorted(keys) == sorted("t1:" + k.hex() for k in prompt.keys)
+        assert 0 < int(server.call("-n", "3", "TTL", keys[0])) <= 60
+    finally:
+        tier.close()
+    for bad, match in [
+        ("redis://h1:1,h2:2", "several for redis\\+cluster"),
+        ("redis://localhost:6379/x", "database number"),
+        ("redis://localhost:6379?pool=0", "pool"),
+        ("redis://localhost:6379?colour=red", "unknown option"),
+        ("unix://", "names a path"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            open_tier(bad)
+
+
+def test_password_and_user_from_the_url(tmp_path):
+    node = RedisServer(tmp_path, "--requirepass", "s3cret")
+    try:
+        tier = open_tier(f"redis://:s3cret@127.0.0.1:{node.port}")
+        prompt = make_prompt(2)
+        tier.put(prompt.chunks())
+        assert tier.contains(prompt.keys) == 2
+        tier.close()
+        wrong = open_tier(f"redis://:nope@127.0.0.1:{node.port}?timeout=1")
+        with TieredStore([wrong]) as store:  # refused: misses, never an exception
+            assert store.lookup(prompt.keys) == 0
+            assert store.get(prompt.keys) == []
+    finally:
+        node.stop()
+
+
+def test_a_unix_socket(tmp_path):
+    sock = tmp_path / "redis.sock"
+    node = RedisServer(tmp_path, "--unixsocket", str(sock), "--unixsocketperm", "700")
+    try:
+        tier = open_tier(f"unix://{sock}?db=1")
+        prompt = make_prompt(3)
+        tier.put(prompt.chunks())
+        got = tier.get(prompt.keys)
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(3)]
+        release_all(got)
+        assert node.call("-n", "1", "DBSIZE") == "3"
+        tier.close()
+    finally:
+        node.stop()
+
+
+def test_the_server_bounds_memory_and_evicts_least_recently_used(tmp_path):
+    node = RedisServer(tmp_path, "--maxmemory", "8mb", "--maxmemory-policy", "allkeys-lru")
+    tier = open_tier(node.url)
+    try:
+        prompts = [make_prompt(8, seed=s, namespace=BIG) for s in range(20)]
+        for p in prompts:
+            tier.put(p.chunks())
+        stats = tier.stats()
+        assert stats["capacity_bytes"] == 8 << 20
+        assert stats["used_bytes"] <= stats["capacity_bytes"] * 1.05
+        assert tier.contains(prompts[-1].keys) == 8  # the newest prompt is there
+        assert sum(tier.contains(p.keys) for p in prompts) < 20 * 8  # and older ones went
+        got = tier.get(prompts[-1].keys)
+        assert [c.tobytes() for c in got] == [prompts[-1].chunk_bytes(i) for i in range(8)]
+        release_all(got)
+    finally:
+        tier.close()
+        node.stop()
+
+
+def test_a_full_server_without_eviction_refuses_writes_as_drops(tmp_path):
+    node = RedisServer(tmp_path, "--maxmemory", "4mb", "--maxmemory-policy", "noeviction")
+    tier = open_tier(node.url)
+    try:
+        with TieredStore([tier]) as store:
+            for s in range(20):
+                store.put(make_prompt(8, seed=s, namespace=BIG).chunks())  # never raises
+        assert tier.stats()["oom"] > 0
+        first = make_prompt(8, seed=0, namespace=BIG)
+        assert tier.contains(first.keys) == 8  # what was stored stays readable
+    finally:
+        tier.close()
+        node.stop()
+
+
+def test_a_dead_server_is_a_miss_within_the_timeout_and_recovers(tmp_path):
+    node = RedisServer(tmp_path)
+    prompt = make_prompt(4)
+    with TieredStore([open_tier(f"{node.url}?timeout=1&connect_timeout=0.5")]) as store:
+        store.put(prompt.chunks())
+        assert store.lookup(prompt.keys) == 4
+        node.kill()
+        start = time.monotonic()
+        assert store.lookup(prompt.keys) == 0
+        assert store.get(prompt.keys) == []
+        store.put(make_prompt(2, seed=8).chunks())  # dropped, not raised
+        assert time.monotonic() - start < 10  # bounded by the timeouts, not hanging
+        node.start()  # empty: no persistence
+        node_back = time.monotonic() + 60
+        while store.lookup(prompt.keys) == 0 and time.monotonic() < node_back:
+            store.put(prompt.chunks())
+            time.sleep(0.5)
+        assert store.lookup(prompt.keys) == 4
+
+
+def test_a_killed_cluster_master_costs_only_its_chunks(tmp_path):
+    c = RedisCluster(tmp_path)
+    try:
+        tier = open_tier(f"{c.url}?timeout=1&connect_timeout=0.5")
+        prompts = [make_prompt(1, seed=s) for s in range(30)]
+        for p in prompts:
+            tier.put(p.chunks())
+        victim = c.nodes[1]
+        on_victim = {
+            p.keys[0] for p in prompts if str(tier._node_for(tier._rkey(p.keys[0]))).endswith(str(victim.port))
+        }
+        assert 0 < len(on_victim) < 30
+        victim.kill()
+        with TieredStore([tier]) as store:
+            for p in prompts:
+                want = 0 if p.keys[0] in on_victim else 1
+                assert store.lookup(p.keys) == want
+            victim.start()
+            deadline = time.monotonic() + 60
+            back = [p for p in prompts if p.keys[0] in on_victim]
+            while time.monotonic() < deadline:
+                store.put(back[0].chunks())
+                if store.lookup(back[0].keys) == 1:
+                    break
+                time.sleep(0.5)
+            assert store.lookup(back[0].keys) == 1
+    finally:
+        c.stop()
+
+
+def test_tls(tmp_path):
+    node = RedisServer(tmp_path, certificates=make_certificates(tmp_path / "certs"))
+    try:
+        tier = open_tier(node.url)
+        prompt = make_prompt(3)
+        tier.put(prompt.chunks())
+        got = tier.get(prompt.keys)
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(3)]
+        release_all(got)
+        tier.close()
+        assert node.call("DBSIZE") == "3"
+        untrusted = open_tier(f"rediss://127.0.0.1:{node.port}?timeout=1")  # the system CAs do not know ours
+        with TieredStore([untrusted]) as store:
+            assert store.lookup(prompt.keys) == 0
+    finally:
+        node.stop()
