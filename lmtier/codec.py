@@ -137,6 +137,12 @@ def encode_into(chunk: Chunk, buf: memoryview | np.ndarray) -> int:
     return end
 
 
+def header_length(frame) -> int:
+    """The header length a frame's preamble states (unchecked: for readers that locate
+    the payload before the frame is complete)."""
+    return int.from_bytes(bytes(frame[8:12]), "little")
+
+
 def read_header(frame) -> tuple[Header, memoryview]:
     """Check a frame's preamble and header; returns the header and the payload view.
 
@@ -186,6 +192,7 @@ def decode(
     namespace: bytes | None = None,
     key: bytes | None = None,
     lazy: bool = False,
+    payload_checksum: int | None = None,
     on_release: Callable[[], None] | None = None,
     on_corrupt: Callable[[], None] | None = None,
 ) -> Chunk:
@@ -193,9 +200,15 @@ def decode(
 
     ``layout``, ``namespace`` and ``key``, when given, must match the header. With
     ``lazy`` a ``raw`` payload is verified when the returned chunk is read, not here.
+    ``payload_checksum``: the payload's xxh3-64 as a reader computed it while the bytes
+    arrived; it stands for the payload pass (a mismatch is a ``ChecksumError``).
     ``on_release`` and ``on_corrupt`` are handed to the chunk (see ``lmtier.chunk``).
     """
     header, payload = read_header(frame)
+    if payload_checksum is not None:
+        if payload_checksum != header.payload_sum:
+            raise ChecksumError("chunk payload checksum mismatch")
+        lazy = False
     if layout is not None and header.layout != layout:
         raise LayoutMismatch(f"stored layout {header.layout} is not the expected {layout}")
     if namespace is not None and header.namespace != namespace:
@@ -205,7 +218,7 @@ def decode(
     if header.codec == "raw" and lazy:
         data, verified = payload, False
     else:
-        if xxhash.xxh3_64_intdigest(payload) != header.payload_sum:
+        if payload_checksum is None and xxhash.xxh3_64_intdigest(payload) != header.payload_sum:
             raise ChecksumError("chunk payload checksum mismatch")
         data, verified = payload, True
         if header.codec == "lz4":

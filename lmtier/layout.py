@@ -13,7 +13,7 @@ a Hugging Face ``config.json``.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -142,10 +142,15 @@ class KVLayout:
         return replace(self, num_kv_heads=max(1, self.num_kv_heads // tp_size))
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields that change the bytes (``num_attention_heads`` does not)."""
-        data = asdict(self)
-        del data["num_attention_heads"]
-        return data
+        """The fields that change the bytes (``num_attention_heads`` does not). Written
+        out rather than ``asdict`` (which deep-copies): every frame header holds one."""
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "mla": self.mla,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:

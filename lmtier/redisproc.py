@@ -96,6 +96,18 @@ def make_certificates(directory: Path) -> dict[str, str]:
     return paths
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGKILL when the parent dies, so a test run that
+    is killed leaves no server behind."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class RedisServer:
     """One ``redis-server``; with ``certificates`` (from ``make_certificates``) it speaks
     TLS only, on its port."""
@@ -129,10 +141,11 @@ class RedisServer:
         args = ["redis-server", *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         args += ["--dir", str(self.dir), *self.config]
         with open(self.dir / "server.log", "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 15
         while cli(self.port, "PING", tls=self.tls_cli) not in ("PONG", "NOAUTH Authentication required."):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
                 tail = (self.dir / "server.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"redis-server on port {self.port} did not start:\n{tail}")
             time.sleep(0.05)
@@ -153,9 +166,16 @@ class RedisCluster:
     """Three masters, no replicas, every slot assigned."""
 
     def __init__(self, workdir: Path, masters: int = 3) -> None:
-        self.nodes = [
-            RedisServer(workdir, "--cluster-enabled", "yes", "--cluster-node-timeout", "2000") for _ in range(masters)
-        ]
+        self.nodes: list[RedisServer] = []
+        try:
+            self._create(workdir, masters)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _create(self, workdir: Path, masters: int) -> None:
+        for _ in range(masters):
+            self.nodes.append(RedisServer(workdir, "--cluster-enabled", "yes", "--cluster-node-timeout", "2000"))
         for node in self.nodes:  # each node keeps its cluster state in its own directory
             node.call("CONFIG", "SET", "cluster-require-full-coverage", "no")
         hosts = [f"127.0.0.1:{n.port}" for n in self.nodes]

@@ -195,3 +195,22 @@ def test_a_damaged_chunk_is_never_re_encoded_as_good():
             codec.encode(bad, name)
     with pytest.raises(ChecksumError):
         codec.encode_into(bad, np.zeros(codec.encoded_size(bad), np.uint8))
+
+
+def test_a_layout_dict_names_every_field_that_changes_the_bytes():
+    from dataclasses import fields
+
+    layout = KVLayout(num_layers=3, num_kv_heads=1, head_dim=576, dtype="float8_e4m3fn", mla=True)
+    assert set(layout.to_dict()) == {f.name for f in fields(layout) if f.compare}
+    assert KVLayout.from_dict(layout.to_dict()) == layout
+
+
+@pytest.mark.parametrize("name", codec.CODECS)
+def test_a_payload_checksum_computed_by_the_reader_replaces_the_payload_pass(name):
+    chunk = kv_chunk(LAYOUTS[2])
+    frame = codec.encode(chunk, name)
+    payload = memoryview(frame)[codec.PREAMBLE.size + codec.header_length(frame) :]
+    good = codec.decode(frame, payload_checksum=xxhash.xxh3_64_intdigest(payload))
+    assert good.verified and good.tobytes() == chunk.tobytes()
+    with pytest.raises(ChecksumError):
+        codec.decode(frame, payload_checksum=xxhash.xxh3_64_intdigest(payload) ^ 1)

@@ -58,17 +58,11 @@ class TestRedisTier(TierContract):
         flip_a_payload_byte(tier, key)
 
 
-class TestRedisClusterTier(TierContract):
+class TestRedisClusterTier(TestRedisTier):
     @pytest.fixture(autouse=True)
     def _fresh(self, cluster):
         cluster.flush()
         self.url = cluster.url
-
-    def make_tier(self, capacity_chunks, chunk_bytes):
-        return open_tier(self.url)
-
-    def corrupt(self, tier, key):
-        flip_a_payload_byte(tier, key)
 
 
 def test_chunks_spread_over_every_master(cluster):
@@ -179,21 +173,24 @@ def test_a_full_server_without_eviction_refuses_writes_as_drops(tmp_path):
 def test_a_dead_server_is_a_miss_within_the_timeout_and_recovers(tmp_path):
     node = RedisServer(tmp_path)
     prompt = make_prompt(4)
-    with TieredStore([open_tier(f"{node.url}?timeout=1&connect_timeout=0.5")]) as store:
-        store.put(prompt.chunks())
-        assert store.lookup(prompt.keys) == 4
-        node.kill()
-        start = time.monotonic()
-        assert store.lookup(prompt.keys) == 0
-        assert store.get(prompt.keys) == []
-        store.put(make_prompt(2, seed=8).chunks())  # dropped, not raised
-        assert time.monotonic() - start < 10  # bounded by the timeouts, not hanging
-        node.start()  # empty: no persistence
-        node_back = time.monotonic() + 60
-        while store.lookup(prompt.keys) == 0 and time.monotonic() < node_back:
+    try:
+        with TieredStore([open_tier(f"{node.url}?timeout=1&connect_timeout=0.5")]) as store:
             store.put(prompt.chunks())
-            time.sleep(0.5)
-        assert store.lookup(prompt.keys) == 4
+            assert store.lookup(prompt.keys) == 4
+            node.kill()
+            start = time.monotonic()
+            assert store.lookup(prompt.keys) == 0
+            assert store.get(prompt.keys) == []
+            store.put(make_prompt(2, seed=8).chunks())  # dropped, not raised
+            assert time.monotonic() - start < 10  # bounded by the timeouts, not hanging
+            node.start()  # empty: no persistence
+            deadline = time.monotonic() + 60
+            while store.lookup(prompt.keys) == 0 and time.monotonic() < deadline:
+                store.put(prompt.chunks())
+                time.sleep(0.5)
+            assert store.lookup(prompt.keys) == 4
+    finally:
+        node.stop()
 
 
 def test_a_killed_cluster_master_costs_only_its_chunks(tmp_path):

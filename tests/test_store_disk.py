@@ -28,16 +28,23 @@ def cpu(chunks: int) -> CpuTier:
     return CpuTier(size=chunks * CHUNK_BYTES, slot=CHUNK_BYTES)
 
 
-class SlowDisk(DiskTier):
-    """Fault injection: a disk whose writes wait until the test opens the gate."""
+def gated(tier_class: type) -> type:
+    """Fault injection: ``tier_class`` whose puts wait until the test opens ``gate``."""
 
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.gate = threading.Event()
+    class Gated(tier_class):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.gate = threading.Event()
 
-    def put(self, chunks):
-        self.gate.wait(timeout=60)
-        super().put(chunks)
+        def put(self, chunks):
+            self.gate.wait(timeout=60)
+            super().put(chunks)
+
+    return Gated
+
+
+SlowDisk = gated(DiskTier)
+GatedCpu = gated(CpuTier)
 
 
 def test_write_through_survives_a_restart_and_promotes_on_the_way_back(tmp_path):
@@ -54,18 +61,6 @@ def test_write_through_survives_a_restart_and_promotes_on_the_way_back(tmp_path)
         release_all(chunks)
         assert store.flush()  # promotion runs in the background
         assert hot.contains(p.keys) == 6  # promoted
-
-
-class GatedCpu(CpuTier):
-    """Fault injection: a memory tier whose puts wait until the test opens the gate."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.gate = threading.Event()
-
-    def put(self, chunks):
-        self.gate.wait(timeout=60)
-        super().put(chunks)
 
 
 def test_background_promotion_holds_its_own_lease_on_the_read_buffers(tmp_path):
