@@ -10,6 +10,9 @@ Starts its own ``redis-server`` (no persistence, loopback), then for each chunk 
 - ``naive_redis_py``: what a first implementation would do: ``r.set(key, frame)`` and
   ``decode(r.get(key))`` in a loop, redis-py with hiredis.
 
+Rows: SET, GET, and SET+GET (the same bytes stored and loaded back: the rate of the
+whole loop, ``1 / (1/set + 1/get)``).
+
 Rounds interleave the three clients; reported: GB/s of value bytes for SET and GET (best
 round of each), lmtier's ratio to each reference, and the median over rounds of the
 same-round ratio, as JSON and as a Markdown table.
@@ -112,12 +115,13 @@ def measure(server: RedisServer, size_mib: float, total_mib: int, rounds: int, b
         server.call("FLUSHALL")
         lmtier_set()
         for _ in range(rounds):
-            for op, rate in redis_benchmark(server.port, size, count).items():
-                samples.setdefault(f"redis_benchmark_{op}", []).append(rate)
-            samples.setdefault("lmtier_set", []).append(frame_gb / timed(lmtier_set))
-            samples.setdefault("lmtier_get", []).append(frame_gb / timed(lmtier_get))
-            samples.setdefault("naive_set", []).append(frame_gb / timed(naive_set))
-            samples.setdefault("naive_get", []).append(frame_gb / timed(naive_get))
+            ref = redis_benchmark(server.port, size, count)
+            lm = {"set": frame_gb / timed(lmtier_set), "get": frame_gb / timed(lmtier_get)}
+            naive = {"set": frame_gb / timed(naive_set), "get": frame_gb / timed(naive_get)}
+            for name, rates in (("redis_benchmark", ref), ("lmtier", lm), ("naive", naive)):
+                rates["set+get"] = 1 / (1 / rates["set"] + 1 / rates["get"])  # store, then load back
+                for op, rate in rates.items():
+                    samples.setdefault(f"{name}_{op}", []).append(rate)
     finally:
         tier.close()
         client.close()
@@ -136,9 +140,9 @@ def measure(server: RedisServer, size_mib: float, total_mib: int, rounds: int, b
             "lmtier_over_naive": max(samples[f"lmtier_{op}"]) / max(samples[f"naive_{op}"]),
             "paired_median_over_redis_benchmark": paired(op, "redis_benchmark"),
             "paired_median_over_naive": paired(op, "naive"),
-            "samples": {k: v for k, v in samples.items() if k.endswith(op)},
+            "samples": {k: v for k, v in samples.items() if k.endswith(f"_{op}")},
         }
-        for op in ("set", "get")
+        for op in ("set", "get", "set+get")
     ]
 
 

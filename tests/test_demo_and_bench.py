@@ -90,11 +90,11 @@ def test_redis_benchmark_measures_redis_benchmark_lmtier_and_redis_py_on_one_ser
     report, stdout = run_benchmark(
         "bench_redis_tier.py", tmp_path / "redis.json", "--sizes-mib", "1", "--total-mib", "16", "--rounds", "1"
     )
-    assert [(r["chunk_mib"], r["op"]) for r in report["rows"]] == [(1, "set"), (1, "get")]
+    assert [(r["chunk_mib"], r["op"]) for r in report["rows"]] == [(1, "set"), (1, "get"), (1, "set+get")]
     for r in report["rows"]:
         assert r["redis_benchmark_gbps"] > 0 and r["lmtier_gbps"] > 0 and r["naive_redis_py_gbps"] > 0
         assert r["lmtier_over_naive"] == pytest.approx(r["lmtier_gbps"] / r["naive_redis_py_gbps"])
-    assert "| 1 MiB | GET |" in stdout
+    assert "| 1 MiB | GET |" in stdout and "| 1 MiB | SET+GET |" in stdout
 
 
 def test_the_vllm_demo_runs_two_engines_and_checks_its_own_answers(tmp_path):
