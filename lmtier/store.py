@@ -9,8 +9,8 @@ Policy, in one place:
 - ``lookup`` walks the tiers fastest-first; a prefix may be spread over several tiers.
 - ``get`` reads each chunk from the fastest tier holding it and promotes lower-tier hits
   into the faster tiers in the background (off the caller's critical path; the job holds
-  its own lease on the chunks). ``iter_get`` does the same batch by batch, reading the
-  next batch while the caller consumes the current one.
+  its own lease on the chunks). ``iter_get`` does the same batch by batch, reading up to
+  two batches ahead while the caller consumes the current one.
 - ``put`` writes the first tier synchronously and lower tiers in the background
   (write-through), through a bounded queue; when the queue is full the write is dropped
   and counted. The caller never waits on a slow tier.
@@ -30,6 +30,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -43,6 +44,7 @@ from lmtier.tiers.base import Tier
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 WRITE_MODES = ("through", "back")
+READ_AHEAD = 2  # batches in flight beyond the one being used, in iter_get
 _STOP = object()
 
 
@@ -100,31 +102,35 @@ class TieredStore:
         self._promote(chunks, source[:prefix])
         return chunks
 
-    def iter_get(self, keys: Sequence[bytes], batch: int) -> Iterator[list[Chunk]]:
-        """``get`` in batches of ``batch`` keys, the next batch read in the background while
-        the caller uses the current one; stops after the first batch with a miss.
+    def iter_get(self, keys: Sequence[bytes], batch: int, ahead: int = READ_AHEAD) -> Iterator[list[Chunk]]:
+        """``get`` in batches of ``batch`` keys, with up to ``ahead`` batches being read in
+        the background while the caller uses the current one (so a disk's queue never
+        drains between batches); stops after the first batch with a miss.
 
         Each yielded list is the leading run found in its batch; the caller releases the
-        chunks. Close the generator (or exhaust it) when stopping early: a batch read
-        ahead is then released here.
+        chunks. Close the generator (or exhaust it) when stopping early: batches read
+        ahead are then released here.
         """
         batches = [keys[i : i + batch] for i in range(0, len(keys), max(1, batch))]
-        if not batches:
-            return
-        ahead: Future | None = None
+        pending: deque[Future] = deque()
+        submitted = 0
+
+        def top_up() -> None:
+            nonlocal submitted
+            while submitted < len(batches) and len(pending) <= ahead:
+                pending.append(self._reader().submit(self.get, batches[submitted]))
+                submitted += 1
+
         try:
-            current = self.get(batches[0])
-            for i, wanted in enumerate(batches):
-                complete = len(current) == len(wanted)
-                if complete and i + 1 < len(batches):
-                    ahead = self._reader().submit(self.get, batches[i + 1])
+            for wanted in batches:
+                top_up()
+                current = pending.popleft().result()
                 yield current
-                if not complete or ahead is None:
+                if len(current) < len(wanted):
                     return
-                current, ahead = ahead.result(), None
         finally:
-            if ahead is not None:
-                release_all(ahead.result())
+            for future in pending:
+                release_all(future.result())
 
     def put(self, chunks: Sequence[Chunk]) -> int:
         if not chunks or self._closed:
@@ -142,9 +148,9 @@ class TieredStore:
 
     # -- background work ----------------------------------------------------------------
     def _reader(self) -> ThreadPoolExecutor:
-        """One thread that reads batches ahead for ``iter_get``, made anew after ``fork``."""
+        """Threads that read batches for ``iter_get``, made anew after ``fork``."""
         if self._reader_pid != os.getpid():
-            self._reader_pool = ThreadPoolExecutor(1, thread_name_prefix="lmtier-read-ahead")
+            self._reader_pool = ThreadPoolExecutor(READ_AHEAD + 1, thread_name_prefix="lmtier-read-ahead")
             self._reader_pid = os.getpid()
         return self._reader_pool
 
