@@ -192,8 +192,8 @@ class TieredStore:
                 first = self.tiers[0]
                 held = given if given is not None else self._call(first, "get", first.get, keys, default=None) or []
                 chunks = []
-                for chunk in held:  # the leading run that is present and intact
-                    if chunk is None or not chunk.verify():
+                for chunk in held:  # the leading run that is present; each tier verifies
+                    if chunk is None:  # what it writes as it encodes (one pass, not two)
                         break
                     chunks.append(chunk)
                 release_all(held[len(chunks) :])

@@ -171,3 +171,20 @@ def test_the_embedded_api_shares_kv_between_processes_through_the_disk(tmp_path)
         out = np.zeros_like(kv)
         assert store.get_into(np.arange(100), out) == 96
         assert np.array_equal(out[:, :, :96], kv[:, :, :96])
+
+
+def test_bytes_damaged_in_memory_never_reach_the_disk(tmp_path):
+    """Write-through reads chunks back from the memory tier unverified; the disk tier
+    verifies them as it encodes, so a chunk whose bytes changed in memory is not written."""
+    hot, slow = cpu(16), gated(DiskTier)(tmp_path, size=FRAME_ROOM)
+    p = make_prompt(4)
+    with TieredStore([hot, slow]) as store:
+        store.put(p.chunks())  # the write-through job waits at the gate
+        entry = hot._index[p.keys[2]]
+        hot._slab[entry.slots[0] * hot.slot_bytes + 11] ^= 0x10  # memory goes bad meanwhile
+        slow.gate.set()
+        assert store.flush()
+    assert slow.contains(p.keys) == 2
+    assert slow.get([p.keys[2]]) == [None]
+    assert slow.contains([p.keys[3]]) == 1  # written: an orphan without chunk 2, never served
+    assert slow.stats()["corrupt"] == 1

@@ -283,7 +283,7 @@ class _Node:
         self.tier, self.host, self.port, self.path = tier, host, port, path
         self._idle: list[_Conn] = []
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(tier.pool)
+        self._permits = threading.BoundedSemaphore(tier.pool)
         self._down_until = 0.0
         self._backoff = 0.0
 
@@ -298,7 +298,7 @@ class _Node:
         backs off, and ``_Closed`` propagates."""
         if self.down():
             raise _Closed(f"{self} is backing off after a failure")
-        if not self._slots.acquire(timeout=self.tier.timeout):
+        if not self._permits.acquire(timeout=self.tier.timeout):
             raise _Closed(f"{self}: no free connection within {self.tier.timeout} s")
         conn = None
         try:
@@ -320,7 +320,7 @@ class _Node:
         finally:
             if conn is not None:
                 conn.close()
-            self._slots.release()
+            self._permits.release()
 
     def close(self) -> None:
         with self._lock:
@@ -490,7 +490,7 @@ class RedisTier(Tier):
         raise RetryableError(f"no cluster node answered CLUSTER SLOTS: {last}")
 
     def _groups(self, keys: Sequence[bytes]) -> dict[_Node, list[int]]:
-        """Positions of ``keys`` per node, each list cut for parallel connections."""
+        """Positions of ``keys`` per node, in key order."""
         by_node: dict[_Node, list[int]] = {}
         for i, key in enumerate(keys):
             by_node.setdefault(self._node_for(self._rkey(key)), []).append(i)
@@ -593,7 +593,13 @@ class RedisTier(Tier):
                 jobs.append((node, work))
                 order.append(part)
         results = self._run_all(jobs)
-        self._raise_if_down(results)
+        try:
+            self._raise_if_down(results)
+        except TierError:
+            for replies in results:
+                if isinstance(replies, list):
+                    self._release_replies(replies)
+            raise
         moved = False
         for part, replies in zip(order, results, strict=True):
             if not isinstance(replies, list):
