@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from lmtier.config import resolve_chunk_tokens
 from lmtier.errors import LmtierError
 from lmtier.keys import HASHES, Namespace
 from lmtier.layout import PRESETS, KVLayout, from_hf_config, preset
@@ -28,8 +29,17 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help=f"model id; a preset gives the layout ({', '.join(sorted(PRESETS))})")
     p.add_argument("--config", help="a Hugging Face config.json to read the layout from")
     p.add_argument("--dtype", help="KV dtype: bf16, fp16, fp8, fp32 (default: the model's)")
-    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
+    p.add_argument("--chunk-tokens", type=int, help="tokens per chunk (default: as chunk_tokens=auto picks)")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        help="the engine's KV block size: auto chunks are then what that engine's connector uses (without it: 256)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _chunk_tokens(args: argparse.Namespace, layout: KVLayout) -> int:
+    return resolve_chunk_tokens(args.chunk_tokens or 0, args.block_size, layout.chunk_bytes(1))
 
 
 def cmd_size(args: argparse.Namespace) -> int:
@@ -40,7 +50,7 @@ def cmd_size(args: argparse.Namespace) -> int:
         layout,
         parse_count(args.tokens),
         batch=args.batch,
-        chunk_tokens=args.chunk_tokens,
+        chunk_tokens=_chunk_tokens(args, layout),
         tiers=tiers,
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.to_text())
@@ -56,10 +66,11 @@ def cmd_keys(args: argparse.Namespace) -> int:
         raise LmtierError(f"{args.tokens_file}: not a JSON list of token ids ({exc})") from exc
     if not isinstance(tokens, list):
         raise LmtierError(f"{args.tokens_file}: expected a JSON list of token ids")
+    size = _chunk_tokens(args, layout)
     ns = Namespace(
         model=args.model or str(args.config),
         layout=layout,
-        chunk_tokens=args.chunk_tokens,
+        chunk_tokens=size,
         revision=args.revision,
         tp_rank=args.tp_rank,
         tp_size=args.tp_size,
@@ -67,7 +78,6 @@ def cmd_keys(args: argparse.Namespace) -> int:
         hash=args.hash,
     )
     keys = ns.keys(tokens)
-    size = args.chunk_tokens
     if args.json:
         print(
             json.dumps(

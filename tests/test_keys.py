@@ -124,6 +124,20 @@ def test_keys_cli_prints_the_namespace_and_one_key_per_chunk(tmp_path, capsys):
     assert ns.keys(TOKENS)[0].hex() not in text  # another salt, other keys
 
 
+def test_keys_cli_picks_the_chunk_size_an_engine_connector_would(tmp_path, capsys):
+    """With --block-size, chunk_tokens=auto: llama-3-8b (128 KiB per token) on vLLM's GPU
+    block of 16 tokens is one block per chunk, as the vLLM connector chooses."""
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps(TOKENS))
+    args = ["keys", "--model", "llama-3-8b", "--tokens-file", str(prompt), "--json"]
+    assert main([*args, "--block-size", "16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["namespace"]["chunk_tokens"] == 16
+    assert out["keys"][1]["tokens"] == [16, 32]
+    assert main([*args, "--block-size", "16", "--chunk-tokens", "64"]) == 0  # explicit wins
+    assert json.loads(capsys.readouterr().out)["namespace"]["chunk_tokens"] == 64
+
+
 def test_keys_cli_rejects_a_file_that_is_not_a_token_list(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"tokens": 1}')
