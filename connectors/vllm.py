@@ -349,10 +349,10 @@ class LMTierConnector(KVConnectorBase_V1):
     def _load(self, plan: LoadPlan) -> None:
         keys = plan.keys[self._rank]
         loaded_blocks = plan.first_block  # blocks before this are the engine's own
-        first_chunk = plan.first_block // self.blocks_per_chunk  # chunks before it: nothing to load
-        batches = self.store.iter_get(keys[first_chunk:], self.load_batch)
+        # The plan starts at the chunk holding the first block to load (first_block < one chunk).
+        batches = self.store.iter_get(keys, self.load_batch)
         try:
-            i = first_chunk
+            i = 0
             for chunks in batches:
                 try:
                     for chunk in chunks:

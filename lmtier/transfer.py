@@ -102,6 +102,13 @@ class CopyEngine:
         split.shape = (*items.shape[:t], items.shape[t] // n, n, *items.shape[t + 1 :])  # a view or an error
         return split
 
+    def _item_views(self, i: int, chunk: np.ndarray, first: int, count: int, where: int):
+        """Matching item views of layer ``i``: ``count`` kernel blocks from ``first`` in the
+        engine, the same blocks from position ``where`` in the chunk (see ``_views``)."""
+        if self.layout.mla:
+            return self._items[i][first : first + count], chunk[i, where : where + count]
+        return self._items[i][:, first : first + count], chunk[i, :, where : where + count]
+
     def _check_shape(self, what: str, kv: torch.Tensor | np.ndarray, tokens: int) -> None:
         if isinstance(kv, np.ndarray):
             if self._items is None:
@@ -153,12 +160,10 @@ class CopyEngine:
         runs = self._kernel_runs(block_ids)
         if self._items is not None and _inner_contiguous(out):
             chunk = self._chunk_items(out)
-            for i, layer in enumerate(self._items):
+            for i in range(len(self._items)):
                 for first, count, where in runs:
-                    if self.layout.mla:
-                        chunk[i, where : where + count] = layer[first : first + count]
-                    else:
-                        chunk[i, :, where : where + count] = layer[:, first : first + count]
+                    engine, part = self._item_views(i, chunk, first, count, where)
+                    part[...] = engine
             return
         with self._on_copy_stream():
             for i, layer in enumerate(self.layers):
@@ -179,12 +184,9 @@ class CopyEngine:
         if self._items is not None and _inner_contiguous(src):
             chunk = self._chunk_items(src)
             for i in which:
-                layer = self._items[i]
                 for first, count, where in runs:
-                    if self.layout.mla:
-                        layer[first : first + count] = chunk[i, where : where + count]
-                    else:
-                        layer[:, first : first + count] = chunk[i, :, where : where + count]
+                    engine, part = self._item_views(i, chunk, first, count, where)
+                    engine[...] = part
             return
         with self._on_copy_stream():
             for i in which:

@@ -406,8 +406,7 @@ class RedisTier(Tier):
         self._executor = ThreadPoolExecutor(max(2, min(32, pool * max(1, len(nodes)))), thread_name_prefix=name)
         self._seeds = [_Node(self, h, p) for h, p in nodes] if not unix_path else [_Node(self, path=unix_path)]
         self._nodes: dict[str, _Node] = {str(n): n for n in self._seeds}
-        self._slots: list[_Node] = []
-        self._slots_lock = threading.Lock()
+        self._slots: list[_Node] = []  # replaced whole on refresh: readers need no lock
         if cluster:
             try:
                 from redis.crc import key_slot
@@ -484,8 +483,7 @@ class RedisTier(Tier):
                     slots[s] = target
             if any(s is None for s in slots):
                 raise TierError("the cluster does not cover every slot")
-            with self._slots_lock:
-                self._slots = slots  # type: ignore[assignment]
+            self._slots = slots  # type: ignore[assignment]
             return
         raise RetryableError(f"no cluster node answered CLUSTER SLOTS: {last}")
 
