@@ -1,4 +1,6 @@
-"""A small circuit breaker: stop calling a tier that keeps failing, try again later.
+"""Two small objects for remote calls: a circuit breaker and a retry backoff.
+
+``CircuitBreaker``: stop calling a tier that keeps failing, try again later.
 
 Closed: calls go through. After ``threshold`` consecutive failures it opens: calls are
 skipped (they become misses at once instead of waiting on a dead server) until
@@ -8,6 +10,7 @@ closes or re-opens the breaker.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -49,3 +52,16 @@ class CircuitBreaker:
             if self._probing or self._failures >= self.threshold:
                 self._opened_at = self._clock()
             self._probing = False
+
+
+class Backoff:
+    """Retry delays: ``base`` doubling up to ``cap``, with jitter (so clients that failed
+    together do not retry together), for at most ``attempts`` retries."""
+
+    def __init__(self, attempts: int = 2, base: float = 0.05, cap: float = 1.0) -> None:
+        self.attempts = attempts
+        self.base = base
+        self.cap = cap
+
+    def delays(self) -> list[float]:
+        return [min(self.cap, self.base * 2**i) * (0.5 + random.random() / 2) for i in range(self.attempts)]

@@ -30,13 +30,15 @@ class BufferPool:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._free: list[mmap.mmap] = []
+        self.outstanding = 0  # buffers handed out and not yet released (for leak checks)
 
     def acquire(self, nbytes: int) -> mmap.mmap:
         """A buffer of at least ``nbytes`` (page-aligned, contents undefined)."""
         want = round_up(max(nbytes, 1), self.granularity)
         with self._lock:
             if self._pid != os.getpid():  # a forked child starts with no buffers
-                self._pid, self._free, self._free_bytes = os.getpid(), [], 0
+                self._pid, self._free, self._free_bytes, self.outstanding = os.getpid(), [], 0, 0
+            self.outstanding += 1
             for i, buf in enumerate(self._free):
                 if want <= len(buf) <= 2 * want:
                     self._free_bytes -= len(buf)
@@ -45,6 +47,8 @@ class BufferPool:
 
     def release(self, buf: mmap.mmap) -> None:
         with self._lock:
+            if self._pid == os.getpid():
+                self.outstanding -= 1
             if (
                 self._pid == os.getpid()
                 and len(self._free) < self.max_free

@@ -101,6 +101,21 @@ class Chunk:
             other._finalizer = weakref.finalize(other, self._lease.drop)
         return other
 
+    def view_as(self, key: bytes) -> Chunk:
+        """The same bytes under another key, with no lease of its own: valid while this
+        chunk is held. A verification failure through it drops this chunk's stored copy.
+        (The cache server stores chunks under tenant-scoped keys and serves them under the
+        caller's.)"""
+        return Chunk(
+            key,
+            self.layout,
+            self.data,
+            namespace=self.namespace,
+            checksum=self.checksum,
+            verified=self.verified,
+            on_corrupt=self._corrupt,
+        )
+
     @classmethod
     def from_buffer(cls, key: bytes, layout: KVLayout, num_tokens: int, buffer, **kw) -> Chunk:
         """A chunk over a contiguous buffer holding the canonical bytes."""

@@ -1,4 +1,4 @@
-"""The ``lmtier`` command: ``size``, ``keys``, ``demo``."""
+"""The ``lmtier`` command: ``size``, ``keys``, ``demo``, ``serve``."""
 
 from __future__ import annotations
 
@@ -115,6 +115,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_vllm_demo(out_dir=args.out, docs=args.docs, doc_tokens=args.doc_tokens, directory=args.dir)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from lmtier.config import ServerConfig, parse_token, read_token_file
+    from lmtier.server import serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tokens = [parse_token(t) for t in args.token or ()]
+    for path in args.token_file or ():
+        tokens += read_token_file(path)
+    defaults = ServerConfig()
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        tiers=tuple(args.tier) if args.tier else defaults.tiers,
+        tokens=tuple(tokens),
+        tls_cert=args.tls_cert or "",
+        tls_key=args.tls_key or "",
+        tls_client_ca=args.tls_client_ca or "",
+        max_chunk_bytes=parse_size(args.max_chunk),
+        max_message_bytes=parse_size(args.max_message),
+        max_keys=args.max_keys,
+        workers=args.workers,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        metrics_port=args.metrics_port,
+        shm_dir="" if args.no_shm else args.shm_dir,
+        grace=args.grace,
+    )
+    return serve(config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmtier", description="Multi-tier KV-cache offloading for LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -145,6 +176,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-only", action="store_true", help="the embedded store alone, without an engine")
     p.add_argument("--tier", action="append", help="with --store-only: tier URL (repeatable)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("serve", help="run the shared cache server (gRPC), for engines' grpc:// tiers")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 picks a free one)")
+    p.add_argument(
+        "--tier",
+        action="append",
+        help="tier URL, fastest first, repeatable (default: cpu://?size=1GiB&slot=256KiB and "
+        "file://~/.cache/lmtier/server?size=10GiB)",
+    )
+    p.add_argument("--token", action="append", help="SECRET[=TENANT]: a bearer token and its tenant (repeatable)")
+    p.add_argument("--token-file", action="append", help="a file of SECRET=TENANT lines (repeatable)")
+    p.add_argument("--tls-cert", help="server certificate (PEM): turns TLS on")
+    p.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    p.add_argument("--tls-client-ca", help="CA that signs client certificates: turns mutual TLS on")
+    p.add_argument("--metrics-port", type=int, help="serve /metrics, /healthz and /readyz on this port")
+    p.add_argument("--max-chunk", default="64MiB", help="largest chunk frame accepted (default 64MiB)")
+    p.add_argument("--max-message", default="80MiB", help="largest gRPC message accepted (default 80MiB)")
+    p.add_argument("--max-keys", type=int, default=4096, help="keys per request (default 4096)")
+    p.add_argument("--workers", type=int, default=16, help="threads serving calls (default 16)")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=64, help="calls at once; more are refused (default 64)")
+    p.add_argument("--shm-dir", default="/dev/shm", help="where same-host clients' segments live")
+    p.add_argument("--no-shm", action="store_true", help="refuse the shared-memory data plane")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -185,6 +185,32 @@ def read_header(frame) -> tuple[Header, memoryview]:
     return header, view[PREAMBLE.size + header_len :]
 
 
+class PayloadHash:
+    """xxh3-64 of a frame's payload, fed as the frame's bytes arrive (a socket reader
+    calls ``arrived(total)`` after each piece), so the payload is hashed while it is still
+    in cache and ``decode(payload_checksum=digest())`` need not read it again. The payload
+    starts after the preamble and the header, whose length the preamble gives; a damaged
+    preamble only makes the digest wrong, which ``decode`` then refuses."""
+
+    def __init__(self, frame: memoryview) -> None:
+        self.frame = frame
+        self.start = -1  # payload offset, once the preamble is in
+        self.done = 0  # bytes hashed up to here
+        self.h = xxhash.xxh3_64()
+
+    def arrived(self, total: int) -> None:
+        if self.start < 0:
+            if total < PREAMBLE.size:
+                return
+            self.start = self.done = min(len(self.frame), PREAMBLE.size + header_length(self.frame))
+        if total > self.done:
+            self.h.update(self.frame[self.done : total])
+            self.done = total
+
+    def digest(self) -> int | None:
+        return self.h.intdigest() if self.start >= 0 and self.done == len(self.frame) else None
+
+
 def decode(
     frame,
     *,

@@ -11,7 +11,7 @@ import json
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +130,81 @@ def load_config(
     merged.update(from_env(env))
     merged.update(_from_mapping({k: v for k, v in overrides.items() if v is not None}, "arguments"))
     return replace(StoreConfig(), **merged)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``lmtier serve``: the standalone cache server (flags override these defaults)."""
+
+    # Where to listen. 127.0.0.1 serves the sidecar case (clients in the same pod);
+    # 0.0.0.0 or [::] serves other hosts (use tokens and TLS then).
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port (tests)
+    # The server's own tiers, fastest first: host memory (256 KiB slots: chunks of many
+    # sizes share it without waste), then local disk under the user's cache directory.
+    tiers: tuple[str, ...] = field(default_factory=lambda: default_server_tiers())
+    # Bearer tokens: token -> tenant. Empty (and no mutual TLS): one open, shared tenant.
+    tokens: tuple[tuple[str, str], ...] = ()
+    # TLS: certificate and key of the server; with client_ca, clients must present a
+    # certificate signed by it (mutual TLS), and its common name is the tenant when no
+    # tokens are configured.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    # Limits: one frame, one gRPC message, keys per request, RPCs served at once.
+    max_chunk_bytes: int = 64 * 1024**2
+    max_message_bytes: int = 80 * 1024**2
+    max_keys: int = 4096
+    workers: int = 16
+    max_concurrent_rpcs: int = 64
+    # Prometheus /metrics, /healthz and /readyz on this port (None: off).
+    metrics_port: int | None = None
+    metrics_host: str = "0.0.0.0"
+    # Same-host shared-memory data plane: the directory segments live in ("" turns it off).
+    shm_dir: str = "/dev/shm"
+    # Seconds between readiness probes of the tiers.
+    probe_interval: float = 5.0
+    # Seconds in-flight calls get to finish on shutdown.
+    grace: float = 10.0
+    write_queue: int = 64
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tiers", tuple(self.tiers))
+        object.__setattr__(self, "tokens", tuple(tuple(t) for t in self.tokens))
+        if not self.tiers:
+            raise ConfigError("the server needs at least one tier")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must lie in [0, 65536), got {self.port}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("TLS needs both a certificate and its key")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("mutual TLS (a client CA) needs the server's certificate and key too")
+        if self.max_chunk_bytes <= 0 or self.max_message_bytes <= 0 or self.max_keys <= 0:
+            raise ConfigError("limits must be positive")
+        if self.workers < 1 or self.max_concurrent_rpcs < 1:
+            raise ConfigError("workers and max_concurrent_rpcs must be at least 1")
+        for token, tenant in self.tokens:
+            if not token or not tenant:
+                raise ConfigError("a token and its tenant must not be empty")
+
+
+def default_server_tiers() -> tuple[str, ...]:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmtier" / "server"
+    return ("cpu://?size=1GiB&slot=256KiB", f"file://{cache.resolve()}?size=10GiB")
+
+
+def parse_token(spec: str) -> tuple[str, str]:
+    """``SECRET=TENANT`` (or ``SECRET`` alone: the ``default`` tenant)."""
+    token, _, tenant = spec.strip().partition("=")
+    if not token:
+        raise ConfigError(f"empty token in {spec!r}")
+    return token, tenant or "default"
+
+
+def read_token_file(path: str | Path) -> list[tuple[str, str]]:
+    """One ``SECRET=TENANT`` per line; blank lines and ``#`` comments are skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc}") from exc
+    return [parse_token(line) for line in lines if line.strip() and not line.lstrip().startswith("#")]

@@ -71,3 +71,25 @@ LOOKUP_TOKENS = Counter(
     ["result"],
     registry=REGISTRY,
 )
+SERVER_RPCS = Counter(
+    "lmtier_server_rpcs_total",
+    "Calls the cache server finished, per method and gRPC status code.",
+    ["method", "code"],
+    registry=REGISTRY,
+)
+SERVER_BYTES = Counter(
+    "lmtier_server_bytes_total",
+    "Frame bytes the cache server received (put) and sent (get), per transport (grpc, shm).",
+    ["direction", "transport"],
+    registry=REGISTRY,
+)
+SERVER_INFLIGHT = Gauge(
+    "lmtier_server_inflight_rpcs",
+    "Calls the cache server is serving now.",
+    registry=REGISTRY,
+)
+SERVER_READY = Gauge(
+    "lmtier_server_ready",
+    "1 when every tier of the cache server passed its last probe, else 0.",
+    registry=REGISTRY,
+)

@@ -40,63 +40,7 @@ def cli(port: int, *args: str, timeout: float = 10, tls: tuple[str, ...] = ()) -
     return run.stdout.strip()
 
 
-def make_certificates(directory: Path) -> dict[str, str]:
-    """A throwaway CA and a server certificate for 127.0.0.1 / localhost (needs openssl)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = {name: str(directory / name) for name in ("ca.crt", "ca.key", "server.crt", "server.key", "server.csr")}
-    (directory / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=lmtier-test-ca",
-        "-keyout",
-        paths["ca.key"],
-        "-out",
-        paths["ca.crt"],
-    )
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=localhost",
-        "-keyout",
-        paths["server.key"],
-        "-out",
-        paths["server.csr"],
-    )
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        paths["server.csr"],
-        "-CA",
-        paths["ca.crt"],
-        "-CAkey",
-        paths["ca.key"],
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-out",
-        paths["server.crt"],
-        "-extfile",
-        str(directory / "ext.cnf"),
-    )
-    return paths
-
-
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec (Linux): SIGKILL when the parent dies, so a test run that
     is killed leaves no server behind."""
     try:
@@ -109,7 +53,7 @@ def _die_with_parent() -> None:
 
 
 class RedisServer:
-    """One ``redis-server``; with ``certificates`` (from ``make_certificates``) it speaks
+    """One ``redis-server``; with ``certificates`` (from ``lmtier.certs``) it speaks
     TLS only, on its port."""
 
     def __init__(
@@ -141,7 +85,7 @@ class RedisServer:
         args = ["redis-server", *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         args += ["--dir", str(self.dir), *self.config]
         with open(self.dir / "server.log", "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         deadline = time.monotonic() + 15
         while cli(self.port, "PING", tls=self.tls_cli) not in ("PONG", "NOAUTH Authentication required."):
             if self.proc.poll() is not None or time.monotonic() > deadline:

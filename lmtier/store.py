@@ -113,7 +113,7 @@ class TieredStore:
         """
         batches = [keys[i : i + batch] for i in range(0, len(keys), max(1, batch))]
         pending: deque[Future] = deque()
-        submitted = 0
+        submitted = found = 0
 
         def top_up() -> None:
             nonlocal submitted
@@ -125,12 +125,23 @@ class TieredStore:
             for wanted in batches:
                 top_up()
                 current = pending.popleft().result()
+                found += len(current)
                 yield current
                 if len(current) < len(wanted):
                     return
         finally:
             for future in pending:
                 release_all(future.result())
+            if len(batches) > 1:
+                self._touch(keys[:found])
+
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        """Mark a prompt's keys used, head most recent: read batch by batch, the later
+        batches would otherwise look more recent than the head and be kept longer."""
+        for tier in self.tiers:
+            touch = getattr(tier, "touch", None)
+            if touch is not None and keys:
+                self._call(tier, "touch", touch, keys, default=None)
 
     def put(self, chunks: Sequence[Chunk]) -> int:
         if not chunks or self._closed:

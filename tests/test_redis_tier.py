@@ -6,9 +6,10 @@ import time
 
 import pytest
 
+from lmtier.certs import make_certificates
 from lmtier.chunk import release_all
 from lmtier.errors import ConfigError
-from lmtier.redisproc import RedisCluster, RedisServer, make_certificates
+from lmtier.redisproc import RedisCluster, RedisServer
 from lmtier.store import TieredStore
 from lmtier.tiers.base import open_tier
 from lmtier.tiers.redis import RedisTier

@@ -142,6 +142,8 @@ _REGISTRY: dict[str, tuple[str, str | None]] = {
     "rediss": ("lmtier.tiers.redis:RedisTier", "redis"),
     "unix": ("lmtier.tiers.redis:RedisTier", "redis"),
     "redis+cluster": ("lmtier.tiers.redis:RedisTier", "redis"),
+    "grpc": ("lmtier.tiers.grpc:GrpcTier", "grpc"),
+    "grpcs": ("lmtier.tiers.grpc:GrpcTier", "grpc"),
 }
 
 

@@ -189,6 +189,14 @@ class CpuTier(Tier):
         metrics.TIER_OPS.labels(self.name, "get", "miss").inc(len(keys) - hits)
         return out
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Make ``keys`` the most recently used, the first one most of all (as ``get`` does
+        for one batch); for a prompt read in several batches."""
+        with self._state():
+            for key in reversed(keys):
+                if key in self._index:
+                    self._index.move_to_end(key)
+
     def delete(self, keys: Sequence[bytes]) -> None:
         with self._state():
             for key in keys:
@@ -203,10 +211,17 @@ class CpuTier(Tier):
             self._slab = None  # leased views keep their memory alive until released
 
     # -- derived ------------------------------------------------------------------------
-    def keys(self) -> list[bytes]:
-        """Every key held, most recently used first (for flushing in write-back mode)."""
+    def keys(self, prefix: bytes = b"", limit: int | None = None) -> list[bytes]:
+        """Keys held that start with ``prefix``, most recently used first (for flushing in
+        write-back mode, and for listing a tenant's chunks on the server)."""
+        out: list[bytes] = []
         with self._state():
-            return [k for k, e in reversed(self._index.items()) if e.ready]
+            for k, e in reversed(self._index.items()):
+                if e.ready and k.startswith(prefix):
+                    out.append(k)
+                    if limit is not None and len(out) >= limit:
+                        break
+        return out
 
     @property
     def used_bytes(self) -> int:

@@ -166,6 +166,10 @@ class DiskTier(Tier):
         self.index.close()
 
     # -- derived ------------------------------------------------------------------------
+    def keys(self, prefix: bytes = b"", limit: int | None = None) -> list[bytes]:
+        """Keys held that start with ``prefix``, most recently used first."""
+        return self.index.keys(prefix, limit)
+
     @property
     def used_bytes(self) -> int:
         return self.index.usage()

@@ -74,6 +74,20 @@ class DiskIndex:
         with self._lock:
             return self._conn().execute("SELECT value FROM meta WHERE name='usage'").fetchone()[0]
 
+    def keys(self, prefix: bytes = b"", limit: int | None = None) -> list[bytes]:
+        """Keys starting with ``prefix``, most recently used first."""
+        sql, args = "SELECT key FROM chunks WHERE key >= ?", [prefix]
+        upper = _after(prefix)
+        if upper is not None:
+            sql += " AND key < ?"
+            args.append(upper)
+        sql += " ORDER BY atime DESC"
+        if limit is not None:
+            sql += " LIMIT ?"
+            args.append(limit)
+        with self._lock:
+            return [row[0] for row in self._conn().execute(sql, args)]
+
     def rows(self) -> dict[bytes, tuple[int, int]]:
         with self._lock:
             return {k: (s, a) for k, s, a in self._conn().execute("SELECT key, size, atime FROM chunks")}
@@ -136,3 +150,11 @@ class Txn:
                 if len(out) == n:
                     break
         return out
+
+
+def _after(prefix: bytes) -> bytes | None:
+    """The smallest byte string greater than every string starting with ``prefix``."""
+    trimmed = prefix.rstrip(b"\xff")
+    if not trimmed:
+        return None
+    return trimmed[:-1] + bytes([trimmed[-1] + 1])

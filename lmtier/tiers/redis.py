@@ -43,8 +43,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import unquote
 
-import xxhash
-
 from lmtier import codec, metrics
 from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk
@@ -223,7 +221,7 @@ class _Conn:
     def bulk_into(self, pool: BufferPool) -> tuple[Any, int, int | None] | ReplyError | None:
         """A bulk reply read into a pooled buffer: (buffer, length, payload checksum),
         None, or an error. The value is taken to be a chunk frame, and its payload is
-        hashed piece by piece as it arrives, while still in cache (see ``_PayloadHash``)."""
+        hashed piece by piece as it arrives, while still in cache (see ``codec.PayloadHash``)."""
         line = self.line()
         if line[:1] == b"-":
             return ReplyError(line[1:].decode(errors="replace"))
@@ -235,37 +233,13 @@ class _Conn:
         buf = pool.acquire(n)
         try:
             view = memoryview(buf)[:n]
-            payload = _PayloadHash(view)
+            payload = codec.PayloadHash(view)
             self.read_into(view, payload.arrived)
             self.skip(2)
         except BaseException:
             pool.release(buf)
             raise
         return buf, n, payload.digest()
-
-
-class _PayloadHash:
-    """xxh3-64 of a frame's payload, fed as the frame's bytes arrive. The payload starts
-    after the preamble and the header, whose length the preamble gives; a damaged
-    preamble only makes the digest wrong, which ``codec.decode`` then refuses."""
-
-    def __init__(self, frame: memoryview) -> None:
-        self.frame = frame
-        self.start = -1  # payload offset, once the preamble is in
-        self.done = 0  # bytes hashed up to here
-        self.h = xxhash.xxh3_64()
-
-    def arrived(self, total: int) -> None:
-        if self.start < 0:
-            if total < codec.PREAMBLE.size:
-                return
-            self.start = self.done = min(len(self.frame), codec.PREAMBLE.size + codec.header_length(self.frame))
-        if total > self.done:
-            self.h.update(self.frame[self.done : total])
-            self.done = total
-
-    def digest(self) -> int | None:
-        return self.h.intdigest() if self.start >= 0 and self.done == len(self.frame) else None
 
 
 def command(*args: bytes) -> bytes:

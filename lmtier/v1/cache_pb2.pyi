@@ -19,12 +19,12 @@ class LookupResponse(_message.Message):
     def __init__(self, hits: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("keys", "shared_memory")
+    __slots__ = ("keys", "landing")
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    LANDING_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    shared_memory: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+    landing: _containers.RepeatedCompositeFieldContainer[SharedRegion]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., landing: _Optional[_Iterable[_Union[SharedRegion, _Mapping]]] = ...) -> None: ...
 
 class ChunkPiece(_message.Message):
     __slots__ = ("key", "frame_size", "offset", "data", "region")
@@ -41,24 +41,22 @@ class ChunkPiece(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., frame_size: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., region: _Optional[_Union[SharedRegion, _Mapping]] = ...) -> None: ...
 
 class SharedRegion(_message.Message):
-    __slots__ = ("segment", "offset", "length", "lease")
+    __slots__ = ("segment", "offset", "length")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
-    LEASE_FIELD_NUMBER: _ClassVar[int]
     segment: str
     offset: int
     length: int
-    lease: int
-    def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., lease: _Optional[int] = ...) -> None: ...
+    def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("stored", "rejected")
+    __slots__ = ("stored", "dropped")
     STORED_FIELD_NUMBER: _ClassVar[int]
-    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     stored: int
-    rejected: int
-    def __init__(self, stored: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+    dropped: int
+    def __init__(self, stored: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("keys",)
@@ -69,6 +67,20 @@ class DeleteRequest(_message.Message):
 class DeleteResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("keys", "truncated")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    truncated: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

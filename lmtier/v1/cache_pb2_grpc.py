@@ -54,6 +54,11 @@ class CacheServiceStub:
                 request_serializer=lmtier_dot_v1_dot_cache__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=lmtier_dot_v1_dot_cache__pb2.DeleteResponse.FromString,
                 _registered_method=True)
+        self.List = channel.unary_unary(
+                '/lmtier.v1.CacheService/List',
+                request_serializer=lmtier_dot_v1_dot_cache__pb2.ListRequest.SerializeToString,
+                response_deserializer=lmtier_dot_v1_dot_cache__pb2.ListResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/lmtier.v1.CacheService/Stats',
                 request_serializer=lmtier_dot_v1_dot_cache__pb2.StatsRequest.SerializeToString,
@@ -95,6 +100,13 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def List(self, request, context):
+        """Keys the caller's tenant holds (at most `limit`, most recently used first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """What the server's tiers hold, for the caller's tenant and in total.
         """
@@ -124,6 +136,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=lmtier_dot_v1_dot_cache__pb2.DeleteRequest.FromString,
                     response_serializer=lmtier_dot_v1_dot_cache__pb2.DeleteResponse.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=lmtier_dot_v1_dot_cache__pb2.ListRequest.FromString,
+                    response_serializer=lmtier_dot_v1_dot_cache__pb2.ListResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -239,6 +256,33 @@ class CacheService:
             '/lmtier.v1.CacheService/Delete',
             lmtier_dot_v1_dot_cache__pb2.DeleteRequest.SerializeToString,
             lmtier_dot_v1_dot_cache__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmtier.v1.CacheService/List',
+            lmtier_dot_v1_dot_cache__pb2.ListRequest.SerializeToString,
+            lmtier_dot_v1_dot_cache__pb2.ListResponse.FromString,
             options,
             channel_credentials,
             insecure,

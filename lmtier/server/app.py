@@ -1,0 +1,225 @@
+"""``lmtier serve``: the cache service, health, reflection, readiness and metrics, wired up.
+
+    create_server(config) -> (CacheServer, port)    built and started, not blocking
+    serve(config)                                   runs until SIGTERM / SIGINT
+
+Readiness is earned, not assumed: a probe thread writes a small chunk into every tier,
+reads it back and checks its bytes, every ``probe_interval`` seconds. The gRPC health
+service (``grpc.health.v1``, for Kubernetes ``grpc`` probes) and ``/readyz`` on the
+metrics port (for ``httpGet`` probes) both answer from it; ``/healthz`` only says the
+process is alive. The same thread sweeps the shared-memory segments of clients that died.
+
+Shutdown drains: readiness drops first (load balancers stop sending), in-flight calls get
+``grace`` seconds, then the store flushes its background writes and closes its tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from lmtier import metrics, shm
+from lmtier.chunk import Chunk, release_all
+from lmtier.config import ServerConfig
+from lmtier.layout import KVLayout
+from lmtier.server.auth import PROBE_TAG, Authenticator
+from lmtier.server.service import SERVICE, CacheService
+from lmtier.store import TieredStore
+from lmtier.tiers.base import TierContext, open_tier
+
+log = logging.getLogger(__name__)
+
+SWEEP_EVERY_S = 30.0
+_PROBE_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16")
+
+
+class CacheServer:
+    """A running server: ``port``, ``ready``, ``stop()``, ``wait()``."""
+
+    def __init__(self, config: ServerConfig, store: TieredStore | None = None) -> None:
+        self.config = config
+        self.store = store or TieredStore(
+            [open_tier(url, TierContext()) for url in config.tiers], write_queue=config.write_queue
+        )
+        self.auth = Authenticator(config.tokens, mutual_tls=bool(config.tls_client_ca))
+        self.service = CacheService(self.store, config, self.auth)
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+        ]
+        self.grpc = grpc.server(
+            futures.ThreadPoolExecutor(config.workers, thread_name_prefix="lmtier-rpc"),
+            options=options,
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        )
+        self.grpc.add_generic_rpc_handlers((self.service.handler(),))
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+        address = f"{config.host}:{config.port}"
+        if config.tls_cert:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
+                root_certificates=Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None,
+                require_client_auth=bool(config.tls_client_ca),
+            )
+            self.port = self.grpc.add_secure_port(address, credentials)
+        else:
+            self.port = self.grpc.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address}")
+        self.ready = False
+        self.stopping = threading.Event()
+        self._http: ThreadingHTTPServer | None = None
+        self.metrics_port: int | None = None
+        self._prober = threading.Thread(target=self._probe_loop, name="lmtier-probe", daemon=True)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> CacheServer:
+        self._set_ready(self.probe())
+        self.grpc.start()
+        if self.config.metrics_port is not None:
+            self._http = ThreadingHTTPServer((self.config.metrics_host, self.config.metrics_port), _handler(self))
+            self.metrics_port = self._http.server_address[1]
+            threading.Thread(target=self._http.serve_forever, name="lmtier-metrics", daemon=True).start()
+        self._prober.start()
+        log.info(
+            "lmtier cache server on %s:%d (%s, tiers: %s)",
+            self.config.host,
+            self.port,
+            "TLS" if self.config.tls_cert else "plaintext",
+            ", ".join(t.name for t in self.store.tiers),
+        )
+        if self.auth.open and self.config.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("no tokens and no mutual TLS: any client that reaches %s may use the cache", self.config.host)
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop taking calls, let in-flight ones finish, flush and close the store."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        self._set_ready(False)
+        grace = self.config.grace if grace is None else grace
+        self.grpc.stop(grace).wait(grace + 5)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        self.store.close(timeout=max(grace, 1.0))
+        if self.service.maps is not None:
+            self.service.maps.clear()
+
+    def wait(self) -> None:
+        self.stopping.wait()
+
+    # -- readiness ----------------------------------------------------------------------
+    def probe(self) -> bool:
+        """Write, read back and delete a small chunk in every tier; True if all worked."""
+        data = np.frombuffer(os.urandom(_PROBE_LAYOUT.chunk_bytes(4)), dtype=np.uint8)
+        key = PROBE_TAG + os.urandom(16)
+        chunk = Chunk.from_buffer(key, _PROBE_LAYOUT, 4, data, namespace=b"\x00" * 16)
+        for tier in self.store.tiers:
+            try:
+                tier.put([chunk])
+                got = tier.get([key])
+                try:
+                    ok = got[0] is not None and got[0].tobytes() == data.tobytes()
+                finally:
+                    release_all(got)
+                tier.delete([key])
+            except Exception as exc:
+                log.warning("readiness probe: tier %s failed: %s", tier.name, exc)
+                return False
+            if not ok:
+                log.warning("readiness probe: tier %s did not give back what it was given", tier.name)
+                return False
+        return True
+
+    def _set_ready(self, ready: bool) -> None:
+        ready = ready and not self.stopping.is_set()
+        if ready != self.ready:
+            log.info("readiness: %s", "ready" if ready else "not ready")
+        self.ready = ready
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set("", status)
+        self.health.set(SERVICE, status)
+        metrics.SERVER_READY.set(1 if ready else 0)
+
+    def _probe_loop(self) -> None:
+        swept_at = 0.0
+        clock = 0.0
+        while not self.stopping.wait(self.config.probe_interval):
+            clock += self.config.probe_interval
+            try:
+                self._set_ready(self.probe())
+                for stats in self.store.stats()["tiers"]:
+                    if "used_bytes" in stats:
+                        metrics.TIER_USED_BYTES.labels(stats["tier"]).set(stats["used_bytes"])
+                if self.config.shm_dir and clock - swept_at >= SWEEP_EVERY_S:
+                    swept_at = clock
+                    shm.sweep(self.config.shm_dir)
+            except Exception:  # the prober must outlive anything
+                log.exception("readiness probe failed")
+                self._set_ready(False)
+
+
+def _handler(server: CacheServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._send(200, generate_latest(metrics.REGISTRY), CONTENT_TYPE_LATEST)
+            elif path == "/healthz":
+                self._send(200, b"ok\n")
+            elif path == "/readyz":
+                ok = server.ready
+                self._send(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
+            else:
+                self._send(404, b"not found: try /metrics, /healthz or /readyz\n")
+
+        def _send(self, code: int, body: bytes, kind: str = "text/plain; charset=utf-8") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:  # scrapes every few seconds: not worth a log line
+            pass
+
+    return Handler
+
+
+def create_server(config: ServerConfig, store: TieredStore | None = None) -> tuple[CacheServer, int]:
+    """Build and start a server; returns it and the port it listens on (``port=0``: any)."""
+    server = CacheServer(config, store).start()
+    return server, server.port
+
+
+def serve(config: ServerConfig) -> int:
+    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    server, port = create_server(config)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: shutting down (grace %.0f s)", signum, config.grace)
+        threading.Thread(target=server.stop, name="lmtier-stop").start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"lmtier serve: listening on {config.host}:{port}", flush=True)
+    if server.metrics_port is not None:
+        print(f"lmtier serve: metrics on http://{config.metrics_host}:{server.metrics_port}/metrics", flush=True)
+    server.wait()
+    server.grpc.wait_for_termination(config.grace + 10)
+    return 0

@@ -1,0 +1,375 @@
+"""``CacheService``: the server side of protos/lmtier/v1/cache.proto, over a TieredStore.
+
+    Lookup  leading hits of a key list          Get   the leading run, frame by frame
+    Put     frames in, stored when whole        Delete, List, Stats
+
+Every call first resolves the caller's tenant (``auth``) and scopes its keys; then checks
+its input and answers a clear status for anything wrong (``INVALID_ARGUMENT`` for a
+malformed message or key, ``RESOURCE_EXHAUSTED`` for a frame over the limit, ``DATA_LOSS``
+for a damaged one, ``FAILED_PRECONDITION`` for a shared-memory segment not on this host).
+
+Bulk bytes skip protobuf (``lmtier.wire``): ``Put`` receives raw ``ChunkPiece`` bytes and
+``Get`` sends them. A frame is checked as it is stored (``codec.decode``, then the first
+tier hashes the payload while copying it in) and as it is served (the chunk is verified
+while it is encoded), so the server never keeps or hands out a damaged chunk.
+
+Memory per call is bounded: a ``Put`` holds at most ``PUT_BATCH_BYTES`` of frames plus one
+half-built frame; a ``Get`` holds ``GET_BATCH`` chunks and reads one batch ahead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from lmtier import codec, metrics
+from lmtier.buffers import BufferPool
+from lmtier.chunk import Chunk, release_all
+from lmtier.config import ServerConfig
+from lmtier.errors import IntegrityError, LayoutError, LmtierError
+from lmtier.server.auth import Authenticator
+from lmtier.shm import SegmentMaps, SegmentUnavailable
+from lmtier.store import TieredStore
+from lmtier.v1 import cache_pb2
+from lmtier.wire import FrameAssembler, FrameTooLarge, Region, decode_piece, encode_piece, split
+
+log = logging.getLogger(__name__)
+
+SERVICE = "lmtier.v1.CacheService"
+KEY_LENGTHS = (16, 32)  # xxh3-128 and sha256 chunk keys
+PIECE_BYTES = 4 * 1024 * 1024 - 4096  # under gRPC's default 4 MiB message limit
+PUT_BATCH = 16
+PUT_BATCH_BYTES = 16 * 1024 * 1024
+GET_BATCH = 4
+LIST_DEFAULT, LIST_MAX = 1000, 100_000
+
+
+class _Abort(Exception):
+    """Raised inside a handler to end the call with a status (see ``_observed``)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class CacheService:
+    def __init__(self, store: TieredStore, config: ServerConfig, auth: Authenticator) -> None:
+        self.store = store
+        self.config = config
+        self.auth = auth
+        self.maps = SegmentMaps(config.shm_dir) if config.shm_dir else None
+        self.buffers = BufferPool(max_free=32, max_free_bytes=128 << 20)
+
+    # -- registration -------------------------------------------------------------------
+    def handler(self) -> grpc.GenericRpcHandler:
+        def unary(fn, request_type, response_type):
+            return grpc.unary_unary_rpc_method_handler(
+                _observed(fn.__name__, fn),
+                request_deserializer=request_type.FromString,
+                response_serializer=response_type.SerializeToString,
+            )
+
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Lookup": unary(self.Lookup, cache_pb2.LookupRequest, cache_pb2.LookupResponse),
+                "Get": grpc.unary_stream_rpc_method_handler(
+                    _observed_stream("Get", self.Get),
+                    request_deserializer=cache_pb2.GetRequest.FromString,
+                    response_serializer=None,  # ChunkPiece bytes from lmtier.wire
+                ),
+                "Put": grpc.stream_unary_rpc_method_handler(
+                    _observed("Put", self.Put),
+                    request_deserializer=None,  # raw ChunkPiece bytes, parsed by lmtier.wire
+                    response_serializer=cache_pb2.PutResponse.SerializeToString,
+                ),
+                "Delete": unary(self.Delete, cache_pb2.DeleteRequest, cache_pb2.DeleteResponse),
+                "List": unary(self.List, cache_pb2.ListRequest, cache_pb2.ListResponse),
+                "Stats": unary(self.Stats, cache_pb2.StatsRequest, cache_pb2.StatsResponse),
+            },
+        )
+
+    # -- input checks ---------------------------------------------------------------------
+    def _scoped(self, tag: bytes, keys) -> list[bytes]:
+        if len(keys) > self.config.max_keys:
+            raise _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(keys)} keys in one request; the limit is {self.config.max_keys}",
+            )
+        out = []
+        for i, key in enumerate(keys):
+            _check_key(key, f"key {i}")
+            out.append(tag + key)
+        return out
+
+    # -- calls --------------------------------------------------------------------------
+    def Lookup(self, request: cache_pb2.LookupRequest, context: grpc.ServicerContext) -> cache_pb2.LookupResponse:
+        keys = self._scoped(self.auth.tag(context), request.keys)
+        return cache_pb2.LookupResponse(hits=self.store.lookup(keys))
+
+    def Get(self, request: cache_pb2.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        keys = list(request.keys)
+        scoped = self._scoped(self.auth.tag(context), keys)
+        landing = [Region(r.segment, r.offset, r.length) for r in request.landing]
+        if len(landing) > len(keys):
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "more landing regions than keys")
+        if landing and self.maps is None:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "this server has shared memory turned off")
+        index = 0
+        batches = self.store.iter_get(scoped, GET_BATCH, ahead=1)
+        try:
+            for chunks in batches:
+                try:
+                    for chunk in chunks:
+                        if not context.is_active():
+                            return
+                        region = landing[index] if index < len(landing) else None
+                        try:
+                            messages = self._serve(keys[index], chunk, region)
+                        except IntegrityError as exc:  # the stored copy is dropped: a miss from here
+                            log.warning("chunk %s failed verification while served: %s", keys[index].hex()[:16], exc)
+                            return
+                        yield from messages
+                        index += 1
+                finally:
+                    release_all(chunks)
+        finally:
+            batches.close()
+
+    def _serve(self, key: bytes, chunk: Chunk, region: Region | None) -> list[bytes]:
+        """The messages carrying one chunk, under the caller's key; the chunk is verified
+        on the way (``IntegrityError`` drops the stored copy)."""
+        view = chunk.view_as(key)
+        size = codec.encoded_size(view)
+        if region is not None and size <= region.length:
+            dst = self._region(region.segment, region.offset, size)
+            codec.encode_into(view, dst)  # copies and verifies in one pass
+            metrics.SERVER_BYTES.labels("get", "shm").inc(size)
+            return [encode_piece(key, size, region=Region(region.segment, region.offset, size))]
+        parts = [memoryview(p).cast("B") for p in codec.encode_parts(view)]
+        metrics.SERVER_BYTES.labels("get", "grpc").inc(size)
+        if size <= PIECE_BYTES:
+            return [encode_piece(key, size, data=parts)]
+        return [
+            encode_piece(key if offset == 0 else b"", size if offset == 0 else 0, offset, data=piece)
+            for offset, piece in split(parts, PIECE_BYTES)
+        ]
+
+    def _region(self, segment: str, offset: int, length: int) -> memoryview:
+        if self.maps is None:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "this server has shared memory turned off")
+        try:
+            return self.maps.region(segment, offset, length)
+        except SegmentUnavailable as exc:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
+        except LmtierError as exc:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+
+    def Put(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> cache_pb2.PutResponse:
+        tag = self.auth.tag(context)
+        assembler = FrameAssembler(self.buffers, self.config.max_chunk_bytes)
+        batch: list[tuple[Chunk, Callable[[], None]]] = []
+        damaged: list[bytes] = []
+        totals = {"stored": 0, "dropped": 0}
+
+        def store() -> None:
+            chunks = [c for c, _ in batch]
+            try:
+                held = self.store.put(chunks)
+            finally:
+                for _, release in batch:
+                    release()
+                batch.clear()
+            if damaged:  # found by the first tier as it hashed the payload in
+                raise _Abort(grpc.StatusCode.DATA_LOSS, f"chunk {damaged[0].hex()} failed its payload checksum")
+            totals["stored"] += held
+            totals["dropped"] += len(chunks) - held
+
+        try:
+            for message in messages:
+                try:
+                    piece = decode_piece(message)
+                except LmtierError as exc:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed ChunkPiece: {exc}") from exc
+                frame = self._receive(piece, assembler)
+                if frame is None:
+                    continue
+                key, view, digest, release, transport = frame
+                try:
+                    chunk = self._accept(tag, key, view, digest, damaged)
+                except BaseException:
+                    release()
+                    raise
+                metrics.SERVER_BYTES.labels("put", transport).inc(len(view))
+                batch.append((chunk, release))
+                if len(batch) >= PUT_BATCH or sum(c.nbytes for c, _ in batch) >= PUT_BATCH_BYTES:
+                    store()
+            if assembler.pending:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended in the middle of a chunk")
+            store()
+        finally:
+            assembler.abandon()
+            for _, release in batch:
+                release()
+        return cache_pb2.PutResponse(stored=totals["stored"], dropped=totals["dropped"])
+
+    def _receive(self, piece, assembler: FrameAssembler):
+        """A whole frame from this piece (with what came before), or None for now."""
+        try:
+            if piece.region is not None:
+                if assembler.pending or piece.offset != 0 or piece.region.length != piece.frame_size:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "a shared-memory piece must hold a whole frame")
+                if not piece.key:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "a piece without its chunk's key")
+                if piece.frame_size > self.config.max_chunk_bytes:
+                    raise FrameTooLarge(
+                        f"frame of {piece.frame_size} bytes exceeds the limit of {self.config.max_chunk_bytes}"
+                    )
+                view = self._region(piece.region.segment, piece.region.offset, piece.region.length)
+                return piece.key, view, None, _nothing, "shm"
+            done = assembler.add(piece, piece.data if piece.data is not None else memoryview(b""))
+        except FrameTooLarge as exc:
+            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+        except LmtierError as exc:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        return None if done is None else (*done, "grpc")
+
+    def _accept(self, tag: bytes, key: bytes, frame: memoryview, digest: int | None, damaged: list[bytes]) -> Chunk:
+        """Check one received frame and return the chunk to store under the tenant's key."""
+        _check_key(key, "the chunk key")
+        try:
+            chunk = codec.decode(
+                frame,
+                key=key,
+                lazy=True,  # the first tier hashes the payload as it copies it in
+                payload_checksum=digest,
+                on_corrupt=lambda: damaged.append(key),
+            )
+        except LayoutError as exc:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {key.hex()}: {exc}") from exc
+        except IntegrityError as exc:
+            code = grpc.StatusCode.DATA_LOSS if "checksum" in str(exc) else grpc.StatusCode.INVALID_ARGUMENT
+            raise _Abort(code, f"chunk {key.hex()}: {exc}") from exc
+        if len(chunk.namespace) != len(key):
+            raise _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"chunk {key.hex()}: a namespace digest of {len(chunk.namespace)} bytes does not go with "
+                f"a key of {len(key)}",
+            )
+        return chunk.view_as(tag + key)
+
+    def Delete(self, request: cache_pb2.DeleteRequest, context: grpc.ServicerContext) -> cache_pb2.DeleteResponse:
+        self.store.delete(self._scoped(self.auth.tag(context), request.keys))
+        return cache_pb2.DeleteResponse()
+
+    def List(self, request: cache_pb2.ListRequest, context: grpc.ServicerContext) -> cache_pb2.ListResponse:
+        tag = self.auth.tag(context)
+        limit = min(request.limit or LIST_DEFAULT, LIST_MAX)
+        keys = self.tenant_keys(tag, limit + 1)
+        return cache_pb2.ListResponse(keys=[k[len(tag) :] for k in keys[:limit]], truncated=len(keys) > limit)
+
+    def tenant_keys(self, tag: bytes, limit: int | None = None) -> list[bytes]:
+        """Distinct keys of one tenant across the tiers that can list (fastest first)."""
+        seen: dict[bytes, None] = {}
+        for tier in self.store.tiers:
+            lister = getattr(tier, "keys", None)
+            if lister is None:
+                continue
+            for key in lister(tag, limit):
+                seen.setdefault(key, None)
+            if limit is not None and len(seen) >= limit:
+                break
+        keys = list(seen)
+        return keys if limit is None else keys[:limit]
+
+    def Stats(self, request: cache_pb2.StatsRequest, context: grpc.ServicerContext) -> cache_pb2.StatsResponse:
+        tag = self.auth.tag(context)
+        tiers = []
+        for stats in self.store.stats()["tiers"]:
+            counters = {
+                k: int(v) for k, v in stats.items() if isinstance(v, int | bool) and k not in _SIZES and int(v) >= 0
+            }
+            tiers.append(
+                cache_pb2.TierStats(
+                    name=str(stats.get("tier", "")),
+                    capacity_bytes=int(stats.get("capacity_bytes", 0)),
+                    used_bytes=int(stats.get("used_bytes", 0)),
+                    chunks=int(stats.get("chunks", 0)),
+                    counters=counters,
+                )
+            )
+        return cache_pb2.StatsResponse(tiers=tiers, tenant_chunks=len(self.tenant_keys(tag)))
+
+
+_SIZES = {"capacity_bytes", "used_bytes", "chunks"}
+
+
+def _check_key(key: bytes, what: str) -> None:
+    if len(key) not in KEY_LENGTHS:
+        raise _Abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{what} is {len(key)} bytes; chunk keys are {' or '.join(map(str, KEY_LENGTHS))} bytes",
+        )
+
+
+def _nothing() -> None:
+    return None
+
+
+def _status(context: grpc.ServicerContext, exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, _Abort):
+        return exc.code
+    code = context.code() if hasattr(context, "code") else None
+    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+
+
+def _observed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Counts the call, turns ``_Abort`` into its status and any other failure into
+    ``INTERNAL`` with a log line (the server never dies of one call)."""
+
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        metrics.SERVER_INFLIGHT.inc()
+        code = grpc.StatusCode.OK
+        try:
+            return fn(request, context)
+        except _Abort as exc:
+            code = exc.code
+            context.abort(exc.code, str(exc))
+        except Exception as exc:
+            code = _status(context, exc)
+            if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK):  # not an abort: a bug
+                code = grpc.StatusCode.INTERNAL
+                log.exception("%s failed", name)
+                context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            metrics.SERVER_INFLIGHT.dec()
+            metrics.SERVER_RPCS.labels(name, code.name).inc()
+
+    return call
+
+
+def _observed_stream(name: str, fn: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        metrics.SERVER_INFLIGHT.inc()
+        code = grpc.StatusCode.OK
+        try:
+            yield from fn(request, context)
+        except _Abort as exc:
+            code = exc.code
+            context.abort(exc.code, str(exc))
+        except Exception as exc:
+            code = _status(context, exc)
+            if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK):
+                code = grpc.StatusCode.INTERNAL
+                log.exception("%s failed", name)
+                context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            metrics.SERVER_INFLIGHT.dec()
+            metrics.SERVER_RPCS.labels(name, code.name).inc()
+
+    return call

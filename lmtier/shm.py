@@ -1,0 +1,223 @@
+"""Shared-memory segments: the same-host data plane between the grpc:// tier and the server.
+
+    Segment(directory, size, slot_bytes)    the client's: created, locked, cut into slots
+    SegmentMaps(directory)                  the server's: segments mapped by name, bounded
+    sweep(directory)                        removes segments whose client died
+
+Python gRPC moves bulk bytes at well under 1 GB/s; a memory copy runs at several GB/s.
+When client and server share a host (a sidecar in the engine's pod, with an in-memory
+``/dev/shm`` shared between the containers), the client creates a segment, writes the
+frames it puts into slots of it and lets the server write the frames it gets into other
+slots; gRPC carries only the slot references.
+
+Ownership keeps it safe. The segment is the client's: the server maps it only while a call
+runs and never hands out its own memory, so a client that dies mid-transfer strands
+nothing on the server. The client holds a shared ``flock`` on its segment for as long as
+it lives; ``sweep`` (run by the server now and then) removes segments nobody holds, which
+is how the memory of a killed client comes back. Frames carry their checksums, so bytes
+that change under a reader are a miss, never wrong KV.
+
+Names are ``lmtier-`` and 32 random hex digits: a server opens nothing else, and nothing
+outside its shared-memory directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+from collections import OrderedDict
+
+from lmtier.errors import ConfigError, FormatError, LmtierError
+
+log = logging.getLogger(__name__)
+
+NAME = re.compile(r"lmtier-[0-9a-f]{32}\Z")
+DEFAULT_DIR = "/dev/shm"
+QUARANTINE_S = 30.0  # slots of a call that ended abnormally rest this long before reuse
+SWEEP_MIN_AGE_S = 60.0  # a segment younger than this is never swept (it may be starting)
+
+
+class SegmentUnavailable(LmtierError):
+    """The named segment cannot be mapped here (another host, removed, not ours)."""
+
+
+class Segment:
+    """A client's segment: ``size`` bytes cut into ``slot_bytes`` slots.
+
+    ``acquire()`` hands out a free slot (or None when all are in use); ``release(slot)``
+    returns it; ``quarantine(slots)`` returns slots only after ``QUARANTINE_S``, for a call
+    that ended abnormally while the server might still touch them.
+    """
+
+    def __init__(self, directory: str, size: int, slot_bytes: int) -> None:
+        if slot_bytes <= 0 or size < slot_bytes:
+            raise ConfigError(f"a shared-memory segment of {size} bytes holds no slot of {slot_bytes}")
+        self.slot_bytes = slot_bytes
+        self.num_slots = size // slot_bytes
+        self.size = self.num_slots * slot_bytes
+        self.name = f"lmtier-{secrets.token_hex(16)}"
+        self.path = os.path.join(directory, self.name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # "alive": sweep leaves a held segment alone
+            # Reserve the memory now: a tmpfs that fills up later would kill the writer
+            # with SIGBUS on a page fault; here it is an error we can fall back from.
+            os.posix_fallocate(fd, 0, self.size)
+            self.map = mmap.mmap(fd, self.size)
+        except BaseException:
+            os.close(fd)
+            _unlink(self.path)
+            raise
+        self._fd = fd  # kept open: it holds the lock
+        self._lock = threading.Lock()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._resting: list[tuple[float, list[int]]] = []
+        self._pid = os.getpid()
+        self.closed = False
+
+    def view(self, slot: int) -> memoryview:
+        start = slot * self.slot_bytes
+        return memoryview(self.map)[start : start + self.slot_bytes]
+
+    def offset(self, slot: int) -> int:
+        return slot * self.slot_bytes
+
+    def acquire(self) -> int | None:
+        with self._lock:
+            if self._resting and self._resting[0][0] <= time.monotonic():
+                self._free.extend(self._resting.pop(0)[1])
+            return self._free.pop() if self._free and not self.closed else None
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def quarantine(self, slots: list[int]) -> None:
+        if slots:
+            with self._lock:
+                self._resting.append((time.monotonic() + QUARANTINE_S, list(slots)))
+
+    @property
+    def free_slots(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def close(self) -> None:
+        """Remove the segment. Chunks still viewing it keep their memory until released."""
+        if self.closed or self._pid != os.getpid():
+            return
+        self.closed = True
+        _unlink(self.path)
+        os.close(self._fd)
+
+
+class SegmentMaps:
+    """The server's view of its clients' segments: mapped by name on first use, at most
+    ``limit`` at a time (least recently used unmapped first), re-checked on each use so a
+    removed or replaced segment is never written to."""
+
+    def __init__(self, directory: str = DEFAULT_DIR, limit: int = 64) -> None:
+        self.directory = directory
+        self.limit = limit
+        self._maps: OrderedDict[str, tuple[mmap.mmap, int, int]] = OrderedDict()  # name -> (map, inode, size)
+        self._lock = threading.Lock()
+
+    def region(self, name: str, offset: int, length: int) -> memoryview:
+        """A writable view of ``length`` bytes at ``offset`` of segment ``name``."""
+        if not NAME.match(name):
+            raise FormatError(f"{name!r} is not an lmtier shared-memory segment name")
+        path = os.path.join(self.directory, name)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError as exc:
+            self._forget(name)
+            raise SegmentUnavailable(f"shared-memory segment {name} is not here: {exc.strerror}") from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise SegmentUnavailable(f"{path} is not a regular file")
+        with self._lock:
+            held = self._maps.get(name)
+            if held is not None and (held[1] != st.st_ino or held[2] != st.st_size):
+                self._maps.pop(name)
+                held = None
+            if held is None:
+                held = self._map(path, st)
+                self._maps[name] = held
+                while len(self._maps) > self.limit:
+                    self._maps.popitem(last=False)  # unmapped once no view remains
+            self._maps.move_to_end(name)
+        segment, _, size = held
+        if offset + length > size:
+            raise FormatError(f"region [{offset}, {offset + length}) lies outside segment {name} of {size} bytes")
+        return memoryview(segment)[offset : offset + length]
+
+    @staticmethod
+    def _map(path: str, st: os.stat_result) -> tuple[mmap.mmap, int, int]:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise SegmentUnavailable(f"cannot open shared-memory segment {path}: {exc.strerror}") from exc
+        try:
+            return mmap.mmap(fd, st.st_size), st.st_ino, st.st_size
+        except (OSError, ValueError) as exc:
+            raise SegmentUnavailable(f"cannot map shared-memory segment {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            self._maps.pop(name, None)
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._maps.clear()
+
+
+def sweep(directory: str = DEFAULT_DIR, min_age: float = SWEEP_MIN_AGE_S) -> int:
+    """Remove the segments of clients that are gone (no lock held, older than
+    ``min_age``); returns how many. Safe to run from any process, any time."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(directory) if NAME.match(n)]
+    except OSError:
+        return 0
+    now = time.time()
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime < min_age:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live client holds it
+            _unlink(path)
+            removed += 1
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d shared-memory segment(s) left by clients that are gone", removed)
+    return removed
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+__all__ = ["DEFAULT_DIR", "Segment", "SegmentMaps", "SegmentUnavailable", "sweep"]

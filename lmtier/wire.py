@@ -1,0 +1,255 @@
+"""``ChunkPiece`` on the wire without protobuf's copies, and frames rebuilt from pieces.
+
+    encode_piece(key, frame_size, offset, data=parts | region=...) -> bytes
+    decode_piece(message) -> Piece        (``data`` is a view into ``message``)
+    FrameAssembler                        pieces in, whole frames out, bounded and checked
+
+Bulk bytes dominate the cache service's traffic, and generated protobuf classes copy
+them twice on each side (``bytes`` into the message, the message into its serialization;
+parsing copies the field out again). ``ChunkPiece`` is four scalar fields and one bytes
+field, so this module writes and reads its wire form directly: one join on the way out,
+zero copies on the way in. The bytes are exactly protobuf's (``tests/test_wire.py``
+checks both directions against ``cache_pb2``); every other message uses the generated
+classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lmtier import codec
+from lmtier.buffers import BufferPool
+from lmtier.errors import FormatError
+
+# ChunkPiece field tags: (field number << 3) | wire type (0 varint, 2 length-delimited).
+_KEY, _FRAME_SIZE, _OFFSET, _DATA, _REGION = 0x0A, 0x10, 0x18, 0x22, 0x2A
+# SharedRegion: segment (1, string), offset (2), length (3).
+_SEGMENT, _REG_OFFSET, _REG_LENGTH = 0x0A, 0x10, 0x18
+
+
+@dataclass(frozen=True)
+class Region:
+    """A span of a client's shared-memory segment (``SharedRegion``)."""
+
+    segment: str
+    offset: int
+    length: int
+
+
+@dataclass
+class Piece:
+    key: bytes
+    frame_size: int
+    offset: int
+    data: memoryview | None = None
+    region: Region | None = None
+
+    @property
+    def length(self) -> int:
+        if self.data is not None:
+            return len(self.data)
+        return self.region.length if self.region is not None else 0
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _region_bytes(region: Region) -> bytes:
+    name = region.segment.encode()
+    out = [bytes([_SEGMENT]), _varint(len(name)), name]
+    if region.offset:
+        out += [bytes([_REG_OFFSET]), _varint(region.offset)]
+    if region.length:
+        out += [bytes([_REG_LENGTH]), _varint(region.length)]
+    return b"".join(out)
+
+
+def encode_piece(
+    key: bytes,
+    frame_size: int,
+    offset: int = 0,
+    *,
+    data: Sequence[Any] | None = None,
+    region: Region | None = None,
+) -> bytes:
+    """A serialized ``ChunkPiece``; ``data`` is a list of buffers joined in one copy."""
+    head = []
+    if key:
+        head += [bytes([_KEY]), _varint(len(key)), key]
+    if frame_size:
+        head += [bytes([_FRAME_SIZE]), _varint(frame_size)]
+    if offset:
+        head += [bytes([_OFFSET]), _varint(offset)]
+    if region is not None:
+        body = _region_bytes(region)
+        return b"".join([*head, bytes([_REGION]), _varint(len(body)), body])
+    parts = list(data or ())
+    size = sum(memoryview(p).nbytes for p in parts)
+    return b"".join([*head, bytes([_DATA]), _varint(size), *parts])
+
+
+def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(view) or shift > 63:
+            raise FormatError("truncated or overlong varint in a ChunkPiece")
+        byte = view[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(view: memoryview):
+    """(field number, wire type, value) of each field; value is an int or a view."""
+    pos = 0
+    while pos < len(view):
+        tag, pos = _read_varint(view, pos)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, pos = _read_varint(view, pos)
+        elif wire == 2:
+            size, pos = _read_varint(view, pos)
+            if pos + size > len(view):
+                raise FormatError("a ChunkPiece field runs past the end of its message")
+            value, pos = view[pos : pos + size], pos + size
+        elif wire in (1, 5):  # fixed 64 / 32: not ours, skipped as protobuf would
+            width = 8 if wire == 1 else 4
+            value, pos = None, pos + width
+        else:
+            raise FormatError(f"unsupported wire type {wire} in a ChunkPiece")
+        if pos > len(view):
+            raise FormatError("truncated ChunkPiece")
+        yield number, wire, value
+
+
+def decode_piece(message: bytes | memoryview) -> Piece:
+    """Parse a serialized ``ChunkPiece``; raises ``FormatError`` when malformed."""
+    view = memoryview(message).cast("B")
+    piece = Piece(b"", 0, 0)
+    for number, wire, value in _fields(view):
+        if number == 1 and wire == 2:
+            piece.key = bytes(value)
+        elif number == 2 and wire == 0:
+            piece.frame_size = value
+        elif number == 3 and wire == 0:
+            piece.offset = value
+        elif number == 4 and wire == 2:
+            piece.data, piece.region = value, None
+        elif number == 5 and wire == 2:
+            segment, offset, length = "", 0, 0
+            for n, w, v in _fields(value):
+                if n == 1 and w == 2:
+                    try:
+                        segment = bytes(v).decode()
+                    except UnicodeDecodeError as exc:
+                        raise FormatError("a SharedRegion's segment name is not UTF-8") from exc
+                elif n == 2 and w == 0:
+                    offset = v
+                elif n == 3 and w == 0:
+                    length = v
+            piece.region, piece.data = Region(segment, offset, length), None
+    return piece
+
+
+class FrameAssembler:
+    """Rebuilds the frames of a stream of pieces, one chunk at a time.
+
+    ``add(piece, bytes_of_piece)`` returns ``None`` until a frame is complete, then
+    ``(key, frame view, payload checksum or None, release)``: the frame is the piece's
+    own bytes when it came whole (no copy), else a pooled buffer that the payload was
+    hashed into as it arrived; ``release()`` returns the buffer. Pieces must come in
+    order, without gaps, and no frame may exceed ``max_frame``: anything else raises
+    ``FormatError`` (or ``FrameTooLarge``) and drops the unfinished frame.
+    """
+
+    def __init__(self, pool: BufferPool, max_frame: int) -> None:
+        self.pool = pool
+        self.max_frame = max_frame
+        self._key = b""
+        self._size = 0
+        self._got = 0
+        self._buf: Any = None
+        self._hash: codec.PayloadHash | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether a frame is half way."""
+        return self._buf is not None
+
+    def add(self, piece: Piece, body: memoryview) -> tuple[bytes, memoryview, int | None, Any] | None:
+        if self._buf is None:
+            if not piece.key or piece.offset != 0 or piece.frame_size <= 0:
+                raise FormatError("the first piece of a chunk must carry its key, its frame size and offset 0")
+            if piece.frame_size > self.max_frame:
+                raise FrameTooLarge(f"frame of {piece.frame_size} bytes exceeds the limit of {self.max_frame}")
+            if len(body) > piece.frame_size:
+                raise FormatError("a piece runs past the end of its frame")
+            if len(body) == piece.frame_size:  # the common case: the whole frame in one piece
+                return piece.key, body, None, _nothing
+            self._key, self._size, self._got = piece.key, piece.frame_size, 0
+            self._buf = self.pool.acquire(piece.frame_size)
+            self._hash = codec.PayloadHash(memoryview(self._buf)[: piece.frame_size])
+        elif (piece.key and piece.key != self._key) or piece.offset != self._got:
+            self.abandon()
+            raise FormatError("pieces of a chunk must come in order, without gaps")
+        elif piece.frame_size and piece.frame_size != self._size:
+            self.abandon()
+            raise FormatError("a chunk's pieces disagree about its frame size")
+        end = self._got + len(body)
+        if end > self._size:
+            self.abandon()
+            raise FormatError("a piece runs past the end of its frame")
+        memoryview(self._buf)[self._got : end] = body
+        self._got = end
+        self._hash.arrived(end)  # type: ignore[union-attr]
+        if end < self._size:
+            return None
+        buf, digest = self._buf, self._hash.digest()  # type: ignore[union-attr]
+        key, size = self._key, self._size
+        self._buf = self._hash = None
+        return key, memoryview(buf)[:size], digest, lambda: self.pool.release(buf)
+
+    def abandon(self) -> None:
+        """Drop a half-built frame (the stream ended or broke)."""
+        if self._buf is not None:
+            self.pool.release(self._buf)
+            self._buf = self._hash = None
+
+
+def _nothing() -> None:
+    return None
+
+
+def split(parts: Sequence[Any], size: int) -> Iterator[tuple[int, list[memoryview]]]:
+    """Cut a frame given as buffers into pieces of at most ``size`` bytes, without copying:
+    ``(offset within the frame, views)`` per piece."""
+    offset, current, filled = 0, [], 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while len(view):
+            take = view[: size - filled]
+            current.append(take)
+            filled += len(take)
+            view = view[len(take) :]
+            if filled == size:
+                yield offset, current
+                offset, current, filled = offset + size, [], 0
+    if current:
+        yield offset, current
+
+
+class FrameTooLarge(FormatError):
+    """A frame larger than the receiver accepts."""
+
+
+__all__ = ["FrameAssembler", "FrameTooLarge", "Piece", "Region", "decode_piece", "encode_piece", "split"]

@@ -1,0 +1,466 @@
+"""The grpc:// tier against real cache servers on port 0: both transports, tenants, TLS,
+bad input, readiness, and a client that dies mid-transfer."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from lmtier import codec, metrics, shm
+from lmtier.certs import make_certificates
+from lmtier.chunk import release_all
+from lmtier.config import ServerConfig
+from lmtier.server import create_server
+from lmtier.server.auth import tenant_tag
+from lmtier.tiers.base import open_tier
+from lmtier.v1 import cache_pb2
+from lmtier.wire import Region, encode_piece
+
+from conftest import SMALL, make_namespace, make_prompt
+from tier_contract import EvictingTierContract
+
+SERVICE = "/lmtier.v1.CacheService/"
+
+
+def start(tmp_path=None, **overrides):
+    config = ServerConfig(port=0, tiers=overrides.pop("tiers", ("cpu://?size=64MiB&slot=64KiB",)), **overrides)
+    server, port = create_server(config)
+    return server, port
+
+
+def flip_a_stored_byte(server, tenant: str, key: bytes) -> None:
+    cpu = server.store.tiers[0]
+    entry = cpu._index[tenant_tag(tenant) + key]
+    cpu._slab[entry.slots[0] * cpu.slot_bytes + 100] ^= 0x40
+
+
+def shm_bytes(direction: str) -> float:
+    return (
+        metrics.REGISTRY.get_sample_value("lmtier_server_bytes_total", {"direction": direction, "transport": "shm"})
+        or 0
+    )
+
+
+class TestGrpcTier(EvictingTierContract):
+    """The shared contract over TCP: each tier gets its own server, bounded like the tier."""
+
+    shm = "off"
+
+    @pytest.fixture(autouse=True)
+    def _servers(self):
+        self.servers = {}
+        yield
+        for server in self.servers.values():
+            server.stop(0)
+
+    def make_tier(self, capacity_chunks, chunk_bytes):
+        server, port = start(tiers=(f"cpu://?size={capacity_chunks * chunk_bytes}&slot={chunk_bytes}",))
+        tier = open_tier(f"grpc://127.0.0.1:{port}?shm={self.shm}")
+        self.servers[id(tier)] = server
+        return tier
+
+    def corrupt(self, tier, key):
+        flip_a_stored_byte(self.servers[id(tier)], "default", key)
+
+
+class TestGrpcTierSharedMemory(TestGrpcTier):
+    """The same contract with frame bytes moving through the client's shared memory."""
+
+    shm = "on"
+
+    @pytest.fixture(autouse=True)
+    def _through_shared_memory(self, _servers):
+        before = shm_bytes("put") + shm_bytes("get")
+        yield
+        assert shm_bytes("put") + shm_bytes("get") > before, "no frame went through shared memory"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv, port = start(tokens=(("alice-secret", "alice"), ("bob-secret", "bob")))
+    srv.url = f"grpc://127.0.0.1:{port}"
+    srv.address = f"127.0.0.1:{port}"
+    yield srv
+    srv.stop(0)
+
+
+def raw(address: str, method: str, request, response_type=None, token: str | None = "alice-secret", stream=False):
+    """One call on a bare channel; returns the response (or raises the RpcError)."""
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with grpc.insecure_channel(address) as channel:
+        if method == "Put":
+            call = channel.stream_unary(SERVICE + "Put", None, cache_pb2.PutResponse.FromString)
+            return call(iter(request), metadata=metadata, timeout=10)
+        if method == "Get":
+            call = channel.unary_stream(SERVICE + "Get", cache_pb2.GetRequest.SerializeToString, None)
+            return list(call(request, metadata=metadata, timeout=10))
+        call = channel.unary_unary(SERVICE + method, type(request).SerializeToString, response_type.FromString)
+        return call(request, metadata=metadata, timeout=10)
+
+
+def code_of(fn) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code()
+
+
+# -- tenants ----------------------------------------------------------------------------------
+def test_no_token_or_a_wrong_token_is_unauthenticated(server):
+    lookup = cache_pb2.LookupRequest(keys=[make_prompt(1).keys[0]])
+    for token in (None, "nope", "alice-secret-but-longer"):
+        assert code_of(lambda t=token: raw(server.address, "Lookup", lookup, cache_pb2.LookupResponse, t)) == (
+            grpc.StatusCode.UNAUTHENTICATED
+        )
+    assert code_of(lambda: raw(server.address, "Get", cache_pb2.GetRequest(keys=lookup.keys), token=None)) == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+    # The engine-facing tier turns the refusal into misses and a count, not an exception.
+    tier = open_tier(server.url + "?token=wrong&retries=0")
+    prompt = make_prompt(2, seed=41)
+    tier.put(prompt.chunks())
+    assert tier.contains(prompt.keys) == 0
+    assert tier.get(prompt.keys) == [None, None]
+    tier.close()
+
+
+def test_a_tenant_cannot_read_list_delete_or_probe_another_tenants_chunks(server, monkeypatch):
+    alice = open_tier(server.url + "?token=alice-secret")
+    monkeypatch.setenv("LMTIER_TOKEN", "bob-secret")  # the token may come from the environment
+    bob = open_tier(server.url)
+    try:
+        prompt = make_prompt(4, seed=42)
+        alice.put(prompt.chunks())
+        assert alice.contains(prompt.keys) == 4
+        assert bob.contains(prompt.keys) == 0  # probe
+        assert bob.get(prompt.keys) == [None] * 4  # read
+        assert not set(bob.keys()) & set(prompt.keys)  # list
+        assert set(prompt.keys) <= set(alice.keys())
+        bob.delete(prompt.keys)  # delete
+        assert alice.contains(prompt.keys) == 4
+        assert bob.stats()["chunks"] == 0 and alice.stats()["chunks"] >= 4
+        # Bob storing other bytes under the same keys gets his own copies; Alice's stay.
+        other = make_prompt(4, seed=43)
+        bob.put([c.view_as(k) for c, k in zip(other.chunks(), prompt.keys, strict=True)])
+        for tier, owner in ((alice, prompt), (bob, other)):
+            got = tier.get(prompt.keys)
+            assert [c.tobytes() for c in got] == [owner.chunk_bytes(i) for i in range(4)]
+            release_all(got)
+    finally:
+        alice.close()
+        bob.close()
+
+
+# -- TLS ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_certificates(tmp_path_factory.mktemp("certs"), clients=("carol", "dave"))
+
+
+def test_tls_serves_clients_that_trust_its_ca_and_refuses_plaintext(certs):
+    srv, port = start(tls_cert=certs["server.crt"], tls_key=certs["server.key"])
+    try:
+        prompt = make_prompt(3, seed=44)
+        good = open_tier(f"grpcs://localhost:{port}?tls_ca={certs['ca.crt']}")
+        good.put(prompt.chunks())
+        assert good.contains(prompt.keys) == 3
+        plain = open_tier(f"grpc://127.0.0.1:{port}?retries=0")
+        assert plain.contains(prompt.keys) == 0  # cannot talk to a TLS server: a miss
+        assert plain.get(prompt.keys) == [None] * 3
+        good.close()
+        plain.close()
+    finally:
+        srv.stop(0)
+
+
+def test_mutual_tls_maps_the_client_certificate_to_its_tenant(certs):
+    srv, port = start(tls_cert=certs["server.crt"], tls_key=certs["server.key"], tls_client_ca=certs["ca.crt"])
+    base = f"grpcs://localhost:{port}?tls_ca={certs['ca.crt']}"
+    carol = open_tier(f"{base}&tls_cert={certs['client-carol.crt']}&tls_key={certs['client-carol.key']}")
+    dave = open_tier(f"{base}&tls_cert={certs['client-dave.crt']}&tls_key={certs['client-dave.key']}")
+    anonymous = open_tier(base + "&retries=0")
+    try:
+        prompt = make_prompt(3, seed=45)
+        carol.put(prompt.chunks())
+        assert carol.contains(prompt.keys) == 3
+        assert dave.contains(prompt.keys) == 0
+        assert anonymous.contains(prompt.keys) == 0  # no certificate: refused, a miss
+        assert len(srv.service.tenant_keys(tenant_tag("carol"))) == 3
+    finally:
+        for tier in (carol, dave, anonymous):
+            tier.close()
+        srv.stop(0)
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def frame_of(chunk) -> bytes:
+    return codec.encode(chunk)
+
+
+def test_malformed_requests_get_a_clear_status_and_leave_nothing_behind(server):
+    prompt = make_prompt(3, seed=46)
+    k0, k1 = prompt.keys[0], prompt.keys[1]
+    good = frame_of(prompt.chunks()[0])
+    damaged = bytearray(good)
+    damaged[-10] ^= 0xFF
+    other_key = frame_of(prompt.chunks()[1])
+    half = len(good) // 2
+    cases = {
+        "key of the wrong length": (
+            lambda: raw(server.address, "Lookup", cache_pb2.LookupRequest(keys=[b"short"]), cache_pb2.LookupResponse),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        "too many keys": (
+            lambda: raw(server.address, "Lookup", cache_pb2.LookupRequest(keys=[k0] * 5000), cache_pb2.LookupResponse),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        "not a ChunkPiece": (lambda: raw(server.address, "Put", [b"\x0a\xff\xff"]), grpc.StatusCode.INVALID_ARGUMENT),
+        "not a frame": (
+            lambda: raw(server.address, "Put", [encode_piece(k0, 100, data=[b"x" * 100])]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        "damaged payload": (
+            lambda: raw(server.address, "Put", [encode_piece(k0, len(good), data=[bytes(damaged)])]),
+            grpc.StatusCode.DATA_LOSS,
+        ),
+        "frame under another key": (
+            lambda: raw(server.address, "Put", [encode_piece(k0, len(other_key), data=[other_key])]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        "oversized frame": (
+            lambda: raw(server.address, "Put", [encode_piece(k0, 1 << 40, data=[good[:half]])]),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
+        "stream stops half way": (
+            lambda: raw(server.address, "Put", [encode_piece(k0, len(good), data=[good[:half]])]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        "pieces out of order": (
+            lambda: raw(
+                server.address,
+                "Put",
+                [encode_piece(k0, len(good), data=[good[:half]]), encode_piece(b"", 0, half + 1, data=[good[half:]])],
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        "a segment name that is not ours": (
+            lambda: raw(server.address, "Put", [encode_piece(k0, 64, region=Region("../etc/passwd", 0, 64))]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        "a segment that is not on this host": (
+            lambda: raw(server.address, "Put", [encode_piece(k0, 64, region=Region("lmtier-" + "0" * 32, 0, 64))]),
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
+        "more landing regions than keys": (
+            lambda: raw(
+                server.address,
+                "Get",
+                cache_pb2.GetRequest(keys=[k0], landing=[cache_pb2.SharedRegion(segment="x", length=1)] * 2),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+    }
+    pool = server.service.buffers
+    for name, (call, want) in cases.items():
+        assert code_of(call) == want, name
+        assert raw(server.address, "Lookup", cache_pb2.LookupRequest(keys=[k0, k1]), cache_pb2.LookupResponse).hits == 0
+        assert pool.outstanding == 0, f"{name}: a receive buffer was not returned"
+    # A chunk that completed before the bad one is kept; the stream stops at the bad one.
+    damaged_next = bytearray(other_key)
+    damaged_next[-10] ^= 0xFF
+    response = code_of(
+        lambda: raw(
+            server.address,
+            "Put",
+            [encode_piece(k0, len(good), data=[good]), encode_piece(k1, len(good), data=[bytes(damaged_next)])],
+        )
+    )
+    assert response == grpc.StatusCode.DATA_LOSS
+    assert raw(server.address, "Lookup", cache_pb2.LookupRequest(keys=[k0, k1]), cache_pb2.LookupResponse).hits == 1
+    raw(server.address, "Delete", cache_pb2.DeleteRequest(keys=[k0]), cache_pb2.DeleteResponse)
+
+
+def test_a_chunk_in_many_pieces_arrives_whole(server):
+    ns = make_namespace(chunk_tokens=256)  # 64 KiB chunks in 16 KiB pieces
+    prompt = make_prompt(3, seed=47, namespace=ns)
+    tier = open_tier(server.url + "?token=alice-secret&shm=off&piece=16KiB")
+    try:
+        tier.put(prompt.chunks())
+        got = tier.get(prompt.keys)
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(3)]
+        release_all(got)
+    finally:
+        tier.close()
+
+
+def test_a_chunk_damaged_on_the_server_is_dropped_not_served(server):
+    tier = open_tier(server.url + "?token=alice-secret")
+    prompt = make_prompt(4, seed=48)
+    tier.put(prompt.chunks())
+    flip_a_stored_byte(server, "alice", prompt.keys[1])
+    got = tier.get(prompt.keys)
+    assert got[0].tobytes() == prompt.chunk_bytes(0)
+    assert got[1:] == [None, None, None]  # the stream stops at the damaged chunk
+    release_all(got)
+    assert tier.contains(prompt.keys) == 1
+    tier.close()
+
+
+# -- shared memory -------------------------------------------------------------------------------
+def test_a_server_that_cannot_see_the_segment_falls_back_to_plain_grpc(tmp_path):
+    elsewhere = tmp_path / "another-hosts-shm"
+    elsewhere.mkdir()
+    srv, port = start(shm_dir=str(elsewhere))
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on")
+    try:
+        prompt = make_prompt(4, seed=49)
+        tier.put(prompt.chunks())
+        got = tier.get(prompt.keys)
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(4)]
+        release_all(got)
+        stats = tier.stats()
+        assert stats["shm_fallbacks"] == 1 and stats["shm"] is None and stats["errors"] == 0
+    finally:
+        tier.close()
+        srv.stop(0)
+
+
+_DYING_CLIENT = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from conftest import make_prompt
+from lmtier import codec
+from lmtier.shm import Segment
+from lmtier.wire import Region, encode_piece
+import grpc
+segment = Segment({shm_dir!r}, 1 << 20, 256 << 10)
+chunk = make_prompt(1, seed=50).chunks()[0]
+frame = codec.encode(chunk)
+n = codec.encode_into(chunk, segment.view(0))
+
+def pieces():
+    yield encode_piece(chunk.key, n, region=Region(segment.name, 0, n))  # one whole chunk
+    yield encode_piece(b"\\x01" * 16, len(frame), data=[frame[:100]])  # half of the next
+    print(segment.name, flush=True)
+    time.sleep(600)  # killed here
+
+channel = grpc.insecure_channel({address!r})
+channel.stream_unary("/lmtier.v1.CacheService/Put", None, None)(pieces())
+"""
+
+
+def test_a_client_killed_mid_transfer_leaves_nothing_behind(tmp_path):
+    srv, port = start(shm_dir=str(tmp_path))
+    script = _DYING_CLIENT.format(tests=os.path.dirname(__file__), shm_dir=str(tmp_path), address=f"127.0.0.1:{port}")
+    client = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        name = client.stdout.readline().strip()
+        assert name.startswith("lmtier-")
+        deadline = time.monotonic() + 30
+        while srv.service.buffers.outstanding == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the half-built frame is in a receive buffer now
+        client.send_signal(signal.SIGKILL)
+        client.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while srv.service.buffers.outstanding and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.service.buffers.outstanding == 0  # the unfinished frame's buffer came back
+        assert srv.service.tenant_keys(tenant_tag("default")) == []  # nothing of the call is visible
+        assert (tmp_path / name).exists()
+        assert shm.sweep(str(tmp_path), min_age=0) == 1  # nobody holds the dead client's segment
+        assert not (tmp_path / name).exists()
+    finally:
+        client.kill()
+        srv.stop(0)
+
+
+def test_sweep_leaves_the_segments_of_live_clients_alone(tmp_path):
+    segment = shm.Segment(str(tmp_path), 1 << 20, 64 << 10)
+    try:
+        assert shm.sweep(str(tmp_path), min_age=0) == 0
+        assert os.path.exists(segment.path)
+    finally:
+        segment.close()
+    assert not os.path.exists(segment.path)
+
+
+# -- health, reflection, readiness, metrics ----------------------------------------------------------
+def test_health_reflection_metrics_and_readiness_follow_the_tiers(tmp_path):
+    disk = tmp_path / "disk"
+    srv, port = start(
+        tiers=("cpu://?size=16MiB&slot=64KiB", f"file://{disk}?size=64MiB"), metrics_port=0, probe_interval=0.1
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            assert check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+            service = health_pb2.HealthCheckRequest(service="lmtier.v1.CacheService")
+            assert check(service).status == health_pb2.HealthCheckResponse.SERVING
+            answers = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            )
+            names = {s.name for a in answers for s in a.list_services_response.service}
+            assert {"lmtier.v1.CacheService", "grpc.health.v1.Health"} <= names
+
+        base = f"http://127.0.0.1:{srv.metrics_port}"
+        tier = open_tier(f"grpc://127.0.0.1:{port}")
+        tier.put(make_prompt(2, seed=51).chunks())
+        tier.close()
+        body = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        assert 'lmtier_server_rpcs_total{code="OK",method="Put"}' in body
+        assert "lmtier_server_ready 1.0" in body
+        assert urllib.request.urlopen(base + "/readyz", timeout=10).status == 200
+
+        shutil.rmtree(disk)  # the disk tier stops working: the server must say so
+        deadline = time.monotonic() + 30
+        while srv.ready and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not srv.ready
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(base + "/readyz", timeout=10)
+        assert info.value.code == 503
+        assert urllib.request.urlopen(base + "/healthz", timeout=10).status == 200  # alive, not ready
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        srv.stop(0)
+
+
+def test_stats_and_list_are_per_tenant(server):
+    alice = open_tier(server.url + "?token=alice-secret")
+    try:
+        prompt = make_prompt(3, seed=52)
+        alice.put(prompt.chunks())
+        listing = raw(server.address, "List", cache_pb2.ListRequest(limit=2), cache_pb2.ListResponse)
+        assert len(listing.keys) == 2 and listing.truncated
+        stats = alice.stats()
+        assert stats["server_tiers"][0]["name"] == "cpu"
+        assert stats["chunks"] == len(alice.keys())
+        assert json.dumps(stats)  # plain data, for `lmtier stats` and logs
+    finally:
+        alice.delete(prompt.keys)
+        alice.close()
+
+
+def test_the_layout_travels_with_the_chunk(server):
+    """A chunk of another layout comes back with that layout (the engine checks it)."""
+    ns = make_namespace(layout=SMALL.with_dtype("bfloat16"))
+    prompt = make_prompt(2, seed=53, namespace=ns)
+    tier = open_tier(server.url + "?token=alice-secret")
+    tier.put(prompt.chunks())
+    got = tier.get(prompt.keys)
+    assert [c.layout for c in got] == [ns.layout, ns.layout]
+    release_all(got)
+    tier.close()
