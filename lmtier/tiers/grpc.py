@@ -482,6 +482,12 @@ class GrpcTier(Tier):
             "corrupt": counts["corrupt"] + server_corrupt,
         }
 
+    @property
+    def counts(self) -> dict[str, int]:
+        """This client's own counters (no call to the server)."""
+        with self._lock:
+            return {**self._counts, "breaker_open": int(self._breaker.is_open)}
+
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
             self._counts[what] += n

@@ -1,0 +1,105 @@
+"""``lmtier serve`` as its own process: killed mid-run, restarted, stopped gracefully."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from lmtier.chunk import release_all
+from lmtier.server.process import ServerProcess
+from lmtier.store import TieredStore
+from lmtier.tiers.base import open_tier
+
+from conftest import make_prompt
+
+TIMEOUT, RETRIES = 2.0, 1
+
+
+def server_args(disk) -> list[str]:
+    return ["--tier", "cpu://?size=32MiB&slot=64KiB", "--tier", f"file://{disk}?size=256MiB"]
+
+
+def wait_until(condition, seconds: float = 60.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def on_server_disk(tier, n: int) -> bool:
+    stats = tier.stats()
+    return stats["server_tiers"][1]["chunks"] >= n
+
+
+def test_killing_the_server_turns_calls_into_misses_until_it_is_back(tmp_path):
+    server = ServerProcess(tmp_path, *server_args(tmp_path / "disk"))
+    remote = open_tier(f"grpc://{server.address}?timeout={TIMEOUT}&retries={RETRIES}")
+    store = TieredStore([open_tier("cpu://?size=16MiB"), remote])  # what an engine runs
+    try:
+        stored = make_prompt(6, seed=1)
+        store.put(stored.chunks())
+        assert store.flush(30)
+        assert wait_until(lambda: on_server_disk(remote, 6))
+
+        server.kill()  # SIGKILL: no goodbye
+        for step in range(5):
+            unseen = make_prompt(4, seed=10 + step)  # not in the engine's own memory: asks the server
+            assert store.lookup(unseen.keys) == 0
+            assert store.get(unseen.keys) == []
+            store.put(make_prompt(2, seed=20 + step).chunks())  # the background write fails quietly
+        assert remote.counts["errors"] >= 1
+        assert remote.counts["breaker_open"] == 1  # later calls skip the dead server at once
+        assert remote.contains(stored.keys) == 0
+
+        server.start()  # same port, same disk
+        assert wait_until(lambda: remote.contains(stored.keys) == 6, 30), remote.counts
+        got = remote.get(stored.keys)
+        assert [c.tobytes() for c in got] == [stored.chunk_bytes(i) for i in range(6)]
+        release_all(got)
+        assert remote.counts["breaker_open"] == 0
+    finally:
+        store.close()
+        server.kill()
+
+
+def test_a_graceful_stop_finishes_writes_and_a_restart_serves_them(tmp_path):
+    disk = tmp_path / "disk"
+    server = ServerProcess(tmp_path, *server_args(disk))
+    tier = open_tier(f"grpc://{server.address}")
+    try:
+        prompt = make_prompt(8, seed=3)
+        tier.put(prompt.chunks())
+        assert server.stop() == 0  # SIGTERM right away: the disk writes are flushed first
+        assert "shutting down" in server.log()
+        server.start()
+        assert wait_until(lambda: tier.contains(prompt.keys) == 8, 30)
+        got = tier.get(prompt.keys)
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(8)]
+        release_all(got)
+    finally:
+        tier.close()
+        server.kill()
+
+
+def test_a_hung_server_costs_one_timeout_then_the_breaker_skips_it(tmp_path):
+    server = ServerProcess(tmp_path, *server_args(tmp_path / "disk"))
+    tier = open_tier(f"grpc://{server.address}?timeout=1&retries=0")
+    try:
+        prompt = make_prompt(3, seed=4)
+        tier.put(prompt.chunks())
+        assert tier.contains(prompt.keys) == 3
+        server.proc.send_signal(signal.SIGSTOP)  # alive, but answers nothing
+        for _ in range(3):
+            assert tier.contains(prompt.keys) == 0  # each waits out its deadline, then misses
+        assert tier.counts["errors"] == 3 and tier.counts["breaker_open"] == 1
+        skipped = tier.counts["skipped"]
+        assert tier.get(prompt.keys) == [None] * 3
+        assert tier.counts["skipped"] == skipped + 1  # not sent: no deadline to wait out
+        server.proc.send_signal(signal.SIGCONT)
+        assert wait_until(lambda: tier.contains(prompt.keys) == 3, 30)
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        tier.close()
+        server.kill()
