@@ -1,0 +1,287 @@
+"""Sustained mixed load on one ``lmtier serve``: many client processes, bounded server.
+
+    python benchmarks/load_server.py [--clients 8] [--duration 60]
+
+Starts a server with small tiers (so it evicts all the time), then ``--clients`` client
+processes that for ``--duration`` seconds put prompts (sharing a few common prefixes, as
+system prompts do), read them back, look them up, delete some, and now and then send a
+request the server must refuse (a key of the wrong length, a frame over the size limit).
+Half the clients use the shared-memory data plane, half plain gRPC. Every chunk read is
+checked against the bytes its key implies.
+
+Meanwhile the parent samples the server's resident memory and its disk tier's accounted
+bytes (through ``Stats``); once the clients are done it adds up the chunk files on disk,
+which must match the accounting. It prints JSON and a table: calls per kind, bytes
+moved, failures (anything other than a deliberate refusal, or a wrong byte), and peak
+memory and disk against their bounds.
+``tests/test_server_load.py`` runs it in CI and asserts on the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_BYTES = 64 * 1024**2
+DISK_BYTES = 128 * 1024**2
+MAX_CHUNK = 1024**2
+WORKERS = 16
+# What the server may hold beyond its tiers: idle receive and disk-read buffers (their
+# pools' caps), frames in flight (a batch and a half-built frame per call), slack.
+POOLS = (128 + 256) * 1024**2
+IN_FLIGHT = WORKERS * (16 + 1) * MAX_CHUNK // 8
+
+
+def layout():
+    from lmtier.layout import KVLayout
+
+    return KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype="float16")  # 4 KiB per token
+
+
+def namespace():
+    from lmtier.keys import Namespace
+
+    return Namespace(model="load-test", layout=layout(), chunk_tokens=32)  # 128 KiB chunks
+
+
+def kv_of(key: bytes, shape) -> np.ndarray:
+    """The bytes a chunk must hold: its key, repeated (any mix-up between keys shows)."""
+    size = int(np.prod(shape))
+    return np.resize(np.frombuffer(key, dtype=np.uint8), size).reshape(shape)
+
+
+# -- one client process -----------------------------------------------------------------------
+def client(address: str, index: int, duration: float, shm: bool) -> dict:
+    import grpc
+
+    from lmtier.chunk import Chunk, release_all
+    from lmtier.tiers.base import open_tier
+    from lmtier.v1 import cache_pb2
+    from lmtier.wire import encode_piece
+
+    ns = namespace()
+    shape = ns.layout.byte_shape(ns.chunk_tokens)
+    rng = random.Random(index)
+    tier = open_tier(f"grpc://{address}?retries=0&timeout=30&shm={'on' if shm else 'off'}&token=load-{index % 2}")
+    channel = grpc.insecure_channel(address)
+    lookup = channel.unary_unary(
+        "/lmtier.v1.CacheService/Lookup",
+        cache_pb2.LookupRequest.SerializeToString,
+        cache_pb2.LookupResponse.FromString,
+    )
+    put = channel.stream_unary("/lmtier.v1.CacheService/Put", None, cache_pb2.PutResponse.FromString)
+    auth = (("authorization", f"Bearer load-{index % 2}"),)
+    prefixes = [[7000 + p] * (4 * ns.chunk_tokens) for p in range(4)]  # shared "system prompts"
+    mine: deque[list[int]] = deque(maxlen=64)
+    counts = {"put": 0, "get": 0, "lookup": 0, "delete": 0, "rejected": 0, "chunks_read": 0, "hits": 0}
+    failures: list[str] = []
+    moved = 0
+
+    def chunks_of(tokens: list[int]) -> list[Chunk]:
+        keys = ns.keys(tokens)
+        return [Chunk(k, ns.layout, kv_of(k, shape), namespace=ns.digest) for k in keys]
+
+    deadline = time.monotonic() + duration
+    while time.monotonic() < deadline:
+        roll = rng.random()
+        if roll < 0.35 or not mine:
+            tokens = rng.choice(prefixes) + [rng.randrange(50_000) for _ in range(rng.randint(2, 8) * ns.chunk_tokens)]
+            chunks = chunks_of(tokens)
+            tier.put(chunks)
+            mine.append(tokens)
+            counts["put"] += 1
+            moved += sum(c.nbytes for c in chunks)
+        elif roll < 0.80:
+            tokens = rng.choice([*prefixes, *mine])
+            keys = ns.keys(tokens)
+            got = tier.get(keys[: tier.contains(keys)])
+            for key, chunk in zip(keys, got, strict=False):
+                if chunk is None:
+                    continue
+                counts["hits"] += 1
+                moved += chunk.nbytes
+                try:
+                    if not np.array_equal(chunk.data, kv_of(key, shape)):
+                        failures.append(f"wrong bytes for {key.hex()[:12]}")
+                except Exception as exc:  # a chunk that fails verification is a failure here
+                    failures.append(f"unreadable chunk: {exc}")
+            release_all(got)
+            counts["get"] += 1
+            counts["chunks_read"] += len(got)
+        elif roll < 0.90:
+            tier.contains(ns.keys(rng.choice([*prefixes, *mine])))
+            counts["lookup"] += 1
+        elif roll < 0.95:
+            tier.delete(ns.keys(mine.popleft()))
+            counts["delete"] += 1
+        else:  # a request the server must refuse, and nothing else
+            short_key = rng.random() < 0.5
+            want = grpc.StatusCode.INVALID_ARGUMENT if short_key else grpc.StatusCode.RESOURCE_EXHAUSTED
+            try:
+                if short_key:
+                    lookup(cache_pb2.LookupRequest(keys=[b"short"]), metadata=auth, timeout=30)
+                else:
+                    put(iter([encode_piece(b"k" * 16, MAX_CHUNK + 1, data=[b"x" * 64])]), metadata=auth, timeout=30)
+                failures.append("a bad request was accepted")
+            except grpc.RpcError as exc:
+                if exc.code() != want:
+                    failures.append(f"bad request answered {exc.code()} instead of {want}")
+            counts["rejected"] += 1
+    errors = tier.counts["errors"] + tier.counts["corrupt"]
+    if errors:
+        failures.append(f"{errors} failed tier calls")
+    tier.close()
+    channel.close()
+    return {"counts": counts, "bytes": moved, "failures": failures[:20], "failed": len(failures)}
+
+
+# -- the run ---------------------------------------------------------------------------------
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def disk_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path / "chunks"):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def run_load(clients: int = 8, duration: float = 60.0, workdir: Path | None = None) -> dict:
+    from lmtier.server.process import ServerProcess
+    from lmtier.tiers.base import open_tier
+
+    tmp = Path(workdir or tempfile.mkdtemp(prefix="lmtier-load-"))
+    disk = tmp / "disk"
+    server = ServerProcess(
+        tmp,
+        "--tier",
+        f"cpu://?size={CPU_BYTES}&slot=128KiB",
+        "--tier",
+        f"file://{disk}?size={DISK_BYTES}",
+        "--token",
+        "load-0=tenant-a",
+        "--token",
+        "load-1=tenant-b",
+        "--max-chunk",
+        str(MAX_CHUNK),
+        "--workers",
+        str(WORKERS),
+        "--log-level",
+        "warning",
+    )
+    try:
+        time.sleep(1.0)
+        idle = rss(server.pid)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--client", str(i), "--address", server.address]
+                + ["--duration", str(duration)]
+                + (["--shm"] if i % 2 else []),
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
+            for i in range(clients)
+        ]
+        peak_rss = peak_disk = samples = 0
+        watcher = open_tier(f"grpc://{server.address}?token=load-0&shm=off")
+        while any(p.poll() is None for p in procs):
+            peak_rss = max(peak_rss, rss(server.pid))
+            peak_disk = max(peak_disk, watcher.stats()["server_tiers"][1]["used_bytes"])
+            samples += 1
+            time.sleep(0.5)
+        accounted = watcher.stats()["server_tiers"][1]["used_bytes"]
+        on_disk = disk_bytes(disk)  # quiet now: the files must add up to the accounting
+        watcher.close()
+        results = []
+        for p in procs:
+            out, _ = p.communicate(timeout=60)
+            results.append(json.loads(out.strip().splitlines()[-1]) if p.returncode == 0 and out.strip() else None)
+        alive = server.proc.poll() is None
+    finally:
+        server.stop()
+    crashed = sum(r is None for r in results)
+    done = [r for r in results if r is not None]
+    counts: dict[str, int] = {}
+    for r in done:
+        for k, v in r["counts"].items():
+            counts[k] = counts.get(k, 0) + v
+    calls = sum(v for k, v in counts.items() if k in ("put", "get", "lookup", "delete", "rejected"))
+    moved = sum(r["bytes"] for r in done)
+    bound = idle + CPU_BYTES + POOLS + IN_FLIGHT
+    return {
+        "clients": clients,
+        "duration_s": duration,
+        "calls": calls,
+        "calls_per_s": round(calls / duration, 1),
+        "counts": counts,
+        "gb_moved": round(moved / 1e9, 3),
+        "gb_per_s": round(moved / 1e9 / duration, 3),
+        "failed_calls": sum(r["failed"] for r in done) + crashed,
+        "failures": [f for r in done for f in r["failures"]][:20],
+        "client_crashes": crashed,
+        "server_alive": alive,
+        "rss_idle_mib": round(idle / 2**20, 1),
+        "rss_peak_mib": round(peak_rss / 2**20, 1),
+        "rss_bound_mib": round(bound / 2**20, 1),
+        "disk_peak_mib": round(peak_disk / 2**20, 1),
+        "disk_bound_mib": round(DISK_BYTES / 2**20, 1),
+        "disk_files_mib": round(on_disk / 2**20, 1),
+        "disk_files_match": on_disk == accounted,
+        "samples": samples,
+    }
+
+
+def table(result: dict) -> str:
+    rows = [
+        ("clients x seconds", f"{result['clients']} x {result['duration_s']:.0f}"),
+        ("calls (per second)", f"{result['calls']} ({result['calls_per_s']})"),
+        ("by kind", ", ".join(f"{k} {v}" for k, v in result["counts"].items())),
+        ("moved", f"{result['gb_moved']} GB ({result['gb_per_s']} GB/s)"),
+        ("failed calls", str(result["failed_calls"])),
+        ("server memory peak / bound", f"{result['rss_peak_mib']} / {result['rss_bound_mib']} MiB"),
+        ("server disk peak / bound", f"{result['disk_peak_mib']} / {result['disk_bound_mib']} MiB"),
+        ("chunk files at the end", f"{result['disk_files_mib']} MiB (match: {result['disk_files_match']})"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--client", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument("--shm", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.client is not None:
+        print(json.dumps(client(args.address, args.client, args.duration, args.shm)))
+        return 0
+    result = run_load(args.clients, args.duration)
+    print(json.dumps(result, indent=2))
+    print(table(result))
+    return 0 if result["failed_calls"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
