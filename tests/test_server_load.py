@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from load_server import run_load, table  # noqa: E402
+from load_server import run_load, table
 
 
 def test_eight_clients_for_a_minute_fail_nothing_and_the_server_stays_in_its_bounds(tmp_path, capsys):
