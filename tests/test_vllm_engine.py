@@ -1,7 +1,7 @@
 """lmtier inside real vLLM engines (the CPU build), in separate processes.
 
 Instance A serves prompts and stores their KV; instance B, a new process over the same
-disk directory (or the same Redis), serves them again: its scheduler must report the expected hits and its
+disk directory (or the same Redis, or the same cache server), serves them again: its scheduler must report the expected hits and its
 greedy tokens and logprobs must equal a run without lmtier. The same in vLLM's default
 multiprocess mode and with tensor parallelism 2, and after chunk files were damaged.
 """
@@ -16,6 +16,8 @@ import pytest
 
 from lmtier.enginerun import run_engine
 from lmtier.redisproc import RedisServer
+from lmtier.server.process import ServerProcess
+from lmtier.tiers.base import open_tier
 from lmtier.tinymodel import build
 
 CHUNK, BLOCK = 128, 64
@@ -168,6 +170,27 @@ def test_two_instances_share_through_redis_alone(model, single_process, tmp_path
     for r, a_r in zip(b["results"]["chat"], a["results"]["chat"], strict=True):  # A stored every round
         assert r["cached"] == expected_hit(r["prompt_len"], a_r["prompt_len"] + len(a_r["tokens"]) - 1)
     assert not (tmp_path / "disk").exists()
+
+
+def test_two_instances_share_through_the_cache_server_alone(model, single_process, tmp_path):
+    server = ServerProcess(tmp_path, "--tier", "cpu://?size=256MiB&slot=256KiB", "--token", "fleet-secret=fleet")
+    url = f"grpc://{server.address}?token=fleet-secret"
+    try:
+        a = engine(tmp_path, model, "a", None, shared=url)
+        watcher = open_tier(url)
+        assert watcher.stats()["chunks"] > 0
+        watcher.close()
+        b = engine(tmp_path, model, "b", None, shared=url)
+    finally:
+        server.stop()
+    base = single_process["base"]
+    assert_same_outputs(a, base)
+    assert_same_outputs(b, base)
+    for phase in DOCS:
+        (out,), (a_out,) = b["results"][phase], a["results"][phase]
+        assert out["cached"] == expected_hit(out["prompt_len"], out["prompt_len"] + len(a_out["tokens"]) - 1)
+    remote = b["stats"]["tiers"][1]
+    assert remote["errors"] == 0 and remote["shm"] is not None  # same host: bytes through shared memory
 
 
 def test_tensor_parallel_ranks_store_and_load_their_own_slices(model, tmp_path):
