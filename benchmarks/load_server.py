@@ -68,7 +68,7 @@ def client(address: str, index: int, duration: float, shm: bool) -> dict:
     from lmtier.chunk import Chunk, release_all
     from lmtier.tiers.base import open_tier
     from lmtier.v1 import cache_pb2
-    from lmtier.wire import encode_piece
+    from lmtier.wire import pack, piece
 
     ns = namespace()
     shape = ns.layout.byte_shape(ns.chunk_tokens)
@@ -132,7 +132,7 @@ def client(address: str, index: int, duration: float, shm: bool) -> dict:
                 if short_key:
                     lookup(cache_pb2.LookupRequest(keys=[b"short"]), metadata=auth, timeout=30)
                 else:
-                    put(iter([encode_piece(b"k" * 16, MAX_CHUNK + 1, data=[b"x" * 64])]), metadata=auth, timeout=30)
+                    put(iter([pack(piece(b"k" * 16, MAX_CHUNK + 1, data=[b"x" * 64]))]), metadata=auth, timeout=30)
                 failures.append("a bad request was accepted")
             except grpc.RpcError as exc:
                 if exc.code() != want:

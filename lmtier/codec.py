@@ -37,7 +37,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from lmtier.chunk import Chunk
+from lmtier.chunk import Chunk, iter_segments
 from lmtier.errors import (
     ChecksumError,
     ConfigError,
@@ -89,20 +89,26 @@ def _preamble(header: bytes, payload_len: int, payload_sum: int) -> bytes:
     return PREAMBLE.pack(MAGIC, FRAME_VERSION, 0, len(header), payload_len, payload_sum, header_sum)
 
 
-def encode_parts(chunk: Chunk, codec: str = "raw") -> list:
+def _relayed(chunk: Chunk, relay: bool) -> bool:
+    return relay and chunk.checksum is not None
+
+
+def encode_parts(chunk: Chunk, codec: str = "raw", *, relay: bool = False) -> list:
     """The frame as a list of buffers (preamble+header, then payload runs), for writev.
 
     With ``raw`` the payload runs are views of the chunk: nothing is copied, and a chunk
     whose checksum is known is not even hashed again. An unverified chunk is verified
     (``IntegrityError`` if it fails), so a damaged chunk is never re-encoded as good.
+    ``relay``: pass an unverified ``raw`` chunk on unchecked, under the checksum recorded
+    when it was stored, for a relay whose reader checks every frame (the cache server).
     """
     header = _header_bytes(chunk, codec)
-    if not chunk.verify():
+    if not (codec == "raw" and _relayed(chunk, relay)) and not chunk.verify():
         raise ChecksumError("chunk failed its checksum")
     if codec == "raw":
         if chunk.checksum is None:
             chunk.checksum = chunk.compute_checksum()
-        payload = list(chunk.segments())
+        payload = list(iter_segments(chunk.data) if _relayed(chunk, relay) else chunk.segments())
         payload_sum = chunk.checksum
     else:
         payload = [_lz4_compress(chunk)]
@@ -121,18 +127,22 @@ def encoded_size(chunk: Chunk, codec: str = "raw") -> int:
     return PREAMBLE.size + len(_header_bytes(chunk, codec)) + chunk.nbytes
 
 
-def encode_into(chunk: Chunk, buf: memoryview | np.ndarray) -> int:
+def encode_into(chunk: Chunk, buf: memoryview | np.ndarray, *, relay: bool = False) -> int:
     """Write the ``raw`` frame of ``chunk`` into ``buf``; returns the frame length.
 
     The payload is copied with ``Chunk.copy_to``, which hashes it block by block as it
     lands (and verifies an unverified chunk on the way): one pass over memory builds the
     frame and its checksum. For writers that need the frame in their own buffer (O_DIRECT).
+    ``relay``: as for ``encode_parts``, a plain copy under the recorded checksum.
     """
     header = _header_bytes(chunk, "raw")
     start = PREAMBLE.size + len(header)
     end = start + chunk.nbytes
     out = np.frombuffer(buf, dtype=np.uint8, count=end)
-    chunk.copy_to(out[start:end].reshape(chunk.data.shape), need_checksum=True)
+    if _relayed(chunk, relay):
+        np.copyto(out[start:end].reshape(chunk.data.shape), chunk.data)
+    else:
+        chunk.copy_to(out[start:end].reshape(chunk.data.shape), need_checksum=True)
     out[:start] = np.frombuffer(_preamble(header, chunk.nbytes, chunk.checksum) + header, dtype=np.uint8)
     return end
 

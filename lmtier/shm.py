@@ -129,8 +129,9 @@ class SegmentMaps:
         self._maps: OrderedDict[str, tuple[mmap.mmap, int, int]] = OrderedDict()  # name -> (map, inode, size)
         self._lock = threading.Lock()
 
-    def region(self, name: str, offset: int, length: int) -> memoryview:
-        """A writable view of ``length`` bytes at ``offset`` of segment ``name``."""
+    def region(self, name: str, offset: int, length: int | None) -> memoryview:
+        """A writable view of ``length`` bytes at ``offset`` of segment ``name`` (``None``:
+        to its end)."""
         if not NAME.match(name):
             raise FormatError(f"{name!r} is not an lmtier shared-memory segment name")
         path = os.path.join(self.directory, name)
@@ -153,6 +154,8 @@ class SegmentMaps:
                     self._maps.popitem(last=False)  # unmapped once no view remains
             self._maps.move_to_end(name)
         segment, _, size = held
+        if length is None:
+            length = size - offset
         if offset + length > size:
             raise FormatError(f"region [{offset}, {offset + length}) lies outside segment {name} of {size} bytes")
         return memoryview(segment)[offset : offset + length]

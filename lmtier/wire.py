@@ -1,16 +1,18 @@
-"""``ChunkPiece`` on the wire without protobuf's copies, and frames rebuilt from pieces.
+"""``Pieces`` on the wire without protobuf's copies, and frames rebuilt from pieces.
 
-    encode_piece(key, frame_size, offset, data=parts | region=...) -> bytes
-    decode_piece(message) -> Piece        (``data`` is a view into ``message``)
-    FrameAssembler                        pieces in, whole frames out, bounded and checked
+    piece(key, frame_size, offset, data=buffers | region=...) -> list of buffers
+    pack(*pieces) -> bytes                 one ``Pieces`` message, one copy of the bytes
+    unpack(message) -> list[Piece]         ``data`` views point into ``message``
+    FrameAssembler                         pieces in, whole frames out, bounded and checked
 
 Bulk bytes dominate the cache service's traffic, and generated protobuf classes copy
 them twice on each side (``bytes`` into the message, the message into its serialization;
 parsing copies the field out again). ``ChunkPiece`` is four scalar fields and one bytes
 field, so this module writes and reads its wire form directly: one join on the way out,
 zero copies on the way in. The bytes are exactly protobuf's (``tests/test_wire.py``
-checks both directions against ``cache_pb2``); every other message uses the generated
-classes.
+checks both directions against ``cache_pb2``); small messages (shared-memory pieces,
+no bulk bytes) are parsed with protobuf's own parser, which is faster there, and every
+other message uses the generated classes.
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from lmtier import codec
 from lmtier.buffers import BufferPool
 from lmtier.errors import FormatError
+from lmtier.v1.cache_pb2 import Pieces
 
-# ChunkPiece field tags: (field number << 3) | wire type (0 varint, 2 length-delimited).
+# Field tags: (field number << 3) | wire type (0 varint, 2 length-delimited).
+_PIECES = 0x0A  # Pieces.pieces
 _KEY, _FRAME_SIZE, _OFFSET, _DATA, _REGION = 0x0A, 0x10, 0x18, 0x22, 0x2A
 # SharedRegion: segment (1, string), offset (2), length (3).
 _SEGMENT, _REG_OFFSET, _REG_LENGTH = 0x0A, 0x10, 0x18
@@ -72,15 +78,15 @@ def _region_bytes(region: Region) -> bytes:
     return b"".join(out)
 
 
-def encode_piece(
+def piece(
     key: bytes,
     frame_size: int,
     offset: int = 0,
     *,
     data: Sequence[Any] | None = None,
     region: Region | None = None,
-) -> bytes:
-    """A serialized ``ChunkPiece``; ``data`` is a list of buffers joined in one copy."""
+) -> list:
+    """One serialized ``ChunkPiece`` as a list of buffers (``data`` is not copied)."""
     head = []
     if key:
         head += [bytes([_KEY]), _varint(len(key)), key]
@@ -90,10 +96,18 @@ def encode_piece(
         head += [bytes([_OFFSET]), _varint(offset)]
     if region is not None:
         body = _region_bytes(region)
-        return b"".join([*head, bytes([_REGION]), _varint(len(body)), body])
+        return [*head, bytes([_REGION]), _varint(len(body)), body]
     parts = list(data or ())
     size = sum(memoryview(p).nbytes for p in parts)
-    return b"".join([*head, bytes([_DATA]), _varint(size), *parts])
+    return [*head, bytes([_DATA]), _varint(size), *parts]
+
+
+def pack(*pieces: list) -> bytes:
+    """A serialized ``Pieces`` message of pieces made by ``piece``: one copy of the bytes."""
+    out: list = []
+    for parts in pieces:
+        out += [bytes([_PIECES]), _varint(sum(memoryview(p).nbytes for p in parts)), *parts]
+    return b"".join(out)
 
 
 def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
@@ -132,19 +146,32 @@ def _fields(view: memoryview):
         yield number, wire, value
 
 
-def decode_piece(message: bytes | memoryview) -> Piece:
-    """Parse a serialized ``ChunkPiece``; raises ``FormatError`` when malformed."""
-    view = memoryview(message).cast("B")
-    piece = Piece(b"", 0, 0)
+SMALL_MESSAGE = 4096  # below this, protobuf's C parser is the faster way (no bulk bytes to copy)
+
+
+def unpack(message: bytes | memoryview) -> list[Piece]:
+    """The pieces of a serialized ``Pieces`` message; ``data`` views point into it.
+    Raises ``FormatError`` when malformed."""
+    if len(message) < SMALL_MESSAGE:
+        return _unpack_small(message)
+    pieces = []
+    for number, wire, value in _fields(memoryview(message).cast("B")):
+        if number == 1 and wire == 2:
+            pieces.append(_decode_piece(value))
+    return pieces
+
+
+def _decode_piece(view: memoryview) -> Piece:
+    out = Piece(b"", 0, 0)
     for number, wire, value in _fields(view):
         if number == 1 and wire == 2:
-            piece.key = bytes(value)
+            out.key = bytes(value)
         elif number == 2 and wire == 0:
-            piece.frame_size = value
+            out.frame_size = value
         elif number == 3 and wire == 0:
-            piece.offset = value
+            out.offset = value
         elif number == 4 and wire == 2:
-            piece.data, piece.region = value, None
+            out.data, out.region = value, None
         elif number == 5 and wire == 2:
             segment, offset, length = "", 0, 0
             for n, w, v in _fields(value):
@@ -157,8 +184,25 @@ def decode_piece(message: bytes | memoryview) -> Piece:
                     offset = v
                 elif n == 3 and w == 0:
                     length = v
-            piece.region, piece.data = Region(segment, offset, length), None
-    return piece
+            out.region, out.data = Region(segment, offset, length), None
+    return out
+
+
+def _unpack_small(message: bytes | memoryview) -> list[Piece]:
+    try:
+        parsed = Pieces.FromString(bytes(message))
+    except DecodeError as exc:
+        raise FormatError(f"malformed Pieces message: {exc}") from exc
+    out = []
+    for p in parsed.pieces:
+        one = Piece(p.key, p.frame_size, p.offset)
+        body = p.WhichOneof("body")
+        if body == "data":
+            one.data = memoryview(p.data)
+        elif body == "region":
+            one.region = Region(p.region.segment, p.region.offset, p.region.length)
+        out.append(one)
+    return out
 
 
 class FrameAssembler:
@@ -252,4 +296,4 @@ class FrameTooLarge(FormatError):
     """A frame larger than the receiver accepts."""
 
 
-__all__ = ["FrameAssembler", "FrameTooLarge", "Piece", "Region", "decode_piece", "encode_piece", "split"]
+__all__ = ["FrameAssembler", "FrameTooLarge", "Piece", "Region", "pack", "piece", "split", "unpack"]

@@ -26,7 +26,7 @@ from lmtier.server import create_server
 from lmtier.server.auth import tenant_tag
 from lmtier.tiers.base import open_tier
 from lmtier.v1 import cache_pb2
-from lmtier.wire import Region, encode_piece
+from lmtier.wire import Region, pack, piece
 
 from conftest import SMALL, make_namespace, make_prompt
 from tier_contract import EvictingTierContract
@@ -204,6 +204,11 @@ def test_mutual_tls_maps_the_client_certificate_to_its_tenant(certs):
 
 
 # -- bad input -------------------------------------------------------------------------------------
+def one(*args, **kw) -> bytes:
+    """A Pieces message holding one piece."""
+    return pack(piece(*args, **kw))
+
+
 def frame_of(chunk) -> bytes:
     return codec.encode(chunk)
 
@@ -225,41 +230,44 @@ def test_malformed_requests_get_a_clear_status_and_leave_nothing_behind(server):
             lambda: raw(server.address, "Lookup", cache_pb2.LookupRequest(keys=[k0] * 5000), cache_pb2.LookupResponse),
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
-        "not a ChunkPiece": (lambda: raw(server.address, "Put", [b"\x0a\xff\xff"]), grpc.StatusCode.INVALID_ARGUMENT),
+        "not a Pieces message": (
+            lambda: raw(server.address, "Put", [b"\x0a\xff\xff"]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
         "not a frame": (
-            lambda: raw(server.address, "Put", [encode_piece(k0, 100, data=[b"x" * 100])]),
+            lambda: raw(server.address, "Put", [one(k0, 100, data=[b"x" * 100])]),
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         "damaged payload": (
-            lambda: raw(server.address, "Put", [encode_piece(k0, len(good), data=[bytes(damaged)])]),
+            lambda: raw(server.address, "Put", [one(k0, len(good), data=[bytes(damaged)])]),
             grpc.StatusCode.DATA_LOSS,
         ),
         "frame under another key": (
-            lambda: raw(server.address, "Put", [encode_piece(k0, len(other_key), data=[other_key])]),
+            lambda: raw(server.address, "Put", [one(k0, len(other_key), data=[other_key])]),
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         "oversized frame": (
-            lambda: raw(server.address, "Put", [encode_piece(k0, 1 << 40, data=[good[:half]])]),
+            lambda: raw(server.address, "Put", [one(k0, 1 << 40, data=[good[:half]])]),
             grpc.StatusCode.RESOURCE_EXHAUSTED,
         ),
         "stream stops half way": (
-            lambda: raw(server.address, "Put", [encode_piece(k0, len(good), data=[good[:half]])]),
+            lambda: raw(server.address, "Put", [one(k0, len(good), data=[good[:half]])]),
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         "pieces out of order": (
             lambda: raw(
                 server.address,
                 "Put",
-                [encode_piece(k0, len(good), data=[good[:half]]), encode_piece(b"", 0, half + 1, data=[good[half:]])],
+                [one(k0, len(good), data=[good[:half]]), one(b"", 0, half + 1, data=[good[half:]])],
             ),
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         "a segment name that is not ours": (
-            lambda: raw(server.address, "Put", [encode_piece(k0, 64, region=Region("../etc/passwd", 0, 64))]),
+            lambda: raw(server.address, "Put", [one(k0, 64, region=Region("../etc/passwd", 0, 64))]),
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         "a segment that is not on this host": (
-            lambda: raw(server.address, "Put", [encode_piece(k0, 64, region=Region("lmtier-" + "0" * 32, 0, 64))]),
+            lambda: raw(server.address, "Put", [one(k0, 64, region=Region("lmtier-" + "0" * 32, 0, 64))]),
             grpc.StatusCode.FAILED_PRECONDITION,
         ),
         "more landing regions than keys": (
@@ -283,7 +291,7 @@ def test_malformed_requests_get_a_clear_status_and_leave_nothing_behind(server):
         lambda: raw(
             server.address,
             "Put",
-            [encode_piece(k0, len(good), data=[good]), encode_piece(k1, len(good), data=[bytes(damaged_next)])],
+            [one(k0, len(good), data=[good]), one(k1, len(good), data=[bytes(damaged_next)])],
         )
     )
     assert response == grpc.StatusCode.DATA_LOSS
@@ -304,16 +312,19 @@ def test_a_chunk_in_many_pieces_arrives_whole(server):
         tier.close()
 
 
-def test_a_chunk_damaged_on_the_server_is_dropped_not_served(server):
-    tier = open_tier(server.url + "?token=alice-secret")
+@pytest.mark.parametrize("shm", ["off", "on"])
+def test_a_chunk_damaged_on_the_server_is_a_miss_and_is_deleted(server, shm):
+    tier = open_tier(server.url + f"?token=alice-secret&shm={shm}")
     prompt = make_prompt(4, seed=48)
     tier.put(prompt.chunks())
     flip_a_stored_byte(server, "alice", prompt.keys[1])
     got = tier.get(prompt.keys)
     assert got[0].tobytes() == prompt.chunk_bytes(0)
-    assert got[1:] == [None, None, None]  # the stream stops at the damaged chunk
+    assert not got[1].verify()  # found out by the reader, before the engine sees a byte
     release_all(got)
-    assert tier.contains(prompt.keys) == 1
+    assert tier.contains(prompt.keys) == 1  # and the server's copy is gone
+    assert tier.counts["corrupt"] == 1
+    tier.delete(prompt.keys)
     tier.close()
 
 
@@ -342,7 +353,7 @@ sys.path.insert(0, {tests!r})
 from conftest import make_prompt
 from lmtier import codec
 from lmtier.shm import Segment
-from lmtier.wire import Region, encode_piece
+from lmtier.wire import Region, pack, piece
 import grpc
 segment = Segment({shm_dir!r}, 1 << 20, 256 << 10)
 chunk = make_prompt(1, seed=50).chunks()[0]
@@ -350,8 +361,8 @@ frame = codec.encode(chunk)
 n = codec.encode_into(chunk, segment.view(0))
 
 def pieces():
-    yield encode_piece(chunk.key, n, region=Region(segment.name, 0, n))  # one whole chunk
-    yield encode_piece(b"\\x01" * 16, len(frame), data=[frame[:100]])  # half of the next
+    yield one(chunk.key, n, region=Region(segment.name, 0, n))  # one whole chunk
+    yield one(b"\\x01" * 16, len(frame), data=[frame[:100]])  # half of the next
     print(segment.name, flush=True)
     time.sleep(600)  # killed here
 

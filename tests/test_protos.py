@@ -43,9 +43,10 @@ class _Echo(cache_pb2_grpc.CacheServiceServicer):
 
     def Put(self, request_iterator, context):
         stored = 0
-        for piece in request_iterator:
-            self.frames[piece.key] = piece.data
-            stored += 1
+        for message in request_iterator:
+            for piece in message.pieces:
+                self.frames[piece.key] = piece.data
+                stored += 1
         return cache_pb2.PutResponse(stored=stored)
 
     def Get(self, request, context):
@@ -53,7 +54,7 @@ class _Echo(cache_pb2_grpc.CacheServiceServicer):
             if key not in self.frames:
                 return
             data = self.frames[key]
-            yield cache_pb2.ChunkPiece(key=key, frame_size=len(data), offset=0, data=data)
+            yield cache_pb2.Pieces(pieces=[cache_pb2.ChunkPiece(key=key, frame_size=len(data), offset=0, data=data)])
 
 
 def test_the_generated_service_round_trips_over_a_real_server_on_port_0():
@@ -65,10 +66,12 @@ def test_the_generated_service_round_trips_over_a_real_server_on_port_0():
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = cache_pb2_grpc.CacheServiceStub(channel)
             pieces = [cache_pb2.ChunkPiece(key=b"k%d" % i, frame_size=3, data=b"abc") for i in range(3)]
-            assert stub.Put(iter(pieces)).stored == 3
+            assert (
+                stub.Put(iter([cache_pb2.Pieces(pieces=pieces[:1]), cache_pb2.Pieces(pieces=pieces[1:])])).stored == 3
+            )
             assert stub.Lookup(cache_pb2.LookupRequest(keys=[b"k0", b"k1", b"x", b"k2"])).hits == 2
             got = list(stub.Get(cache_pb2.GetRequest(keys=[b"k0", b"k1", b"x"])))
             want = [(b"k0", b"abc", "data"), (b"k1", b"abc", "data")]
-            assert [(p.key, p.data, p.WhichOneof("body")) for p in got] == want
+            assert [(p.key, p.data, p.WhichOneof("body")) for m in got for p in m.pieces] == want
     finally:
         server.stop(grace=None)

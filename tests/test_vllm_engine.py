@@ -1,7 +1,8 @@
 """lmtier inside real vLLM engines (the CPU build), in separate processes.
 
 Instance A serves prompts and stores their KV; instance B, a new process over the same
-disk directory (or the same Redis, or the same cache server), serves them again: its scheduler must report the expected hits and its
+disk directory (or the same Redis, or the same cache server), serves them again: its scheduler
+must report the expected hits and its
 greedy tokens and logprobs must equal a run without lmtier. The same in vLLM's default
 multiprocess mode and with tensor parallelism 2, and after chunk files were damaged.
 """

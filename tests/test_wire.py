@@ -1,4 +1,4 @@
-"""ChunkPiece written and read without protobuf is exactly protobuf's ChunkPiece."""
+"""Pieces written and read without protobuf are exactly protobuf's Pieces."""
 
 from __future__ import annotations
 
@@ -9,42 +9,50 @@ from hypothesis import strategies as st
 from lmtier.buffers import BufferPool
 from lmtier.errors import FormatError
 from lmtier.v1 import cache_pb2
-from lmtier.wire import FrameAssembler, FrameTooLarge, Piece, Region, decode_piece, encode_piece, split
+from lmtier.wire import FrameAssembler, FrameTooLarge, Piece, Region, pack, piece, split, unpack
 
 sizes = st.integers(min_value=0, max_value=2**40)
 
 
 @given(key=st.binary(max_size=40), frame_size=sizes, offset=sizes, data=st.binary(max_size=3000))
 def test_data_pieces_match_protobuf_both_ways(key, frame_size, offset, data):
-    ours = encode_piece(key, frame_size, offset, data=[data[:7], memoryview(data)[7:]])
-    theirs = cache_pb2.ChunkPiece(key=key, frame_size=frame_size, offset=offset, data=data)
-    assert cache_pb2.ChunkPiece.FromString(ours) == theirs
-    back = decode_piece(theirs.SerializeToString())
-    assert (back.key, back.frame_size, back.offset, bytes(back.data), back.region) == (
-        key,
-        frame_size,
-        offset,
-        data,
-        None,
+    ours = pack(piece(key, frame_size, offset, data=[data[:7], memoryview(data)[7:]]), piece(key, 1, data=[b"x"]))
+    theirs = cache_pb2.Pieces(
+        pieces=[
+            cache_pb2.ChunkPiece(key=key, frame_size=frame_size, offset=offset, data=data),
+            cache_pb2.ChunkPiece(key=key, frame_size=1, data=b"x"),
+        ]
     )
+    assert cache_pb2.Pieces.FromString(ours) == theirs
+    for message in (theirs.SerializeToString(), theirs.SerializeToString() + b"\x00" * 0):
+        back = unpack(message)
+        assert [(p.key, p.frame_size, p.offset, bytes(p.data), p.region) for p in back] == [
+            (key, frame_size, offset, data, None),
+            (key, 1, 0, b"x", None),
+        ]
 
 
 @given(key=st.binary(min_size=1, max_size=40), name=st.text(max_size=50), offset=sizes, length=sizes)
 def test_region_pieces_match_protobuf_both_ways(key, name, offset, length):
-    ours = encode_piece(key, length, region=Region(name, offset, length))
+    ours = pack(piece(key, length, region=Region(name, offset, length)))
     region = cache_pb2.SharedRegion(segment=name, offset=offset, length=length)
-    theirs = cache_pb2.ChunkPiece(key=key, frame_size=length, region=region)
-    assert cache_pb2.ChunkPiece.FromString(ours) == theirs
-    back = decode_piece(theirs.SerializeToString())
+    theirs = cache_pb2.Pieces(pieces=[cache_pb2.ChunkPiece(key=key, frame_size=length, region=region)])
+    assert cache_pb2.Pieces.FromString(ours) == theirs
+    (back,) = unpack(theirs.SerializeToString())
     assert back.region == Region(name, offset, length) and back.data is None
 
 
-def test_unknown_fields_are_skipped_and_garbage_is_refused():
-    extra = cache_pb2.ChunkPiece(key=b"k", data=b"abc").SerializeToString() + b"\x78\x05"  # field 15, varint
-    assert bytes(decode_piece(extra).data) == b"abc"
+def test_large_messages_parse_without_protobuf_and_agree():
+    data = bytes(range(256)) * 64  # over the small-message size: parsed by hand
+    message = cache_pb2.Pieces(pieces=[cache_pb2.ChunkPiece(key=b"k", frame_size=len(data), data=data)])
+    extra = message.SerializeToString() + b"\x78\x05"  # an unknown field 15 (varint): skipped
+    (back,) = unpack(extra)
+    assert bytes(back.data) == data and back.key == b"k"
     for bad in (b"\x0a\x05ab", b"\x10\xff\xff", b"\x0b"):  # truncated field, varint, bad wire type
         with pytest.raises(FormatError):
-            decode_piece(bad)
+            unpack(bad + b"\x00" * 5000)
+        with pytest.raises(FormatError):
+            unpack(bad)
 
 
 def test_split_cuts_buffers_into_pieces_without_losing_a_byte():

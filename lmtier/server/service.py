@@ -34,7 +34,7 @@ from lmtier.server.auth import Authenticator
 from lmtier.shm import SegmentMaps, SegmentUnavailable
 from lmtier.store import TieredStore
 from lmtier.v1 import cache_pb2
-from lmtier.wire import FrameAssembler, FrameTooLarge, Region, decode_piece, encode_piece, split
+from lmtier.wire import FrameAssembler, FrameTooLarge, Region, pack, piece, split, unpack
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ KEY_LENGTHS = (16, 32)  # xxh3-128 and sha256 chunk keys
 PIECE_BYTES = 4 * 1024 * 1024 - 4096  # under gRPC's default 4 MiB message limit
 PUT_BATCH = 16
 PUT_BATCH_BYTES = 16 * 1024 * 1024
-GET_BATCH = 4
+GET_BATCH = 8
 LIST_DEFAULT, LIST_MAX = 1000, 100_000
 
 
@@ -119,44 +119,77 @@ class CacheService:
         if landing and self.maps is None:
             raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "this server has shared memory turned off")
         index = 0
+        segments: dict[str, memoryview] = {}  # mapped once per call
         batches = self.store.iter_get(scoped, GET_BATCH, ahead=1)
         try:
             for chunks in batches:
+                landed: list[list] = []  # shared-memory pieces of this batch: one message
+                damaged = False
                 try:
                     for chunk in chunks:
                         if not context.is_active():
                             return
                         region = landing[index] if index < len(landing) else None
                         try:
-                            messages = self._serve(keys[index], chunk, region)
+                            parts, messages = self._serve(keys[index], chunk, region, segments)
                         except IntegrityError as exc:  # the stored copy is dropped: a miss from here
                             log.warning("chunk %s failed verification while served: %s", keys[index].hex()[:16], exc)
-                            return
-                        yield from messages
+                            damaged = True
+                            break
+                        if parts is not None:
+                            landed.append(parts)
+                        else:
+                            if landed:
+                                yield pack(*landed)
+                                landed = []
+                            yield from messages
                         index += 1
                 finally:
                     release_all(chunks)
+                if landed:
+                    yield pack(*landed)
+                if damaged:
+                    return
         finally:
             batches.close()
 
-    def _serve(self, key: bytes, chunk: Chunk, region: Region | None) -> list[bytes]:
-        """The messages carrying one chunk, under the caller's key; the chunk is verified
-        on the way (``IntegrityError`` drops the stored copy)."""
+    def _serve(
+        self, key: bytes, chunk: Chunk, region: Region | None, segments: dict
+    ) -> tuple[list | None, list[bytes]]:
+        """One chunk under the caller's key: ``(piece, [])`` when it went through shared
+        memory (a piece to pack with others), ``(None, messages)`` when it travels as bytes.
+
+        The bytes are relayed as stored, under the checksum recorded when they were
+        stored: the client verifies every frame it reads (and deletes a damaged one), so
+        checking here too would hash each chunk twice for nothing."""
         view = chunk.view_as(key)
         size = codec.encoded_size(view)
         if region is not None and size <= region.length:
-            dst = self._region(region.segment, region.offset, size)
-            codec.encode_into(view, dst)  # copies and verifies in one pass
+            segment = segments.get(region.segment)
+            if segment is None:
+                segment = segments[region.segment] = self._segment(region.segment)
+            if region.offset + size > len(segment):
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"a landing region lies outside {region.segment}")
+            codec.encode_into(view, segment[region.offset : region.offset + size], relay=True)
             metrics.SERVER_BYTES.labels("get", "shm").inc(size)
-            return [encode_piece(key, size, region=Region(region.segment, region.offset, size))]
-        parts = [memoryview(p).cast("B") for p in codec.encode_parts(view)]
+            return piece(key, size, region=Region(region.segment, region.offset, size)), []
+        parts = [memoryview(p).cast("B") for p in codec.encode_parts(view, relay=True)]
         metrics.SERVER_BYTES.labels("get", "grpc").inc(size)
-        if size <= PIECE_BYTES:
-            return [encode_piece(key, size, data=parts)]
-        return [
-            encode_piece(key if offset == 0 else b"", size if offset == 0 else 0, offset, data=piece)
-            for offset, piece in split(parts, PIECE_BYTES)
+        return None, [
+            pack(piece(key if offset == 0 else b"", size if offset == 0 else 0, offset, data=views))
+            for offset, views in split(parts, PIECE_BYTES)
         ]
+
+    def _segment(self, segment: str) -> memoryview:
+        """A whole client segment (checked against its file once)."""
+        if self.maps is None:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "this server has shared memory turned off")
+        try:
+            return self.maps.region(segment, 0, None)
+        except SegmentUnavailable as exc:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
+        except LmtierError as exc:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
 
     def _region(self, segment: str, offset: int, length: int) -> memoryview:
         if self.maps is None:
@@ -191,22 +224,23 @@ class CacheService:
         try:
             for message in messages:
                 try:
-                    piece = decode_piece(message)
+                    pieces = unpack(message)
                 except LmtierError as exc:
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed ChunkPiece: {exc}") from exc
-                frame = self._receive(piece, assembler)
-                if frame is None:
-                    continue
-                key, view, digest, release, transport = frame
-                try:
-                    chunk = self._accept(tag, key, view, digest, damaged)
-                except BaseException:
-                    release()
-                    raise
-                metrics.SERVER_BYTES.labels("put", transport).inc(len(view))
-                batch.append((chunk, release))
-                if len(batch) >= PUT_BATCH or sum(c.nbytes for c, _ in batch) >= PUT_BATCH_BYTES:
-                    store()
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {exc}") from exc
+                for one in pieces:
+                    frame = self._receive(one, assembler)
+                    if frame is None:
+                        continue
+                    key, view, digest, release, transport = frame
+                    try:
+                        chunk = self._accept(tag, key, view, digest, damaged)
+                    except BaseException:
+                        release()
+                        raise
+                    metrics.SERVER_BYTES.labels("put", transport).inc(len(view))
+                    batch.append((chunk, release))
+                    if len(batch) >= PUT_BATCH or sum(c.nbytes for c, _ in batch) >= PUT_BATCH_BYTES:
+                        store()
             if assembler.pending:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended in the middle of a chunk")
             store()
@@ -216,21 +250,21 @@ class CacheService:
                 release()
         return cache_pb2.PutResponse(stored=totals["stored"], dropped=totals["dropped"])
 
-    def _receive(self, piece, assembler: FrameAssembler):
+    def _receive(self, one, assembler: FrameAssembler):
         """A whole frame from this piece (with what came before), or None for now."""
         try:
-            if piece.region is not None:
-                if assembler.pending or piece.offset != 0 or piece.region.length != piece.frame_size:
+            if one.region is not None:
+                if assembler.pending or one.offset != 0 or one.region.length != one.frame_size:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "a shared-memory piece must hold a whole frame")
-                if not piece.key:
+                if not one.key:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "a piece without its chunk's key")
-                if piece.frame_size > self.config.max_chunk_bytes:
+                if one.frame_size > self.config.max_chunk_bytes:
                     raise FrameTooLarge(
-                        f"frame of {piece.frame_size} bytes exceeds the limit of {self.config.max_chunk_bytes}"
+                        f"frame of {one.frame_size} bytes exceeds the limit of {self.config.max_chunk_bytes}"
                     )
-                view = self._region(piece.region.segment, piece.region.offset, piece.region.length)
-                return piece.key, view, None, _nothing, "shm"
-            done = assembler.add(piece, piece.data if piece.data is not None else memoryview(b""))
+                view = self._region(one.region.segment, one.region.offset, one.region.length)
+                return one.key, view, None, _nothing, "shm"
+            done = assembler.add(one, one.data if one.data is not None else memoryview(b""))
         except FrameTooLarge as exc:
             raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         except LmtierError as exc:
@@ -253,7 +287,7 @@ class CacheService:
         except IntegrityError as exc:
             code = grpc.StatusCode.DATA_LOSS if "checksum" in str(exc) else grpc.StatusCode.INVALID_ARGUMENT
             raise _Abort(code, f"chunk {key.hex()}: {exc}") from exc
-        if len(chunk.namespace) != len(key):
+        if chunk.namespace and len(chunk.namespace) != len(key):  # a digest of the key's own hash
             raise _Abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"chunk {key.hex()}: a namespace digest of {len(chunk.namespace)} bytes does not go with "

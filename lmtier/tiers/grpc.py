@@ -48,7 +48,7 @@ from lmtier.shm import Segment
 from lmtier.tiers.base import Tier, TierContext, TierURL, parse_bool
 from lmtier.units import parse_size
 from lmtier.v1 import cache_pb2
-from lmtier.wire import FrameAssembler, Region, decode_piece, encode_piece, split
+from lmtier.wire import FrameAssembler, Region, pack, piece, split, unpack
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,6 +60,7 @@ MAX_MESSAGE = 80 * 1024 * 1024
 MAX_FRAME = 1 << 30
 MIN_RATE = 100e6  # bytes/s: a bulk call's deadline grows by its size at this rate
 SHM_RETRY_S = 60.0
+SHM_PIECES_PER_MESSAGE = 16
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
 
 
@@ -323,23 +324,23 @@ class GrpcTier(Tier):
         try:
             index = 0
             for message in call:
-                if index >= len(keys):
-                    raise _protocol("the server sent more chunks than asked for")
-                piece = decode_piece(message)
-                if piece.region is not None:
-                    slot = by_offset.get(piece.region.offset)
-                    if segment is None or slot is None or piece.region.segment != segment.name or slot in used:
-                        raise _protocol("the server named a region it was not given")
-                    used.add(slot)
-                    frame = segment.view(slot)[: piece.region.length]
-                    out[index] = self._decode(keys[index], piece.key, frame, None, lambda s=slot: segment.release(s))
-                    index += 1
-                    continue
-                whole = assembler.add(piece, piece.data if piece.data is not None else memoryview(b""))
-                if whole is not None:
-                    key, frame, digest, release = whole
-                    out[index] = self._decode(keys[index], key, frame, digest, release)
-                    index += 1
+                for one in unpack(message):
+                    if index >= len(keys):
+                        raise _protocol("the server sent more chunks than asked for")
+                    if one.region is not None:
+                        slot = by_offset.get(one.region.offset)
+                        if segment is None or slot is None or one.region.segment != segment.name or slot in used:
+                            raise _protocol("the server named a region it was not given")
+                        used.add(slot)
+                        frame = segment.view(slot)[: one.region.length]
+                        out[index] = self._decode(keys[index], one.key, frame, None, lambda s=slot: segment.release(s))
+                        index += 1
+                        continue
+                    whole = assembler.add(one, one.data if one.data is not None else memoryview(b""))
+                    if whole is not None:
+                        key, frame, digest, release = whole
+                        out[index] = self._decode(keys[index], key, frame, digest, release)
+                        index += 1
             done = True
         except grpc.RpcError as exc:
             release_all(out)
@@ -368,15 +369,27 @@ class GrpcTier(Tier):
             release()
             raise _protocol("the server answered chunks out of order")
         try:
-            chunk = codec.decode(frame, key=want, lazy=True, payload_checksum=digest, on_release=release)
+            chunk = codec.decode(
+                frame,
+                key=want,
+                lazy=True,  # checked as the engine copies it out
+                payload_checksum=digest,
+                on_release=release,
+                on_corrupt=lambda: self._drop_corrupt(want),
+            )
         except IntegrityError as exc:
             release()
-            self._count("corrupt")
-            metrics.INTEGRITY_FAILURES.labels(self.name).inc()
             log.warning("grpc tier %s: damaged chunk %s from the server: %s", self.name, want.hex()[:16], exc)
+            self._drop_corrupt(want)
             return None
         metrics.TIER_BYTES.labels(self.name, "get").inc(len(frame))
         return chunk
+
+    def _drop_corrupt(self, key: bytes) -> None:
+        """A chunk from the server failed its check: count it and delete the server's copy."""
+        self._count("corrupt")
+        metrics.INTEGRITY_FAILURES.labels(self.name).inc()
+        self.delete([key])
 
     def put(self, chunks: Sequence[Chunk]) -> None:
         if chunks:
@@ -408,8 +421,10 @@ class GrpcTier(Tier):
         metrics.TIER_BYTES.labels(self.name, "put").inc(nbytes)
 
     def _messages(self, chunks: Sequence[Chunk], segment: Segment | None, slots: list[int]) -> Iterator[bytes]:
-        """The ``ChunkPiece`` messages of ``chunks``: through a slot when one is free and the
-        frame fits, else as bytes in pieces. A damaged chunk is skipped, never sent."""
+        """The ``Pieces`` messages of ``chunks``: frames through free slots of the segment
+        (many to a message), the rest as bytes (a message per piece). A damaged chunk is
+        skipped, never sent."""
+        landed: list[list] = []
         for chunk in chunks:
             try:
                 if segment is not None and codec.encoded_size(chunk) <= segment.slot_bytes:
@@ -417,16 +432,24 @@ class GrpcTier(Tier):
                     if slot is not None:
                         slots.append(slot)
                         n = codec.encode_into(chunk, segment.view(slot))  # copies and hashes in one pass
-                        yield encode_piece(chunk.key, n, region=Region(segment.name, segment.offset(slot), n))
+                        landed.append(piece(chunk.key, n, region=Region(segment.name, segment.offset(slot), n)))
+                        if len(landed) == SHM_PIECES_PER_MESSAGE:
+                            yield pack(*landed)
+                            landed = []
                         continue
                 parts = [memoryview(p).cast("B") for p in codec.encode_parts(chunk)]
             except IntegrityError:
                 self._count("corrupt")
                 continue
+            if landed:
+                yield pack(*landed)
+                landed = []
             size = sum(len(p) for p in parts)
-            for offset, piece in split(parts, self.piece):
+            for offset, views in split(parts, self.piece):
                 first = offset == 0
-                yield encode_piece(chunk.key if first else b"", size if first else 0, offset, data=piece)
+                yield pack(piece(chunk.key if first else b"", size if first else 0, offset, data=views))
+        if landed:
+            yield pack(*landed)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         if not keys:

@@ -26,6 +26,12 @@ class GetRequest(_message.Message):
     landing: _containers.RepeatedCompositeFieldContainer[SharedRegion]
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., landing: _Optional[_Iterable[_Union[SharedRegion, _Mapping]]] = ...) -> None: ...
 
+class Pieces(_message.Message):
+    __slots__ = ("pieces",)
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    pieces: _containers.RepeatedCompositeFieldContainer[ChunkPiece]
+    def __init__(self, pieces: _Optional[_Iterable[_Union[ChunkPiece, _Mapping]]] = ...) -> None: ...
+
 class ChunkPiece(_message.Message):
     __slots__ = ("key", "frame_size", "offset", "data", "region")
     KEY_FIELD_NUMBER: _ClassVar[int]

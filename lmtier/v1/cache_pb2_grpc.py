@@ -42,11 +42,11 @@ class CacheServiceStub:
         self.Get = channel.unary_stream(
                 '/lmtier.v1.CacheService/Get',
                 request_serializer=lmtier_dot_v1_dot_cache__pb2.GetRequest.SerializeToString,
-                response_deserializer=lmtier_dot_v1_dot_cache__pb2.ChunkPiece.FromString,
+                response_deserializer=lmtier_dot_v1_dot_cache__pb2.Pieces.FromString,
                 _registered_method=True)
         self.Put = channel.stream_unary(
                 '/lmtier.v1.CacheService/Put',
-                request_serializer=lmtier_dot_v1_dot_cache__pb2.ChunkPiece.SerializeToString,
+                request_serializer=lmtier_dot_v1_dot_cache__pb2.Pieces.SerializeToString,
                 response_deserializer=lmtier_dot_v1_dot_cache__pb2.PutResponse.FromString,
                 _registered_method=True)
         self.Delete = channel.unary_unary(
@@ -125,11 +125,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
             'Get': grpc.unary_stream_rpc_method_handler(
                     servicer.Get,
                     request_deserializer=lmtier_dot_v1_dot_cache__pb2.GetRequest.FromString,
-                    response_serializer=lmtier_dot_v1_dot_cache__pb2.ChunkPiece.SerializeToString,
+                    response_serializer=lmtier_dot_v1_dot_cache__pb2.Pieces.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
-                    request_deserializer=lmtier_dot_v1_dot_cache__pb2.ChunkPiece.FromString,
+                    request_deserializer=lmtier_dot_v1_dot_cache__pb2.Pieces.FromString,
                     response_serializer=lmtier_dot_v1_dot_cache__pb2.PutResponse.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
@@ -201,7 +201,7 @@ class CacheService:
             target,
             '/lmtier.v1.CacheService/Get',
             lmtier_dot_v1_dot_cache__pb2.GetRequest.SerializeToString,
-            lmtier_dot_v1_dot_cache__pb2.ChunkPiece.FromString,
+            lmtier_dot_v1_dot_cache__pb2.Pieces.FromString,
             options,
             channel_credentials,
             insecure,
@@ -227,7 +227,7 @@ class CacheService:
             request_iterator,
             target,
             '/lmtier.v1.CacheService/Put',
-            lmtier_dot_v1_dot_cache__pb2.ChunkPiece.SerializeToString,
+            lmtier_dot_v1_dot_cache__pb2.Pieces.SerializeToString,
             lmtier_dot_v1_dot_cache__pb2.PutResponse.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,273 @@
+"""The grpc:// tier against its references, same machine, same run.
+
+Starts ``lmtier serve`` (memory tier only), a bare gRPC echo service in its own process,
+and a ``redis-server``; then for each chunk size moves the same chunks through:
+
+- ``echo``: the bare echo service: a client stream of N messages of the frame's wire size
+  (PUT), a server stream of N such messages (GET). Python gRPC at its best, no cache.
+- ``tcp``: the grpc:// tier with ``shm=off``: frames in gRPC messages.
+- ``memcpy``: ``np.copyto`` of each chunk into a preallocated buffer: the bytes moved once.
+- ``shm``: the grpc:// tier through its shared-memory segment, gRPC for control only.
+- ``redis``: the redis:// tier on the same host.
+
+A tier's GET ends with each chunk delivered and verified against its checksum, ready
+for the engine to copy into its own cache (a copy that is the same for every tier, so
+it is left out; ``memcpy`` is the bytes moved once). Calls carry ``--batch`` chunks each,
+as an engine's loads do. Rounds
+interleave everything; reported: GB/s of chunk bytes (best round), ratios of the best
+rounds (tcp / echo, shm / memcpy, each / redis) and the median of same-round ratios, as
+JSON and a Markdown table.
+
+    python benchmarks/bench_grpc_tier.py [--sizes-mib 0.25 2] [--total-mib 256] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from lmtier import codec
+from lmtier.chunk import Chunk, release_all
+from lmtier.layout import KVLayout
+from lmtier.redisproc import RedisServer, free_port
+from lmtier.server.process import ServerProcess
+from lmtier.tiers.base import TierContext, open_tier
+from lmtier.wire import pack, piece
+
+MiB = 1 << 20
+LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")  # 64 KiB per token
+
+
+def chunks_of(size: int, count: int, seed: int) -> list[Chunk]:
+    tokens = max(1, size // LAYOUT.bytes_per_token)
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (count, *LAYOUT.byte_shape(tokens)), dtype=np.uint8)
+    return [Chunk(rng.bytes(16), LAYOUT, data[i]) for i in range(count)]
+
+
+# -- the echo service (its own process) -----------------------------------------------------
+def echo_server(port: int) -> None:
+    cache: dict[int, bytes] = {}
+
+    def get(request: bytes, context):
+        count, size = struct.unpack("<QQ", request)
+        message = cache.get(size)
+        if message is None:
+            message = cache[size] = bytes(size)
+        for _ in range(count):
+            yield message
+
+    def put(requests, context) -> bytes:
+        n = sum(1 for _ in requests)
+        return struct.pack("<Q", n)
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Echo",
+        {"Get": grpc.unary_stream_rpc_method_handler(get), "Put": grpc.stream_unary_rpc_method_handler(put)},
+    )
+    limit = 80 * MiB
+    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    server = grpc.server(futures.ThreadPoolExecutor(16), options=options)
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    print("ready", flush=True)
+    server.wait_for_termination()
+
+
+class Echo:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--echo-server", str(self.port)], stdout=subprocess.PIPE, text=True
+        )
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the echo service did not start")
+        limit = 80 * MiB
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}", options=options)
+        self.get = self.channel.unary_stream("/bench.Echo/Get")
+        self.put = self.channel.stream_unary("/bench.Echo/Put")
+
+    def close(self) -> None:
+        self.channel.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+# -- measuring --------------------------------------------------------------------------------
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: int) -> list[dict]:
+    size = int(size_mib * MiB)
+    count = max(batch, total_mib * MiB // size // batch * batch)
+    chunks = chunks_of(size, count, seed=int(size_mib * 100))
+    keys = [c.key for c in chunks]
+    nbytes = sum(c.nbytes for c in chunks)
+    frame = codec.encoded_size(chunks[0])
+    message = len(pack(piece(keys[0], frame, data=[bytes(frame)])))  # one chunk on the wire
+    batches = [slice(i, i + batch) for i in range(0, count, batch)]
+    dst = np.empty((batch, *chunks[0].data.shape), dtype=np.uint8)  # the engine's buffer
+    echo: Echo = servers["echo"]
+    slot_room = batch * (-(-(frame + 4096) // 65536) * 65536)
+    context = TierContext(chunk_bytes=size)  # as an engine's connector gives it
+    tiers = {
+        "tcp": open_tier(f"grpc://{servers['lmtier'].address}?shm=off", context),
+        "shm": open_tier(f"grpc://{servers['lmtier'].address}?shm=on&shm_size={2 * slot_room}", context),
+        "redis": open_tier(servers["redis"].url, context),
+    }
+
+    def put(tier):
+        return lambda: [tier.put(chunks[b]) for b in batches]
+
+    def get(tier):
+        def run() -> None:
+            for b in batches:
+                got = tier.get(keys[b])
+                for chunk in got:
+                    if not chunk.verify():  # delivered and checked: ready for the engine's copy
+                        raise RuntimeError("a chunk failed verification")
+                release_all(got)
+
+        return run
+
+    def echo_put() -> None:
+        payload = bytes(message)
+        for b in batches:
+            echo.put(iter([payload] * (b.stop - b.start)), timeout=600)
+
+    def echo_get() -> None:
+        for b in batches:
+            for _ in echo.get(struct.pack("<QQ", b.stop - b.start, message), timeout=600):
+                pass
+
+    sources = [np.ascontiguousarray(c.data) for c in chunks]
+
+    def memcpy() -> None:
+        for b in batches:
+            for i, src in enumerate(sources[b]):
+                np.copyto(dst[i], src)
+
+    samples: dict[str, list[float]] = {}
+    try:
+        for tier in tiers.values():  # steady state: the server holds the chunks once, untimed
+            put(tier)()
+        for _ in range(rounds):
+            rates = {
+                "echo": {"put": nbytes / timed(echo_put) / 1e9, "get": nbytes / timed(echo_get) / 1e9},
+                "memcpy": {"put": nbytes / timed(memcpy) / 1e9, "get": nbytes / timed(memcpy) / 1e9},
+            }
+            for name, tier in tiers.items():
+                rates[name] = {"put": nbytes / timed(put(tier)) / 1e9, "get": nbytes / timed(get(tier)) / 1e9}
+            for name, r in rates.items():
+                r["put+get"] = 1 / (1 / r["put"] + 1 / r["get"])
+                for op, rate in r.items():
+                    samples.setdefault(f"{name}_{op}", []).append(rate)
+        errors = {name: t.counts["errors"] for name, t in tiers.items() if hasattr(t, "counts")}
+    finally:
+        for tier in tiers.values():
+            tier.close()
+    if any(errors.values()):
+        raise RuntimeError(f"tier calls failed during the benchmark: {errors}")
+
+    def best(name: str, op: str) -> float:
+        return max(samples[f"{name}_{op}"])
+
+    def paired(a: str, b: str, op: str) -> float:
+        return statistics.median(x / y for x, y in zip(samples[f"{a}_{op}"], samples[f"{b}_{op}"], strict=True))
+
+    rows = []
+    for op in ("put", "get", "put+get"):
+        row = {"chunk_mib": size_mib, "op": op, "message_bytes": message}
+        for name in ("echo", "tcp", "memcpy", "shm", "redis"):
+            row[f"{name}_gbps"] = best(name, op)
+        for a, b in (("tcp", "echo"), ("shm", "memcpy"), ("tcp", "redis"), ("shm", "redis")):
+            row[f"{a}_over_{b}"] = best(a, op) / best(b, op)
+            row[f"paired_{a}_over_{b}"] = paired(a, b, op)
+        row["samples"] = {k: v for k, v in samples.items() if k.endswith(f"_{op}")}
+        rows.append(row)
+    return rows
+
+
+def run(sizes_mib: list[float], total_mib: int, rounds: int, batch: int) -> dict:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="lmtier-grpc-bench-") as tmp:
+        servers = {"redis": RedisServer(Path(tmp), "--maxmemory", f"{4 * total_mib + 512}mb"), "echo": Echo()}
+        try:
+            for size_mib in sizes_mib:
+                # Memory slots of the chunk size, as an operator would set for one model.
+                servers["lmtier"] = ServerProcess(
+                    Path(tmp),
+                    "--tier",
+                    f"cpu://?size={2 * total_mib + 64}MiB&slot={int(size_mib * MiB)}",
+                    "--max-chunk",
+                    "64MiB",
+                    "--log-level",
+                    "warning",
+                )
+                try:
+                    rows += measure(servers, size_mib, total_mib, rounds, batch)
+                finally:
+                    servers.pop("lmtier").stop()
+        finally:
+            servers["echo"].close()
+            servers["redis"].stop()
+    return {"benchmark": "grpc_tier", "total_mib": total_mib, "batch_chunks": batch, "rounds": rounds, "rows": rows}
+
+
+def table(report: dict) -> str:
+    lines = [
+        "| chunk | op | echo GB/s | tcp GB/s | tcp / echo | memcpy GB/s | shm GB/s | shm / memcpy "
+        "| redis GB/s | tcp / redis | shm / redis | paired tcp / echo | paired shm / memcpy |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['chunk_mib']:g} MiB | {r['op'].upper()} | {r['echo_gbps']:.2f} | {r['tcp_gbps']:.2f} "
+            f"| {r['tcp_over_echo']:.2f} | {r['memcpy_gbps']:.2f} | {r['shm_gbps']:.2f} | {r['shm_over_memcpy']:.2f} "
+            f"| {r['redis_gbps']:.2f} | {r['tcp_over_redis']:.2f} | {r['shm_over_redis']:.2f} "
+            f"| {r['paired_tcp_over_echo']:.2f} | {r['paired_shm_over_memcpy']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[0.25, 2])
+    parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per size, path and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=16, help="chunks per put / get call")
+    parser.add_argument("--json-out", help="also write the JSON report here")
+    parser.add_argument("--echo-server", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.echo_server:
+        echo_server(args.echo_server)
+        return 0
+    report = run(args.sizes_mib, args.total_mib, args.rounds, args.batch)
+    text = json.dumps(report, indent=2)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    print()
+    print(table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
