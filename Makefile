@@ -27,6 +27,8 @@ bench: venv system
 	$(PY) benchmarks/bench_cpu_tier.py
 	$(PY) benchmarks/bench_disk_tier.py
 	$(PY) benchmarks/bench_redis_tier.py
+	$(PY) benchmarks/bench_grpc_tier.py
+	$(PY) benchmarks/load_server.py
 	$(PY) benchmarks/bench_vllm_ttft.py
 
 clean:

@@ -10,10 +10,11 @@ and a ``redis-server``; then for each chunk size moves the same chunks through:
 - ``shm``: the grpc:// tier through its shared-memory segment, gRPC for control only.
 - ``redis``: the redis:// tier on the same host.
 
-A tier's GET ends with each chunk delivered and verified against its checksum, ready
-for the engine to copy into its own cache (a copy that is the same for every tier, so
-it is left out; ``memcpy`` is the bytes moved once). Calls carry ``--batch`` chunks each,
-as an engine's loads do. Rounds
+Calls carry ``--batch`` chunks each. A tier's GET ends with each chunk delivered and
+verified against its checksum, ready for the engine to copy into its own cache (a copy
+that is the same for every tier, so it is left out; ``memcpy`` is the bytes moved once).
+The server runs with one tenant, so same-host GETs read chunks where they lie in its
+memory (copied out and verified by the client in one pass). Rounds
 interleave everything; reported: GB/s of chunk bytes (best round), ratios of the best
 rounds (tcp / echo, shm / memcpy, each / redis) and the median of same-round ratios, as
 JSON and a Markdown table.
@@ -128,17 +129,17 @@ def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: 
     context = TierContext(chunk_bytes=size)  # as an engine's connector gives it
     tiers = {
         "tcp": open_tier(f"grpc://{servers['lmtier'].address}?shm=off", context),
-        "shm": open_tier(f"grpc://{servers['lmtier'].address}?shm=on&shm_size={2 * slot_room}", context),
+        "shm": open_tier(f"grpc://{servers['lmtier'].address}?shm=on&shm_size={4 * slot_room}", context),
         "redis": open_tier(servers["redis"].url, context),
     }
 
     def put(tier):
         return lambda: [tier.put(chunks[b]) for b in batches]
 
-    def get(tier):
+    def get(name):
         def run() -> None:
             for b in batches:
-                got = tier.get(keys[b])
+                got = tiers[name].get(keys[b])
                 for chunk in got:
                     if not chunk.verify():  # delivered and checked: ready for the engine's copy
                         raise RuntimeError("a chunk failed verification")
@@ -173,7 +174,7 @@ def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: 
                 "memcpy": {"put": nbytes / timed(memcpy) / 1e9, "get": nbytes / timed(memcpy) / 1e9},
             }
             for name, tier in tiers.items():
-                rates[name] = {"put": nbytes / timed(put(tier)) / 1e9, "get": nbytes / timed(get(tier)) / 1e9}
+                rates[name] = {"put": nbytes / timed(put(tier)) / 1e9, "get": nbytes / timed(get(name)) / 1e9}
             for name, r in rates.items():
                 r["put+get"] = 1 / (1 / r["put"] + 1 / r["get"])
                 for op, rate in r.items():

@@ -153,11 +153,12 @@ def header_length(frame) -> int:
     return int.from_bytes(bytes(frame[8:12]), "little")
 
 
-def read_header(frame) -> tuple[Header, memoryview]:
+def read_header(frame, payload=None) -> tuple[Header, memoryview]:
     """Check a frame's preamble and header; returns the header and the payload view.
 
-    The payload itself is not checked here (see ``decode``). Raises ``FormatError`` or
-    ``ChecksumError``. Nothing is copied.
+    ``payload``: the payload lies apart, and ``frame`` holds only the preamble and the
+    header. The payload itself is not checked here (see ``decode``). Raises
+    ``FormatError`` or ``ChecksumError``. Nothing is copied.
     """
     view = memoryview(frame).cast("B")
     if len(view) < PREAMBLE.size:
@@ -167,7 +168,11 @@ def read_header(frame) -> tuple[Header, memoryview]:
         raise FormatError("bad magic: not an lmtier chunk")
     if version != FRAME_VERSION or flags != 0 or any(view[36:40]):
         raise FormatError(f"unsupported frame version {version} / flags {flags}")
-    if header_len > MAX_HEADER or len(view) != PREAMBLE.size + header_len + payload_len:
+    if payload is not None:
+        payload = memoryview(payload).cast("B")
+        if header_len > MAX_HEADER or len(view) != PREAMBLE.size + header_len or len(payload) != payload_len:
+            raise FormatError(f"frame parts of {len(view)} + {len(payload)} bytes disagree with their preamble")
+    elif header_len > MAX_HEADER or len(view) != PREAMBLE.size + header_len + payload_len:
         raise FormatError(f"frame length {len(view)} disagrees with its preamble")
     h = xxhash.xxh3_64(view[:CHECKED])
     h.update(view[PREAMBLE.size : PREAMBLE.size + header_len])
@@ -192,7 +197,7 @@ def read_header(frame) -> tuple[Header, memoryview]:
         raise FormatError("header length disagrees with its layout")
     if header.codec == "raw" and payload_len != header.raw_len:
         raise FormatError("raw payload length disagrees with its layout")
-    return header, view[PREAMBLE.size + header_len :]
+    return header, payload if payload is not None else view[PREAMBLE.size + header_len :]
 
 
 class PayloadHash:
@@ -224,6 +229,7 @@ class PayloadHash:
 def decode(
     frame,
     *,
+    payload=None,
     layout: KVLayout | None = None,
     namespace: bytes | None = None,
     key: bytes | None = None,
@@ -234,13 +240,16 @@ def decode(
 ) -> Chunk:
     """Verify and decode a frame. A ``raw`` chunk is a view of ``frame`` (no copy).
 
+    ``payload``: the payload lies apart (a view of it; ``frame`` is then only the preamble
+    and the header), for a reader that has the payload where it lies in another's memory.
+
     ``layout``, ``namespace`` and ``key``, when given, must match the header. With
     ``lazy`` a ``raw`` payload is verified when the returned chunk is read, not here.
     ``payload_checksum``: the payload's xxh3-64 as a reader computed it while the bytes
     arrived; it stands for the payload pass (a mismatch is a ``ChecksumError``).
     ``on_release`` and ``on_corrupt`` are handed to the chunk (see ``lmtier.chunk``).
     """
-    header, payload = read_header(frame)
+    header, payload = read_header(frame, payload)
     if payload_checksum is not None:
         if payload_checksum != header.payload_sum:
             raise ChecksumError("chunk payload checksum mismatch")

@@ -119,19 +119,20 @@ class Segment:
 
 
 class SegmentMaps:
-    """The server's view of its clients' segments: mapped by name on first use, at most
+    """Other processes' segments, mapped by name on first use: the server maps its clients'
+    (read-write), a client maps its server's memory (``writable=False``). At most
     ``limit`` at a time (least recently used unmapped first), re-checked on each use so a
-    removed or replaced segment is never written to."""
+    removed or replaced segment is never used."""
 
-    def __init__(self, directory: str = DEFAULT_DIR, limit: int = 64) -> None:
+    def __init__(self, directory: str = DEFAULT_DIR, limit: int = 64, writable: bool = True) -> None:
         self.directory = directory
         self.limit = limit
+        self.writable = writable
         self._maps: OrderedDict[str, tuple[mmap.mmap, int, int]] = OrderedDict()  # name -> (map, inode, size)
         self._lock = threading.Lock()
 
     def region(self, name: str, offset: int, length: int | None) -> memoryview:
-        """A writable view of ``length`` bytes at ``offset`` of segment ``name`` (``None``:
-        to its end)."""
+        """A view of ``length`` bytes at ``offset`` of segment ``name`` (``None``: to its end)."""
         if not NAME.match(name):
             raise FormatError(f"{name!r} is not an lmtier shared-memory segment name")
         path = os.path.join(self.directory, name)
@@ -148,7 +149,7 @@ class SegmentMaps:
                 self._maps.pop(name)
                 held = None
             if held is None:
-                held = self._map(path, st)
+                held = self._map(path, st, self.writable)
                 self._maps[name] = held
                 while len(self._maps) > self.limit:
                     self._maps.popitem(last=False)  # unmapped once no view remains
@@ -161,13 +162,14 @@ class SegmentMaps:
         return memoryview(segment)[offset : offset + length]
 
     @staticmethod
-    def _map(path: str, st: os.stat_result) -> tuple[mmap.mmap, int, int]:
+    def _map(path: str, st: os.stat_result, writable: bool) -> tuple[mmap.mmap, int, int]:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
         except OSError as exc:
             raise SegmentUnavailable(f"cannot open shared-memory segment {path}: {exc.strerror}") from exc
         try:
-            return mmap.mmap(fd, st.st_size), st.st_ino, st.st_size
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            return mmap.mmap(fd, st.st_size, prot=prot), st.st_ino, st.st_size
         except (OSError, ValueError) as exc:
             raise SegmentUnavailable(f"cannot map shared-memory segment {path}: {exc}") from exc
         finally:
@@ -183,6 +185,23 @@ class SegmentMaps:
     def clear(self) -> None:
         with self._lock:
             self._maps.clear()
+
+
+def alive(directory: str, name: str) -> bool:
+    """Whether the client that made segment ``name`` still lives (holds its lock)."""
+    if not NAME.match(name):
+        return False
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the lock, if we got it
+    return False
 
 
 def sweep(directory: str = DEFAULT_DIR, min_age: float = SWEEP_MIN_AGE_S) -> int:
@@ -223,4 +242,4 @@ def _unlink(path: str) -> None:
         pass
 
 
-__all__ = ["DEFAULT_DIR", "Segment", "SegmentMaps", "SegmentUnavailable", "sweep"]
+__all__ = ["DEFAULT_DIR", "Segment", "SegmentMaps", "SegmentUnavailable", "alive", "sweep"]

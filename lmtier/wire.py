@@ -30,7 +30,7 @@ from lmtier.v1.cache_pb2 import Pieces
 
 # Field tags: (field number << 3) | wire type (0 varint, 2 length-delimited).
 _PIECES = 0x0A  # Pieces.pieces
-_KEY, _FRAME_SIZE, _OFFSET, _DATA, _REGION = 0x0A, 0x10, 0x18, 0x22, 0x2A
+_KEY, _FRAME_SIZE, _OFFSET, _DATA, _REGION, _HEAD, _LEASE = 0x0A, 0x10, 0x18, 0x22, 0x2A, 0x32, 0x38
 # SharedRegion: segment (1, string), offset (2), length (3).
 _SEGMENT, _REG_OFFSET, _REG_LENGTH = 0x0A, 0x10, 0x18
 
@@ -51,6 +51,8 @@ class Piece:
     offset: int
     data: memoryview | None = None
     region: Region | None = None
+    head: bytes = b""  # with a region in the server's memory: the frame's preamble and header
+    lease: int = 0  # ... and what to release once it is copied out
 
     @property
     def length(self) -> int:
@@ -85,21 +87,26 @@ def piece(
     *,
     data: Sequence[Any] | None = None,
     region: Region | None = None,
+    head: bytes = b"",
+    lease: int = 0,
 ) -> list:
     """One serialized ``ChunkPiece`` as a list of buffers (``data`` is not copied)."""
-    head = []
+    head_bytes, fields = head, []
     if key:
-        head += [bytes([_KEY]), _varint(len(key)), key]
+        fields += [bytes([_KEY]), _varint(len(key)), key]
     if frame_size:
-        head += [bytes([_FRAME_SIZE]), _varint(frame_size)]
+        fields += [bytes([_FRAME_SIZE]), _varint(frame_size)]
     if offset:
-        head += [bytes([_OFFSET]), _varint(offset)]
+        fields += [bytes([_OFFSET]), _varint(offset)]
     if region is not None:
         body = _region_bytes(region)
-        return [*head, bytes([_REGION]), _varint(len(body)), body]
+        extra = [bytes([_HEAD]), _varint(len(head_bytes)), head_bytes] if head_bytes else []
+        if lease:
+            extra += [bytes([_LEASE]), _varint(lease)]
+        return [*fields, bytes([_REGION]), _varint(len(body)), body, *extra]
     parts = list(data or ())
     size = sum(memoryview(p).nbytes for p in parts)
-    return [*head, bytes([_DATA]), _varint(size), *parts]
+    return [*fields, bytes([_DATA]), _varint(size), *parts]
 
 
 def pack(*pieces: list) -> bytes:
@@ -185,6 +192,10 @@ def _decode_piece(view: memoryview) -> Piece:
                 elif n == 3 and w == 0:
                     length = v
             out.region, out.data = Region(segment, offset, length), None
+        elif number == 6 and wire == 2:
+            out.head = bytes(value)
+        elif number == 7 and wire == 0:
+            out.lease = value
     return out
 
 
@@ -195,7 +206,7 @@ def _unpack_small(message: bytes | memoryview) -> list[Piece]:
         raise FormatError(f"malformed Pieces message: {exc}") from exc
     out = []
     for p in parsed.pieces:
-        one = Piece(p.key, p.frame_size, p.offset)
+        one = Piece(p.key, p.frame_size, p.offset, head=p.head, lease=p.lease)
         body = p.WhichOneof("body")
         if body == "data":
             one.data = memoryview(p.data)

@@ -361,8 +361,8 @@ frame = codec.encode(chunk)
 n = codec.encode_into(chunk, segment.view(0))
 
 def pieces():
-    yield one(chunk.key, n, region=Region(segment.name, 0, n))  # one whole chunk
-    yield one(b"\\x01" * 16, len(frame), data=[frame[:100]])  # half of the next
+    yield pack(piece(chunk.key, n, region=Region(segment.name, 0, n)))  # one whole chunk
+    yield pack(piece(b"\\x01" * 16, len(frame), data=[frame[:100]]))  # half of the next
     print(segment.name, flush=True)
     time.sleep(600)  # killed here
 
@@ -475,3 +475,41 @@ def test_the_layout_travels_with_the_chunk(server):
     assert [c.layout for c in got] == [ns.layout, ns.layout]
     release_all(got)
     tier.close()
+
+
+def test_a_single_tenant_server_lends_its_memory_until_the_client_lets_go(tmp_path):
+    srv, port = start(tiers=("cpu://?size=16MiB&slot=64KiB",), shm_dir=str(tmp_path))
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}")
+    try:
+        assert srv.zero_copy and srv.service.shared is not None
+        prompt = make_prompt(4, seed=54)
+        tier.put(prompt.chunks())
+        got = tier.get(prompt.keys)
+        assert srv.service.leases.held == 4 * prompt.chunks()[0].nbytes  # read in place, held for us
+        assert not got[0].data.flags.writeable  # a read-only view of the server's memory
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(4)]
+        release_all(got[:3])
+        assert srv.service.leases.held > 0  # one chunk is still out
+        release_all(got[3:])
+        assert wait_for(lambda: srv.service.leases.held == 0)  # Release reached the server
+
+        got = tier.get(prompt.keys)  # a client that dies holding chunks: reaped once it is gone
+        assert srv.service.leases.held > 0
+        tier._segment.close()  # its lock goes with it, as when the process dies
+        srv.service.leases.reap()
+        assert srv.service.leases.held == 0
+        release_all(got)
+    finally:
+        tier.close()
+        srv.stop(0)
+
+
+def test_a_server_with_several_tenants_never_lends_its_memory(server):
+    assert not server.zero_copy and server.service.shared is None
+
+
+def wait_for(condition, seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()

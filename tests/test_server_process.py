@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 from lmtier.chunk import release_all
 from lmtier.server.process import ServerProcess
@@ -83,6 +84,12 @@ def test_a_graceful_stop_finishes_writes_and_a_restart_serves_them(tmp_path):
         server.kill()
 
 
+def stopped(pid: int) -> bool:
+    """Every thread of the process has stopped (SIGSTOP is delivered asynchronously)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return all((task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for task in tasks.iterdir())
+
+
 def test_a_hung_server_costs_one_timeout_then_the_breaker_skips_it(tmp_path):
     server = ServerProcess(tmp_path, *server_args(tmp_path / "disk"))
     tier = open_tier(f"grpc://{server.address}?timeout=1&retries=0")
@@ -91,6 +98,7 @@ def test_a_hung_server_costs_one_timeout_then_the_breaker_skips_it(tmp_path):
         tier.put(prompt.chunks())
         assert tier.contains(prompt.keys) == 3
         server.proc.send_signal(signal.SIGSTOP)  # alive, but answers nothing
+        assert wait_until(lambda: stopped(server.pid), 10)
         for _ in range(3):
             assert tier.contains(prompt.keys) == 0  # each waits out its deadline, then misses
         assert tier.counts["errors"] == 3 and tier.counts["breaker_open"] == 1

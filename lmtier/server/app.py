@@ -15,6 +15,7 @@ Shutdown drains: readiness drops first (load balancers stop sending), in-flight 
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -49,10 +50,15 @@ class CacheServer:
 
     def __init__(self, config: ServerConfig, store: TieredStore | None = None) -> None:
         self.config = config
-        self.store = store or TieredStore(
-            [open_tier(url, TierContext()) for url in config.tiers], write_queue=config.write_queue
-        )
         self.auth = Authenticator(config.tokens, mutual_tls=bool(config.tls_client_ca))
+        # Same-host clients may read chunks straight from the memory tier (no copy on the
+        # server) only when every caller is one tenant: they could map all of that memory.
+        self.zero_copy = bool(config.shm_dir) and self.auth.single_tenant
+        context = TierContext(shared_dir=config.shm_dir if self.zero_copy else "")
+        self.store = store or TieredStore(
+            [open_tier(url, context if i == 0 else TierContext()) for i, url in enumerate(config.tiers)],
+            write_queue=config.write_queue,
+        )
         self.service = CacheService(self.store, config, self.auth)
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -81,6 +87,7 @@ class CacheServer:
             raise OSError(f"cannot listen on {address}")
         self.ready = False
         self.stopping = threading.Event()
+        self.stopped = threading.Event()
         self._http: ThreadingHTTPServer | None = None
         self.metrics_port: int | None = None
         self._prober = threading.Thread(target=self._probe_loop, name="lmtier-probe", daemon=True)
@@ -116,12 +123,15 @@ class CacheServer:
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
+        self.service.leases.reap(everything=True)
         self.store.close(timeout=max(grace, 1.0))
         if self.service.maps is not None:
             self.service.maps.clear()
+        self.stopped.set()
 
     def wait(self) -> None:
-        self.stopping.wait()
+        """Until ``stop`` has finished (queued writes flushed, tiers closed)."""
+        self.stopped.wait()
 
     # -- readiness ----------------------------------------------------------------------
     def probe(self) -> bool:
@@ -162,6 +172,7 @@ class CacheServer:
         while not self.stopping.wait(self.config.probe_interval):
             clock += self.config.probe_interval
             try:
+                self.service.leases.reap()
                 self._set_ready(self.probe())
                 for stats in self.store.stats()["tiers"]:
                     if "used_bytes" in stats:
@@ -209,17 +220,24 @@ def create_server(config: ServerConfig, store: TieredStore | None = None) -> tup
 
 def serve(config: ServerConfig) -> int:
     """Run until SIGTERM or SIGINT, then shut down gracefully."""
-    server, port = create_server(config)
+    asked = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("signal %d: shutting down (grace %.0f s)", signum, config.grace)
-        threading.Thread(target=server.stop, name="lmtier-stop").start()
+        asked.set()
 
+    # Handlers first: a SIGTERM that comes while the server starts must not kill it
+    # half-way. The main thread waits in short steps, since Python runs handlers only on
+    # the main thread, and a signal that lands on one of gRPC's threads would otherwise
+    # wait for it forever.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to the log
+    server, port = create_server(config)
     print(f"lmtier serve: listening on {config.host}:{port}", flush=True)
     if server.metrics_port is not None:
         print(f"lmtier serve: metrics on http://{config.metrics_host}:{server.metrics_port}/metrics", flush=True)
-    server.wait()
-    server.grpc.wait_for_termination(config.grace + 10)
+    while not asked.wait(0.5):
+        pass
+    server.stop()  # on the main thread: thread pools refuse work once it has returned
     return 0

@@ -37,6 +37,13 @@ class Authenticator:
     def open(self) -> bool:
         return not self._tokens and not self.mutual_tls
 
+    @property
+    def single_tenant(self) -> bool:
+        """Whether every call can only ever be one tenant's."""
+        if self.mutual_tls and not self._tokens:
+            return False  # a tenant per certificate name: not known in advance
+        return len({tenant for _, tenant in self._tokens}) <= 1
+
     def tag(self, context: grpc.ServicerContext) -> bytes:
         """The key prefix of the calling tenant."""
         tenant = self.tenant(context)

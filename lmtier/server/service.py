@@ -20,12 +20,14 @@ half-built frame; a ``Get`` holds ``GET_BATCH`` chunks and reads one batch ahead
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
-from lmtier import codec, metrics
+from lmtier import codec, metrics, shm
 from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk, release_all
 from lmtier.config import ServerConfig
@@ -55,6 +57,70 @@ class _Abort(Exception):
         self.code = code
 
 
+class _Leases:
+    """Chunks that same-host clients read where they lie in the memory tier.
+
+    The chunks of one call share a lease, held (never evicted, never overwritten) until
+    the client releases it (``Release``, once it has let go of every chunk) or is gone:
+    a client lives as long as it holds the lock on its shared-memory segment, which the
+    probe loop checks (``reap``). At most ``limit`` bytes are leased in all; past that,
+    chunks are copied to the client instead, so a client that never releases costs speed,
+    never memory."""
+
+    def __init__(self, limit: int, shm_dir: str) -> None:
+        self.limit = limit
+        self.shm_dir = shm_dir
+        self.held = 0
+        self._next = int.from_bytes(os.urandom(4), "little") << 20  # ids unlike a restarted server's
+        self._leases: dict[int, dict] = {}
+        self._lock = threading.Lock()
+
+    def open(self, tag: bytes, owner: str) -> int:
+        with self._lock:
+            self._next += 1
+            self._leases[self._next] = {"tag": tag, "owner": owner, "chunks": [], "ended": False}
+            return self._next
+
+    def hold(self, lease: int, chunk: Chunk) -> bool:
+        with self._lock:
+            entry = self._leases.get(lease)
+            if entry is None or self.held + chunk.nbytes > self.limit:
+                return False
+            entry["chunks"].append(chunk.share())
+            self.held += chunk.nbytes
+        return True
+
+    def finish(self, lease: int) -> None:
+        """The call ended; an empty lease is dropped at once."""
+        with self._lock:
+            entry = self._leases.get(lease)
+            if entry is not None:
+                entry["ended"] = True
+                if not entry["chunks"]:
+                    del self._leases[lease]
+
+    def release(self, lease: int, tag: bytes) -> None:
+        with self._lock:
+            entry = self._leases.get(lease)
+            if entry is None or entry["tag"] != tag:
+                return
+            self._drop(lease)
+
+    def reap(self, everything: bool = False) -> None:
+        """Release the leases of clients that are gone (or all of them, at shutdown)."""
+        with self._lock:
+            owners = {e["owner"] for e in self._leases.values() if e["ended"]}
+        gone = owners if everything else {o for o in owners if not shm.alive(self.shm_dir, o)}
+        with self._lock:
+            for lease in [k for k, e in self._leases.items() if everything or (e["ended"] and e["owner"] in gone)]:
+                self._drop(lease)
+
+    def _drop(self, lease: int) -> None:  # with the lock held
+        chunks = self._leases.pop(lease)["chunks"]
+        self.held -= sum(c.nbytes for c in chunks)
+        release_all(chunks)
+
+
 class CacheService:
     def __init__(self, store: TieredStore, config: ServerConfig, auth: Authenticator) -> None:
         self.store = store
@@ -62,6 +128,10 @@ class CacheService:
         self.auth = auth
         self.maps = SegmentMaps(config.shm_dir) if config.shm_dir else None
         self.buffers = BufferPool(max_free=32, max_free_bytes=128 << 20)
+        first = store.tiers[0]
+        self.shared = first if getattr(first, "shared_name", None) else None  # zero-copy reads
+        capacity = getattr(first, "capacity", 0)
+        self.leases = _Leases(capacity // 4, config.shm_dir)
 
     # -- registration -------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
@@ -88,6 +158,7 @@ class CacheService:
                 ),
                 "Delete": unary(self.Delete, cache_pb2.DeleteRequest, cache_pb2.DeleteResponse),
                 "List": unary(self.List, cache_pb2.ListRequest, cache_pb2.ListResponse),
+                "Release": unary(self.Release, cache_pb2.ReleaseRequest, cache_pb2.ReleaseResponse),
                 "Stats": unary(self.Stats, cache_pb2.StatsRequest, cache_pb2.StatsResponse),
             },
         )
@@ -112,7 +183,8 @@ class CacheService:
 
     def Get(self, request: cache_pb2.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         keys = list(request.keys)
-        scoped = self._scoped(self.auth.tag(context), keys)
+        tag = self.auth.tag(context)
+        scoped = self._scoped(tag, keys)
         landing = [Region(r.segment, r.offset, r.length) for r in request.landing]
         if len(landing) > len(keys):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "more landing regions than keys")
@@ -120,6 +192,7 @@ class CacheService:
             raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "this server has shared memory turned off")
         index = 0
         segments: dict[str, memoryview] = {}  # mapped once per call
+        lease = self.leases.open(tag, landing[0].segment) if landing and self.shared is not None else 0
         batches = self.store.iter_get(scoped, GET_BATCH, ahead=1)
         try:
             for chunks in batches:
@@ -131,7 +204,7 @@ class CacheService:
                             return
                         region = landing[index] if index < len(landing) else None
                         try:
-                            parts, messages = self._serve(keys[index], chunk, region, segments)
+                            parts, messages = self._serve(keys[index], chunk, region, segments, lease)
                         except IntegrityError as exc:  # the stored copy is dropped: a miss from here
                             log.warning("chunk %s failed verification while served: %s", keys[index].hex()[:16], exc)
                             damaged = True
@@ -152,9 +225,10 @@ class CacheService:
                     return
         finally:
             batches.close()
+            self.leases.finish(lease)
 
     def _serve(
-        self, key: bytes, chunk: Chunk, region: Region | None, segments: dict
+        self, key: bytes, chunk: Chunk, region: Region | None, segments: dict, lease: int
     ) -> tuple[list | None, list[bytes]]:
         """One chunk under the caller's key: ``(piece, [])`` when it went through shared
         memory (a piece to pack with others), ``(None, messages)`` when it travels as bytes.
@@ -164,6 +238,13 @@ class CacheService:
         checking here too would hash each chunk twice for nothing."""
         view = chunk.view_as(key)
         size = codec.encoded_size(view)
+        if region is not None and self.shared is not None:
+            offset = self.shared.locate(chunk)
+            if offset is not None and lease and self.leases.hold(lease, chunk):  # read where it lies
+                head = codec.encode_parts(view, relay=True)[0]
+                where = Region(self.shared.shared_name, offset, chunk.nbytes)  # type: ignore[arg-type]
+                metrics.SERVER_BYTES.labels("get", "shm").inc(size)
+                return piece(key, size, region=where, head=head, lease=lease), []
         if region is not None and size <= region.length:
             segment = segments.get(region.segment)
             if segment is None:
@@ -294,6 +375,10 @@ class CacheService:
                 f"a key of {len(key)}",
             )
         return chunk.view_as(tag + key)
+
+    def Release(self, request: cache_pb2.ReleaseRequest, context: grpc.ServicerContext) -> cache_pb2.ReleaseResponse:
+        self.leases.release(request.lease, self.auth.tag(context))
+        return cache_pb2.ReleaseResponse()
 
     def Delete(self, request: cache_pb2.DeleteRequest, context: grpc.ServicerContext) -> cache_pb2.DeleteResponse:
         self.store.delete(self._scoped(self.auth.tag(context), request.keys))

@@ -38,6 +38,9 @@ class TierContext:
 
     chunk_bytes: int | None = None  # payload size of one full chunk
     namespace: bytes = b""  # namespace digest, for tiers that keep it in key prefixes
+    # A shared-memory directory for a memory tier to keep its slab in, so that same-host
+    # readers can map it (the cache server's zero-copy path); "" keeps it private.
+    shared_dir: str = ""
 
 
 class Tier(ABC):

@@ -38,6 +38,7 @@ from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk, checksum, iter_segments
 from lmtier.errors import ConfigError, IntegrityError
 from lmtier.layout import KVLayout
+from lmtier.shm import Segment
 from lmtier.tiers.base import Tier, TierContext, parse_bool
 from lmtier.units import parse_size
 
@@ -80,6 +81,8 @@ class CpuTier(Tier):
         self.capacity = self.num_slots * self.slot_bytes
         self.name = name
         self._pin = pin
+        self._shared_dir = context.shared_dir if context else ""
+        self._segment: Segment | None = None
         self._closed = False
         # Called with each evicted chunk (a leased view); returns whether it took it. Set by
         # a TieredStore in write-back mode.
@@ -93,6 +96,7 @@ class CpuTier(Tier):
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._slab: np.ndarray | None = None
+        self._segment = None  # a forked child makes its own
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() yields slot 0 first
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # front = evicted first
         self._counts = {"hits": 0, "misses": 0, "stored": 0, "dropped": 0, "evictions": 0, "corrupt": 0}
@@ -104,8 +108,28 @@ class CpuTier(Tier):
 
     def _ensure_slab(self) -> np.ndarray:
         if self._slab is None:
-            self._slab = _allocate(self.capacity, self._pin)
+            if self._shared_dir:
+                self._segment = Segment(self._shared_dir, self.capacity, self.slot_bytes)
+                self._slab = np.frombuffer(self._segment.map, dtype=np.uint8)
+            else:
+                self._slab = _allocate(self.capacity, self._pin)
         return self._slab
+
+    @property
+    def shared_name(self) -> str | None:
+        """The shared-memory segment holding the slab, when it is shared."""
+        with self._state():
+            self._ensure_slab()
+            return self._segment.name if self._segment is not None else None
+
+    def locate(self, chunk: Chunk) -> int | None:
+        """Where ``chunk``'s bytes lie in the slab, if it is a view of one slot of it."""
+        slab = self._slab
+        data = chunk.data
+        if slab is None or not data.flags.c_contiguous:
+            return None
+        offset = data.__array_interface__["data"][0] - slab.__array_interface__["data"][0]
+        return offset if offset >= 0 and offset + data.size <= slab.size else None
 
     # -- primitives ---------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> int:
@@ -209,6 +233,8 @@ class CpuTier(Tier):
             self._index.clear()
             self._free = []
             self._slab = None  # leased views keep their memory alive until released
+            if self._segment is not None:
+                self._segment.close()
 
     # -- derived ------------------------------------------------------------------------
     def keys(self, prefix: bytes = b"", limit: int | None = None) -> list[bytes]:

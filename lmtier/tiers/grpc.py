@@ -33,6 +33,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,7 +45,7 @@ from lmtier.breaker import Backoff, CircuitBreaker
 from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError, IntegrityError, LmtierError
-from lmtier.shm import Segment
+from lmtier.shm import Segment, SegmentMaps, SegmentUnavailable
 from lmtier.tiers.base import Tier, TierContext, TierURL, parse_bool
 from lmtier.units import parse_size
 from lmtier.v1 import cache_pb2
@@ -115,6 +116,9 @@ class _Channel:
         )
         self.stats = c.unary_unary(
             SERVICE + "Stats", cache_pb2.StatsRequest.SerializeToString, cache_pb2.StatsResponse.FromString
+        )
+        self.release = c.unary_unary(
+            SERVICE + "Release", cache_pb2.ReleaseRequest.SerializeToString, cache_pb2.ReleaseResponse.FromString
         )
 
 
@@ -195,6 +199,8 @@ class GrpcTier(Tier):
         self._pid = -1
         self._conn: _Channel | None = None
         self._segment: Segment | None = None
+        self._server_maps: SegmentMaps | None = None
+        self._releases: deque = deque(maxlen=64)
         self._closed = False
 
     @classmethod
@@ -214,6 +220,7 @@ class GrpcTier(Tier):
                 if self._pid != os.getpid():
                     self._conn = _Channel(self)
                     self._segment = None  # the parent's segment stays the parent's
+                    self._server_maps = None
                     self._pid = os.getpid()
         return self._conn  # type: ignore[return-value]
 
@@ -316,6 +323,7 @@ class GrpcTier(Tier):
         out: list[Chunk | None] = [None] * len(keys)
         assembler = FrameAssembler(self._buffers, MAX_FRAME)
         done = False
+        lease: _CallLease | None = None
         call = self._channel().get(
             cache_pb2.GetRequest(keys=list(keys), landing=landing),
             timeout=self._deadline(len(keys) * self._frame_guess),
@@ -327,6 +335,12 @@ class GrpcTier(Tier):
                 for one in unpack(message):
                     if index >= len(keys):
                         raise _protocol("the server sent more chunks than asked for")
+                    if one.region is not None and one.head:  # in the server's memory, leased to us
+                        if lease is None:
+                            lease = _CallLease(lambda n=one.lease: self._release(n))
+                        out[index] = self._in_place(keys[index], one, lease)
+                        index += 1
+                        continue
                     if one.region is not None:
                         slot = by_offset.get(one.region.offset)
                         if segment is None or slot is None or one.region.segment != segment.name or slot in used:
@@ -353,6 +367,8 @@ class GrpcTier(Tier):
             raise
         finally:
             assembler.abandon()
+            if lease is not None:  # the call's own hold: chunks still out keep theirs
+                lease.drop()
             if segment is not None:
                 rest = [s for s in slots if s not in used]
                 if done:
@@ -362,8 +378,39 @@ class GrpcTier(Tier):
                     segment.quarantine(rest)
         return out
 
+    def _release(self, lease: int) -> None:
+        """Tell the server, without waiting for its answer (a dropped future would cancel
+        the call: the last few are kept)."""
+        request = cache_pb2.ReleaseRequest(lease=lease)
+        future = self._channel().release.future(request, timeout=self.timeout, metadata=self._metadata)
+        with self._lock:
+            self._releases.append(future)
+
+    def _in_place(self, want: bytes, one: Any, lease: _CallLease) -> Chunk | None:
+        """A chunk the server left in its own memory, read where it lies (mapped read-only,
+        verified when the engine copies it out). The server holds it until ``lease`` is
+        released: when this call and every chunk from it have let go."""
+        payload = self._server_memory(one.region)
+        lease.hold()
+        return self._decode(want, one.key, one.head, None, lease.drop, payload)
+
+    def _server_memory(self, region: Region) -> memoryview:
+        """The payload a server left in its own memory, mapped read-only."""
+        if self._server_maps is None:
+            self._server_maps = SegmentMaps(self._shm_dir, limit=4, writable=False)
+        try:
+            return self._server_maps.region(region.segment, region.offset, region.length)
+        except SegmentUnavailable as exc:
+            raise _NoShm(str(exc)) from exc
+
     def _decode(
-        self, want: bytes, key: bytes, frame: memoryview, digest: int | None, release: Callable[[], None]
+        self,
+        want: bytes,
+        key: bytes,
+        frame: memoryview | bytes,
+        digest: int | None,
+        release: Callable[[], None],
+        payload: memoryview | None = None,
     ) -> Chunk | None:
         if key != want:
             release()
@@ -371,6 +418,7 @@ class GrpcTier(Tier):
         try:
             chunk = codec.decode(
                 frame,
+                payload=payload,
                 key=want,
                 lazy=True,  # checked as the engine copies it out
                 payload_checksum=digest,
@@ -514,6 +562,31 @@ class GrpcTier(Tier):
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
             self._counts[what] += n
+
+
+def _nothing() -> None:
+    return None
+
+
+class _CallLease:
+    """The server's lease on the chunks of one call that we read in its memory: released
+    (``on_done``) once the call and every chunk from it have let go."""
+
+    def __init__(self, on_done: Callable[[], None]) -> None:
+        self._count = 1  # the call's own hold
+        self._on_done = on_done
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def drop(self) -> None:
+        with self._lock:
+            self._count -= 1
+            done = self._count == 0
+        if done:
+            self._on_done()
 
 
 def _protocol(message: str) -> LmtierError:

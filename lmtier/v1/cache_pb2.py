@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15lmtier/v1/cache.proto\x12\tlmtier.v1\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x1e\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\"D\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12(\n\x07landing\x18\x02 \x03(\x0b\x32\x17.lmtier.v1.SharedRegion\"/\n\x06Pieces\x12%\n\x06pieces\x18\x01 \x03(\x0b\x32\x15.lmtier.v1.ChunkPiece\"\x80\x01\n\nChunkPiece\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x12\n\nframe_size\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x04\x64\x61ta\x18\x04 \x01(\x0cH\x00\x12)\n\x06region\x18\x05 \x01(\x0b\x32\x17.lmtier.v1.SharedRegionH\x00\x42\x06\n\x04\x62ody\"?\n\x0cSharedRegion\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\".\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\"\x1d\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x10\n\x0e\x44\x65leteResponse\"\x1c\n\x0bListRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"/\n\x0cListResponse\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\ttruncated\x18\x02 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xbc\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\x04\x12\x34\n\x08\x63ounters\x18\x05 \x03(\x0b\x32\".lmtier.v1.TierStats.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"K\n\rStatsResponse\x12#\n\x05tiers\x18\x01 \x03(\x0b\x32\x14.lmtier.v1.TierStats\x12\x15\n\rtenant_chunks\x18\x02 \x01(\x04\x32\xe8\x02\n\x0c\x43\x61\x63heService\x12=\n\x06Lookup\x12\x18.lmtier.v1.LookupRequest\x1a\x19.lmtier.v1.LookupResponse\x12\x31\n\x03Get\x12\x15.lmtier.v1.GetRequest\x1a\x11.lmtier.v1.Pieces0\x01\x12\x32\n\x03Put\x12\x11.lmtier.v1.Pieces\x1a\x16.lmtier.v1.PutResponse(\x01\x12=\n\x06\x44\x65lete\x12\x18.lmtier.v1.DeleteRequest\x1a\x19.lmtier.v1.DeleteResponse\x12\x37\n\x04List\x12\x16.lmtier.v1.ListRequest\x1a\x17.lmtier.v1.ListResponse\x12:\n\x05Stats\x12\x17.lmtier.v1.StatsRequest\x1a\x18.lmtier.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15lmtier/v1/cache.proto\x12\tlmtier.v1\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x1e\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\"D\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12(\n\x07landing\x18\x02 \x03(\x0b\x32\x17.lmtier.v1.SharedRegion\"/\n\x06Pieces\x12%\n\x06pieces\x18\x01 \x03(\x0b\x32\x15.lmtier.v1.ChunkPiece\"\x9d\x01\n\nChunkPiece\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x12\n\nframe_size\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x04\x64\x61ta\x18\x04 \x01(\x0cH\x00\x12)\n\x06region\x18\x05 \x01(\x0b\x32\x17.lmtier.v1.SharedRegionH\x00\x12\x0c\n\x04head\x18\x06 \x01(\x0c\x12\r\n\x05lease\x18\x07 \x01(\x04\x42\x06\n\x04\x62ody\"?\n\x0cSharedRegion\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\".\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\"\x1d\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x10\n\x0e\x44\x65leteResponse\"\x1f\n\x0eReleaseRequest\x12\r\n\x05lease\x18\x01 \x01(\x04\"\x11\n\x0fReleaseResponse\"\x1c\n\x0bListRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"/\n\x0cListResponse\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x11\n\ttruncated\x18\x02 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xbc\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\x04\x12\x34\n\x08\x63ounters\x18\x05 \x03(\x0b\x32\".lmtier.v1.TierStats.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"K\n\rStatsResponse\x12#\n\x05tiers\x18\x01 \x03(\x0b\x32\x14.lmtier.v1.TierStats\x12\x15\n\rtenant_chunks\x18\x02 \x01(\x04\x32\xaa\x03\n\x0c\x43\x61\x63heService\x12=\n\x06Lookup\x12\x18.lmtier.v1.LookupRequest\x1a\x19.lmtier.v1.LookupResponse\x12\x31\n\x03Get\x12\x15.lmtier.v1.GetRequest\x1a\x11.lmtier.v1.Pieces0\x01\x12\x32\n\x03Put\x12\x11.lmtier.v1.Pieces\x1a\x16.lmtier.v1.PutResponse(\x01\x12=\n\x06\x44\x65lete\x12\x18.lmtier.v1.DeleteRequest\x1a\x19.lmtier.v1.DeleteResponse\x12\x37\n\x04List\x12\x16.lmtier.v1.ListRequest\x1a\x17.lmtier.v1.ListResponse\x12@\n\x07Release\x12\x19.lmtier.v1.ReleaseRequest\x1a\x1a.lmtier.v1.ReleaseResponse\x12:\n\x05Stats\x12\x17.lmtier.v1.StatsRequest\x1a\x18.lmtier.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,27 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PIECES']._serialized_start=169
   _globals['_PIECES']._serialized_end=216
   _globals['_CHUNKPIECE']._serialized_start=219
-  _globals['_CHUNKPIECE']._serialized_end=347
-  _globals['_SHAREDREGION']._serialized_start=349
-  _globals['_SHAREDREGION']._serialized_end=412
-  _globals['_PUTRESPONSE']._serialized_start=414
-  _globals['_PUTRESPONSE']._serialized_end=460
-  _globals['_DELETEREQUEST']._serialized_start=462
-  _globals['_DELETEREQUEST']._serialized_end=491
-  _globals['_DELETERESPONSE']._serialized_start=493
-  _globals['_DELETERESPONSE']._serialized_end=509
-  _globals['_LISTREQUEST']._serialized_start=511
-  _globals['_LISTREQUEST']._serialized_end=539
-  _globals['_LISTRESPONSE']._serialized_start=541
-  _globals['_LISTRESPONSE']._serialized_end=588
-  _globals['_STATSREQUEST']._serialized_start=590
-  _globals['_STATSREQUEST']._serialized_end=604
-  _globals['_TIERSTATS']._serialized_start=607
-  _globals['_TIERSTATS']._serialized_end=795
-  _globals['_TIERSTATS_COUNTERSENTRY']._serialized_start=748
-  _globals['_TIERSTATS_COUNTERSENTRY']._serialized_end=795
-  _globals['_STATSRESPONSE']._serialized_start=797
-  _globals['_STATSRESPONSE']._serialized_end=872
-  _globals['_CACHESERVICE']._serialized_start=875
-  _globals['_CACHESERVICE']._serialized_end=1235
+  _globals['_CHUNKPIECE']._serialized_end=376
+  _globals['_SHAREDREGION']._serialized_start=378
+  _globals['_SHAREDREGION']._serialized_end=441
+  _globals['_PUTRESPONSE']._serialized_start=443
+  _globals['_PUTRESPONSE']._serialized_end=489
+  _globals['_DELETEREQUEST']._serialized_start=491
+  _globals['_DELETEREQUEST']._serialized_end=520
+  _globals['_DELETERESPONSE']._serialized_start=522
+  _globals['_DELETERESPONSE']._serialized_end=538
+  _globals['_RELEASEREQUEST']._serialized_start=540
+  _globals['_RELEASEREQUEST']._serialized_end=571
+  _globals['_RELEASERESPONSE']._serialized_start=573
+  _globals['_RELEASERESPONSE']._serialized_end=590
+  _globals['_LISTREQUEST']._serialized_start=592
+  _globals['_LISTREQUEST']._serialized_end=620
+  _globals['_LISTRESPONSE']._serialized_start=622
+  _globals['_LISTRESPONSE']._serialized_end=669
+  _globals['_STATSREQUEST']._serialized_start=671
+  _globals['_STATSREQUEST']._serialized_end=685
+  _globals['_TIERSTATS']._serialized_start=688
+  _globals['_TIERSTATS']._serialized_end=876
+  _globals['_TIERSTATS_COUNTERSENTRY']._serialized_start=829
+  _globals['_TIERSTATS_COUNTERSENTRY']._serialized_end=876
+  _globals['_STATSRESPONSE']._serialized_start=878
+  _globals['_STATSRESPONSE']._serialized_end=953
+  _globals['_CACHESERVICE']._serialized_start=956
+  _globals['_CACHESERVICE']._serialized_end=1382
 # @@protoc_insertion_point(module_scope)

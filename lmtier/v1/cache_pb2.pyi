@@ -33,18 +33,22 @@ class Pieces(_message.Message):
     def __init__(self, pieces: _Optional[_Iterable[_Union[ChunkPiece, _Mapping]]] = ...) -> None: ...
 
 class ChunkPiece(_message.Message):
-    __slots__ = ("key", "frame_size", "offset", "data", "region")
+    __slots__ = ("key", "frame_size", "offset", "data", "region", "head", "lease")
     KEY_FIELD_NUMBER: _ClassVar[int]
     FRAME_SIZE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     frame_size: int
     offset: int
     data: bytes
     region: SharedRegion
-    def __init__(self, key: _Optional[bytes] = ..., frame_size: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., region: _Optional[_Union[SharedRegion, _Mapping]] = ...) -> None: ...
+    head: bytes
+    lease: int
+    def __init__(self, key: _Optional[bytes] = ..., frame_size: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., region: _Optional[_Union[SharedRegion, _Mapping]] = ..., head: _Optional[bytes] = ..., lease: _Optional[int] = ...) -> None: ...
 
 class SharedRegion(_message.Message):
     __slots__ = ("segment", "offset", "length")
@@ -71,6 +75,16 @@ class DeleteRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: int
+    def __init__(self, lease: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

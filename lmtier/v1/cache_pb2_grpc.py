@@ -59,6 +59,11 @@ class CacheServiceStub:
                 request_serializer=lmtier_dot_v1_dot_cache__pb2.ListRequest.SerializeToString,
                 response_deserializer=lmtier_dot_v1_dot_cache__pb2.ListResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/lmtier.v1.CacheService/Release',
+                request_serializer=lmtier_dot_v1_dot_cache__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=lmtier_dot_v1_dot_cache__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/lmtier.v1.CacheService/Stats',
                 request_serializer=lmtier_dot_v1_dot_cache__pb2.StatsRequest.SerializeToString,
@@ -107,6 +112,14 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """The client has copied out what a Get let it read in the server's memory (see
+        ChunkPiece.head): the server may reuse that memory now rather than later.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """What the server's tiers hold, for the caller's tenant and in total.
         """
@@ -141,6 +154,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.List,
                     request_deserializer=lmtier_dot_v1_dot_cache__pb2.ListRequest.FromString,
                     response_serializer=lmtier_dot_v1_dot_cache__pb2.ListResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=lmtier_dot_v1_dot_cache__pb2.ReleaseRequest.FromString,
+                    response_serializer=lmtier_dot_v1_dot_cache__pb2.ReleaseResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -283,6 +301,33 @@ class CacheService:
             '/lmtier.v1.CacheService/List',
             lmtier_dot_v1_dot_cache__pb2.ListRequest.SerializeToString,
             lmtier_dot_v1_dot_cache__pb2.ListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmtier.v1.CacheService/Release',
+            lmtier_dot_v1_dot_cache__pb2.ReleaseRequest.SerializeToString,
+            lmtier_dot_v1_dot_cache__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
