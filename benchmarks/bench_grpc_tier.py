@@ -10,9 +10,11 @@ and a ``redis-server``; then for each chunk size moves the same chunks through:
 - ``shm``: the grpc:// tier through its shared-memory segment, gRPC for control only.
 - ``redis``: the redis:// tier on the same host.
 
-Calls carry ``--batch`` chunks each. A tier's GET ends with each chunk delivered and
-verified against its checksum, ready for the engine to copy into its own cache (a copy
-that is the same for every tier, so it is left out; ``memcpy`` is the bytes moved once).
+Calls carry ``--batch`` chunks each. Rows: PUT; GET, which ends with each chunk
+delivered and verified against its checksum, ready for the engine to copy; LOAD, which
+ends with the bytes in the engine's buffer (a tier's reader verifies as it copies; the
+echo client copies each message it receives; ``memcpy`` is the bytes moved once); and
+PUT+GET, the whole loop, ``1 / (1/put + 1/get)``.
 The server runs with one tenant, so same-host GETs read chunks where they lie in its
 memory (copied out and verified by the client in one pass). Rounds
 interleave everything; reported: GB/s of chunk bytes (best round), ratios of the best
@@ -136,12 +138,14 @@ def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: 
     def put(tier):
         return lambda: [tier.put(chunks[b]) for b in batches]
 
-    def get(name):
+    def get(name, into_engine: bool = False):
         def run() -> None:
             for b in batches:
                 got = tiers[name].get(keys[b])
-                for chunk in got:
-                    if not chunk.verify():  # delivered and checked: ready for the engine's copy
+                for i, chunk in enumerate(got):
+                    if into_engine:
+                        chunk.copy_to(dst[i])  # verified as it is copied
+                    elif not chunk.verify():  # delivered and checked: ready for the engine's copy
                         raise RuntimeError("a chunk failed verification")
                 release_all(got)
 
@@ -152,10 +156,11 @@ def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: 
         for b in batches:
             echo.put(iter([payload] * (b.stop - b.start)), timeout=600)
 
-    def echo_get() -> None:
+    def echo_get(into_engine: bool = False) -> None:
         for b in batches:
-            for _ in echo.get(struct.pack("<QQ", b.stop - b.start, message), timeout=600):
-                pass
+            for i, received in enumerate(echo.get(struct.pack("<QQ", b.stop - b.start, message), timeout=600)):
+                if into_engine:
+                    np.copyto(dst[i].reshape(-1), np.frombuffer(received, dtype=np.uint8, count=dst[i].size))
 
     sources = [np.ascontiguousarray(c.data) for c in chunks]
 
@@ -169,12 +174,21 @@ def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: 
         for tier in tiers.values():  # steady state: the server holds the chunks once, untimed
             put(tier)()
         for _ in range(rounds):
+            copy_rate = nbytes / timed(memcpy) / 1e9
             rates = {
-                "echo": {"put": nbytes / timed(echo_put) / 1e9, "get": nbytes / timed(echo_get) / 1e9},
-                "memcpy": {"put": nbytes / timed(memcpy) / 1e9, "get": nbytes / timed(memcpy) / 1e9},
+                "echo": {
+                    "put": nbytes / timed(echo_put) / 1e9,
+                    "get": nbytes / timed(echo_get) / 1e9,
+                    "load": nbytes / timed(lambda: echo_get(True)) / 1e9,
+                },
+                "memcpy": {"put": copy_rate, "get": copy_rate, "load": copy_rate},
             }
             for name, tier in tiers.items():
-                rates[name] = {"put": nbytes / timed(put(tier)) / 1e9, "get": nbytes / timed(get(name)) / 1e9}
+                rates[name] = {
+                    "put": nbytes / timed(put(tier)) / 1e9,
+                    "get": nbytes / timed(get(name)) / 1e9,
+                    "load": nbytes / timed(get(name, True)) / 1e9,
+                }
             for name, r in rates.items():
                 r["put+get"] = 1 / (1 / r["put"] + 1 / r["get"])
                 for op, rate in r.items():
@@ -193,7 +207,7 @@ def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: 
         return statistics.median(x / y for x, y in zip(samples[f"{a}_{op}"], samples[f"{b}_{op}"], strict=True))
 
     rows = []
-    for op in ("put", "get", "put+get"):
+    for op in ("put", "get", "load", "put+get"):
         row = {"chunk_mib": size_mib, "op": op, "message_bytes": message}
         for name in ("echo", "tcp", "memcpy", "shm", "redis"):
             row[f"{name}_gbps"] = best(name, op)

@@ -97,6 +97,19 @@ def test_redis_benchmark_measures_redis_benchmark_lmtier_and_redis_py_on_one_ser
     assert "| 1 MiB | GET |" in stdout and "| 1 MiB | SET+GET |" in stdout
 
 
+def test_grpc_benchmark_measures_echo_memcpy_redis_and_both_transports_in_one_run(tmp_path):
+    report, stdout = run_benchmark(
+        "bench_grpc_tier.py", tmp_path / "grpc.json", "--sizes-mib", "0.5", "--total-mib", "8", "--rounds", "1"
+    )
+    ops = [r["op"] for r in report["rows"]]
+    assert ops == ["put", "get", "load", "put+get"]
+    for r in report["rows"]:
+        assert min(r[f"{name}_gbps"] for name in ("echo", "tcp", "memcpy", "shm", "redis")) > 0
+        assert r["tcp_over_echo"] == pytest.approx(r["tcp_gbps"] / r["echo_gbps"])
+        assert r["shm_over_memcpy"] == pytest.approx(r["shm_gbps"] / r["memcpy_gbps"])
+    assert "| 0.5 MiB | LOAD |" in stdout
+
+
 def test_the_vllm_demo_runs_two_engines_and_checks_its_own_answers(tmp_path):
     run = subprocess.run(
         [
