@@ -311,3 +311,21 @@ def test_context_is_optional_and_chunks_of_any_layout_share_a_directory(tmp_path
     assert [c.layout for c in tier.get(a.keys + b.keys)] == [SMALL] * 2 + [SMALL.with_dtype("float32")] * 2
     tier.close()
     shutil.rmtree(tmp_path / "chunks")
+
+
+@pytest.mark.parametrize("tier_url", ["cpu://?size=4MiB&slot=16KiB", "file://{dir}?size=4MiB"])
+def test_keys_lists_a_prefix_most_recent_first(tmp_path, tier_url):
+    tier = open_tier(tier_url.format(dir=tmp_path / "disk"))
+    try:
+        chunks = make_prompt(6, seed=3).chunks()
+        tags = [b"\x00" * 8, b"\x7f" + b"\xff" * 7, b"\xff" * 8]  # the last has no upper bound
+        for i, chunk in enumerate(chunks):
+            tier.put([chunk.view_as(tags[i % 3] + chunk.key)])
+            time.sleep(0.002)  # distinct recency
+        for t, tag in enumerate(tags):
+            want = [tag + c.key for i, c in enumerate(chunks) if i % 3 == t][::-1]
+            assert tier.keys(tag) == want
+            assert tier.keys(tag, limit=1) == want[:1]
+        assert len(tier.keys()) == 6
+    finally:
+        tier.close()
