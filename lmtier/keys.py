@@ -133,3 +133,14 @@ def chunk_keys(tokens: Any, namespace: Namespace) -> list[ChunkKey]:
         prev = h(prev + data[start : start + step])
         keys.append(prev)
     return keys
+
+
+def named_keys(names: Any, namespace: Namespace) -> list[ChunkKey]:
+    """Keys of chunks an engine addresses by its own names rather than by tokens (SGLang
+    hands its storage backends page hashes, never token ids):
+    ``H(namespace digest || "lmtier.named" || name)``. The namespace keeps two models,
+    layouts or tenants apart exactly as for token keys; the engine's name must itself
+    cover the whole prefix (SGLang's page hashes are chained)."""
+    h = _hash_fn(namespace.hash)
+    seed = namespace.digest + b"lmtier.named\x00"
+    return [h(seed + (n if isinstance(n, bytes) else str(n).encode("utf-8"))) for n in names]

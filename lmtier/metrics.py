@@ -71,6 +71,13 @@ LOOKUP_TOKENS = Counter(
     ["result"],
     registry=REGISTRY,
 )
+ENGINE_TOKENS = Counter(
+    "lmtier_engine_tokens_total",
+    "Prompt tokens seen by an engine adapter: requested (looked up), hit (found), loaded "
+    "(copied into the engine), failed (a load that failed and was recomputed), stored.",
+    ["engine", "result"],
+    registry=REGISTRY,
+)
 SERVER_RPCS = Counter(
     "lmtier_server_rpcs_total",
     "Calls the cache server finished, per method and gRPC status code.",

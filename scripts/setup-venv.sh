@@ -23,5 +23,5 @@ pip=("$VENV/bin/python" -m pip --quiet --disable-pip-version-check)
 "${pip[@]}" install "torch==2.13.0"
 "${pip[@]}" install --no-deps -r requirements/lock.txt
 "${pip[@]}" install --no-deps --no-build-isolation -e .
-"$VENV/bin/python" -c "import lmtier, vllm, torch" >/dev/null
+"$VENV/bin/python" -c "import lmtier, vllm, torch, sglang.srt.mem_cache.hicache_storage" >/dev/null
 echo "$want" > "$STAMP"
