@@ -13,7 +13,8 @@
 SGLang's host pool. Both work.
 
 Extra-config keys of lmtier's own (all optional): ``tiers``, ``hash``, ``salt`` (tenant:
-stores with different salts never share), ``write_queue``, ``write_mode``, ``config`` (a
+stores with different salts never share), ``write_queue``, ``write_mode``,
+``metrics_port`` (Prometheus ``/metrics``, TP rank r on ``port + r``), ``config`` (a
 config file), ``model_id`` (the model's name in the namespace; default: SGLang's model
 name). Unset keys come from ``LMTIER_*`` environment variables, then lmtier's defaults.
 SGLang's own keys (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``)
@@ -72,7 +73,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without sglang i
 log = logging.getLogger(__name__)
 
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
-OWN_KEYS = frozenset({"tiers", "hash", "salt", "write_queue", "write_mode", "config", "model_id"})
+OWN_KEYS = frozenset({"tiers", "hash", "salt", "write_queue", "write_mode", "metrics_port", "config", "model_id"})
 LOAD_BATCH_BYTES = 4 << 20  # chunks read per batch in batch_get_v1; the next ones are read ahead
 ENGINE = "sglang"
 
@@ -155,7 +156,10 @@ class LMTierStorage(HiCacheStorage):
             salt=extra.get("salt"),
             write_queue=extra.get("write_queue"),
             write_mode=extra.get("write_mode"),
+            metrics_port=extra.get("metrics_port"),
         )
+        if self.config.metrics_port:  # one port per rank: port + TP rank
+            metrics.export(self.config.metrics_port + storage_config.tp_rank)
         self.model_id = str(extra.get("model_id") or storage_config.model_name or "")
         if not self.model_id:
             raise ConfigError("lmtier: no model name; set model_id in the storage extra config")

@@ -7,7 +7,9 @@
                                                                    "file:///var/lib/lmtier?size=100GiB"]}}'
 
 Extra-config keys (all optional): ``tiers``, ``chunk_tokens``, ``hash``, ``salt``,
-``write_queue``, ``write_mode``, ``config`` (a config file), ``model_id`` (the model's
+``write_queue``, ``write_mode``, ``metrics_port`` (Prometheus ``/metrics`` from the
+engine's processes: the scheduler on this port, worker rank r on ``port + 1 + r``),
+``config`` (a config file), ``model_id`` (the model's
 name in the namespace; default: the engine's model path or name). Unset keys come from
 ``LMTIER_*`` environment variables, then lmtier's defaults.
 
@@ -56,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from lmtier import metrics
 from lmtier.chunk import Chunk, release_all
 from lmtier.config import StoreConfig, load_config, resolve_chunk_tokens
 from lmtier.keys import Namespace, chunk_keys
@@ -73,6 +76,12 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("lmtier.vllm")
+ENGINE = "vllm"  # the engine label of lmtier_engine_tokens_total
+# kv_connector_extra_config keys: the engine-side settings (lmtier.config.StoreConfig) a
+# connector takes per engine, plus the config file and the model's name in the keys.
+EXTRA_KEYS = frozenset(
+    {"tiers", "chunk_tokens", "hash", "salt", "write_queue", "write_mode", "metrics_port", "config", "model_id"}
+)
 
 LOAD_BATCH_BYTES = 4 << 20  # read ahead in batches of this much KV
 SAVE_BUFFER_BYTES = 256 << 20  # bound on host memory holding chunks on their way to the store
@@ -172,10 +181,9 @@ class LMTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        known = {"tiers", "chunk_tokens", "hash", "salt", "write_queue", "write_mode", "config", "model_id"}
-        unknown = sorted(set(extra) - known)
+        unknown = sorted(set(extra) - EXTRA_KEYS)
         if unknown:
-            raise ValueError(f"lmtier: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+            raise ValueError(f"lmtier: unknown kv_connector_extra_config keys {unknown}; known: {sorted(EXTRA_KEYS)}")
         tiers = extra.get("tiers")
         self.config = load_config(
             extra.get("config"),
@@ -185,7 +193,10 @@ class LMTierConnector(KVConnectorBase_V1):
             salt=extra.get("salt"),
             write_queue=extra.get("write_queue"),
             write_mode=extra.get("write_mode"),
+            metrics_port=extra.get("metrics_port"),
         )
+        if self.config.metrics_port and role == KVConnectorRole.SCHEDULER:
+            metrics.export(self.config.metrics_port)
         self.block_size = vllm_config.cache_config.block_size
         self.num_blocks = kv_cache_config.num_blocks
         model = vllm_config.model_config
@@ -244,6 +255,7 @@ class LMTierConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._requests.get(request.request_id)
+        first_look = state is None
         if state is None:
             state = self._requests[request.request_id] = _Request(request, **_request_options(request))
         prompt_len = len(request.prompt_token_ids or [])
@@ -258,6 +270,9 @@ class LMTierConnector(KVConnectorBase_V1):
         state.local_tokens = num_computed_tokens
         state.external_tokens = max(0, loadable - num_computed_tokens)
         state.saved_chunks = max(state.saved_chunks, state.hit_chunks)
+        if first_look:  # the scheduler may ask again for a request it could not place
+            metrics.ENGINE_TOKENS.labels(ENGINE, "requested").inc(prompt_len)
+            metrics.ENGINE_TOKENS.labels(ENGINE, "hit").inc(max(loadable, num_computed_tokens))
         return state.external_tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -336,6 +351,8 @@ class LMTierConnector(KVConnectorBase_V1):
             self._rank = 0  # a worker outside torch.distributed (tests, tools)
         else:
             raise RuntimeError("lmtier: tensor parallelism without an initialized model-parallel group")
+        if self.config.metrics_port:
+            metrics.export(self.config.metrics_port + 1 + self._rank)
         names = sorted(kv_caches, key=_layer_index)
         self._engine = CopyEngine([kv_caches[n] for n in names], self.layout, self.block_size, self.num_blocks)
 
@@ -371,7 +388,9 @@ class LMTierConnector(KVConnectorBase_V1):
             log.exception("lmtier load failed for %s", plan.req_id)
         finally:
             batches.close()
+            metrics.ENGINE_TOKENS.labels(ENGINE, "loaded").inc((loaded_blocks - plan.first_block) * self.block_size)
             if loaded_blocks < plan.num_blocks:  # the engine recomputes what did not arrive
+                metrics.ENGINE_TOKENS.labels(ENGINE, "failed").inc((plan.num_blocks - loaded_blocks) * self.block_size)
                 self._failed_blocks.update(plan.block_ids[loaded_blocks : plan.num_blocks])
                 log.warning(
                     "lmtier: %d of %d blocks of %s not loaded; the engine recomputes them",
@@ -445,6 +464,7 @@ class LMTierConnector(KVConnectorBase_V1):
                     for key, buf in zip(keys, bufs, strict=True)
                 ]
                 self.store.put(chunks)  # copies into the first tier; lower tiers read it back from there
+                metrics.ENGINE_TOKENS.labels(ENGINE, "stored").inc(len(chunks) * self.chunk_tokens)
             except Exception:
                 log.exception("lmtier background save failed")
             finally:

@@ -1,4 +1,6 @@
-"""The ``lmtier`` command: ``size``, ``keys``, ``demo``, ``serve``."""
+"""The ``lmtier`` command: ``serve``, ``stats``, ``inspect``, ``size``, ``keys``, ``bench``,
+``demo``. Errors are one line on stderr and a non-zero exit; ``--json`` where a program
+reads the output."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from lmtier.errors import LmtierError
 from lmtier.keys import HASHES, Namespace
 from lmtier.layout import PRESETS, KVLayout, from_hf_config, preset
 from lmtier.planner import plan
-from lmtier.units import parse_count, parse_size
+from lmtier.units import format_bytes, parse_count, parse_size
 
 
 def _layout(args: argparse.Namespace) -> KVLayout:
@@ -118,37 +120,220 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from lmtier.config import ServerConfig, parse_token, read_token_file
+    from lmtier.config import load_server_config, parse_token
     from lmtier.server import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    tokens = [parse_token(t) for t in args.token or ()]
-    for path in args.token_file or ():
-        tokens += read_token_file(path)
-    defaults = ServerConfig()
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        tiers=tuple(args.tier) if args.tier else defaults.tiers,
-        tokens=tuple(tokens),
-        tls_cert=args.tls_cert or "",
-        tls_key=args.tls_key or "",
-        tls_client_ca=args.tls_client_ca or "",
-        max_chunk_bytes=parse_size(args.max_chunk),
-        max_message_bytes=parse_size(args.max_message),
-        max_keys=args.max_keys,
-        workers=args.workers,
-        max_concurrent_rpcs=args.max_concurrent_rpcs,
-        metrics_port=args.metrics_port,
-        shm_dir="" if args.no_shm else args.shm_dir,
-        grace=args.grace,
-    )
+    flags = {
+        "host": args.host,
+        "port": args.port,
+        "tiers": tuple(args.tier) if args.tier else None,
+        "tokens": tuple(parse_token(t) for t in args.token) if args.token else None,
+        "token_file": args.token_file,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_client_ca": args.tls_client_ca,
+        "max_chunk_bytes": args.max_chunk,
+        "max_message_bytes": args.max_message,
+        "max_keys": args.max_keys,
+        "workers": args.workers,
+        "max_concurrent_rpcs": args.max_concurrent_rpcs,
+        "metrics_port": args.metrics_port,
+        "shm_dir": "" if args.no_shm else args.shm_dir,
+        "grace": args.grace,
+    }
+    config = load_server_config(args.config, **flags)
     return serve(config)
 
 
+def _server_stats(url: str, token: str | None, timeout: float) -> dict:
+    """Ask a running cache server for its tiers, counters and settings."""
+    import grpc
+
+    from lmtier.tiers.base import TierContext, TierURL
+    from lmtier.tiers.grpc import GrpcTier
+    from lmtier.v1 import cache_pb2
+
+    parsed = TierURL.parse(url)
+    if parsed.scheme not in ("grpc", "grpcs"):
+        raise LmtierError(f"--server takes a grpc:// or grpcs:// URL, got {url!r}")
+    if token:
+        url += ("&" if "?" in url else "?") + f"token={token}"
+    url += ("&" if "?" in url else "?") + "shm=off"
+    tier = GrpcTier.from_url(TierURL.parse(url), TierContext())
+    try:
+        response = tier._channel().stats(cache_pb2.StatsRequest(), timeout=timeout, metadata=tier._metadata)
+    except grpc.RpcError as exc:
+        raise LmtierError(f"cannot get stats from {parsed.netloc}: {exc.code().name}: {exc.details()}") from exc
+    finally:
+        tier.close()
+    tiers = [
+        {
+            "name": t.name,
+            "capacity_bytes": t.capacity_bytes,
+            "used_bytes": t.used_bytes,
+            "chunks": t.chunks,
+            "counters": dict(t.counters),
+        }
+        for t in response.tiers
+    ]
+    hits = sum(t["counters"].get("hits", 0) for t in tiers)
+    misses = sum(t["counters"].get("misses", 0) for t in tiers)
+    return {
+        "server": parsed.netloc,
+        "tenant_chunks": response.tenant_chunks,
+        "chunks": sum(t["chunks"] for t in tiers),
+        "used_bytes": sum(t["used_bytes"] for t in tiers),
+        "hit_ratio": hits / (hits + misses) if hits + misses else None,
+        "tiers": tiers,
+        "config": json.loads(response.config_json or "{}"),
+    }
+
+
+def _chunk_files(root: Path) -> list[Path]:
+    from lmtier.tiers.disk import SUFFIX
+
+    chunks = root / "chunks"
+    if not chunks.is_dir():
+        raise LmtierError(f"{root} is not an lmtier disk tier (no chunks/ directory)")
+    return sorted(chunks.glob(f"*/*{SUFFIX}"))
+
+
+def _disk_stats(root: Path) -> dict:
+    files = _chunk_files(root)
+    return {
+        "disk": str(root),
+        "chunks": len(files),
+        "used_bytes": sum(f.stat().st_size for f in files),
+        "hit_ratio": None,  # a disk keeps no counters; ask the server or /metrics
+    }
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    if bool(args.server) == bool(args.disk):
+        raise LmtierError("give one of --server URL or --disk PATH")
+    out = _server_stats(args.server, args.token, args.timeout) if args.server else _disk_stats(Path(args.disk))
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    ratio = "n/a" if out["hit_ratio"] is None else f"{out['hit_ratio']:.1%}"
+    print(f"{out.get('server') or out.get('disk')}: {out['chunks']} chunks, {format_bytes(out['used_bytes'])}, "
+          f"hit ratio {ratio}")  # fmt: skip
+    for t in out.get("tiers", ()):
+        counters = ", ".join(f"{k} {v}" for k, v in sorted(t["counters"].items()))
+        print(f"  {t['name']:<10} {t['chunks']:>8} chunks  {format_bytes(t['used_bytes']):>10} of "
+              f"{format_bytes(t['capacity_bytes']):>10}  {counters}")  # fmt: skip
+    if out.get("config"):
+        print(f"  tenant chunks {out['tenant_chunks']}; settings: {json.dumps(out['config'], sort_keys=True)}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """List a disk tier's chunks; with --verify read each one and check it."""
+    from lmtier import codec
+    from lmtier.errors import IntegrityError
+    from lmtier.tiers.disk import SUFFIX
+
+    root = Path(args.path)
+    files = _chunk_files(root)
+    rows, corrupt = [], []
+    for f in _progress(files, "verifying" if args.verify else "listing", enabled=args.verify and not args.quiet):
+        row = {"key": f.name.removesuffix(SUFFIX), "bytes": f.stat().st_size}
+        try:
+            frame = f.read_bytes()
+            header, _ = codec.read_header(frame)
+            row["layout"] = header.layout.describe()
+            row["tokens"] = header.num_tokens
+            if args.verify:
+                codec.decode(frame, key=bytes.fromhex(row["key"]))
+                row["ok"] = True
+        except (IntegrityError, ValueError, OSError) as exc:
+            row["ok"] = False
+            row["error"] = str(exc)
+            corrupt.append(f)
+        rows.append(row)
+    deleted = 0
+    if corrupt and args.delete_corrupt:
+        from lmtier.tiers.disk import DiskTier
+
+        tier = DiskTier(root, size=1 << 62)  # only to delete through the index; nothing is evicted
+        try:
+            tier.delete([bytes.fromhex(f.name.removesuffix(SUFFIX)) for f in corrupt])
+            deleted = len(corrupt)
+        finally:
+            tier.close()
+    summary = {"path": str(root), "chunks": len(rows), "corrupt": len(corrupt), "deleted": deleted}
+    if args.json:
+        print(json.dumps({**summary, "chunks_list": rows[: args.limit]}, indent=2))
+    else:
+        for row in rows[: args.limit]:
+            state = "" if "ok" not in row else ("ok" if row["ok"] else f"CORRUPT: {row['error']}")
+            print(f"{row['key']}  {row['bytes']:>10}  {row.get('layout', '?')}  {state}")
+        print(f"{len(rows)} chunks, {len(corrupt)} corrupt" + (f", {deleted} deleted" if deleted else ""))
+    return 1 if corrupt and not deleted else 0
+
+
+# name -> (script, short-mode arguments); every script takes --json-out
+BENCHMARKS = {
+    "cpu": ("bench_cpu_tier.py", ["--working-set-mib", "64", "--rounds", "1"]),
+    "disk": ("bench_disk_tier.py", ["--working-set-mib", "128", "--rounds", "1", "--rebuild-chunks", "2000"]),
+    "redis": ("bench_redis_tier.py", ["--sizes-mib", "1", "--total-mib", "32", "--rounds", "1"]),
+    "grpc": ("bench_grpc_tier.py", ["--sizes-mib", "2", "--total-mib", "32", "--rounds", "1"]),
+}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    if not root.is_dir():
+        raise LmtierError(f"no benchmarks/ next to the package ({root}): run from a source checkout")
+    names = args.only or list(BENCHMARKS)
+    unknown = sorted(set(names) - set(BENCHMARKS))
+    if unknown:
+        raise LmtierError(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in _progress(names, "benchmarks", enabled=not args.quiet):
+        script, short = BENCHMARKS[name]
+        report = out / f"{name}.json"
+        cmd = [sys.executable, str(root / script), *(short if args.short else []), "--json-out", str(report)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            raise LmtierError(f"benchmark {name} failed (exit {proc.returncode}): {tail[0]}")
+        (out / f"{name}.txt").write_text(proc.stdout)
+        results[name] = json.loads(report.read_text())
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for name in names:
+            print((out / f"{name}.txt").read_text().rstrip())
+        print(f"reports in {out}/")
+    return 0
+
+
+def _progress(items, what: str, enabled: bool):
+    """A progress bar on stderr (tqdm) when ``enabled`` and stderr is read by a person."""
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=what, unit="", file=sys.stderr, leave=False, disable=None)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line: ``lmtier serve: error: ...``, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lmtier", description="Multi-tier KV-cache offloading for LLM inference.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="lmtier", description="Multi-tier KV-cache offloading for LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("size", help="plan KV memory: bytes per token, per context, what each tier holds")
     _model_args(p)
@@ -178,8 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("serve", help="run the shared cache server (gRPC), for engines' grpc:// tiers")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 picks a free one)")
+    p.add_argument("--config", help="a YAML / TOML / JSON config file (its server: section); flags override it")
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, help="port (default 50051; 0 picks a free one)")
     p.add_argument(
         "--tier",
         action="append",
@@ -192,16 +378,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", help="the certificate's private key (PEM)")
     p.add_argument("--tls-client-ca", help="CA that signs client certificates: turns mutual TLS on")
     p.add_argument("--metrics-port", type=int, help="serve /metrics, /healthz and /readyz on this port")
-    p.add_argument("--max-chunk", default="64MiB", help="largest chunk frame accepted (default 64MiB)")
-    p.add_argument("--max-message", default="80MiB", help="largest gRPC message accepted (default 80MiB)")
-    p.add_argument("--max-keys", type=int, default=4096, help="keys per request (default 4096)")
-    p.add_argument("--workers", type=int, default=16, help="threads serving calls (default 16)")
-    p.add_argument("--max-concurrent-rpcs", type=int, default=64, help="calls at once; more are refused (default 64)")
-    p.add_argument("--shm-dir", default="/dev/shm", help="where same-host clients' segments live")
+    p.add_argument("--max-chunk", help="largest chunk frame accepted (default 64MiB)")
+    p.add_argument("--max-message", help="largest gRPC message accepted (default 80MiB)")
+    p.add_argument("--max-keys", type=int, help="keys per request (default 4096)")
+    p.add_argument("--workers", type=int, help="threads serving calls (default 16)")
+    p.add_argument("--max-concurrent-rpcs", type=int, help="calls at once; more are refused (default 64)")
+    p.add_argument("--shm-dir", help="where same-host clients' segments live (default /dev/shm)")
     p.add_argument("--no-shm", action="store_true", help="refuse the shared-memory data plane")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get on shutdown")
+    p.add_argument("--grace", type=float, help="seconds in-flight calls get on shutdown (default 10)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("stats", help="ask a running server, or read a disk tier: chunks, bytes, hit ratio")
+    p.add_argument("--server", help="grpc://host:port (or grpcs://...) of a running lmtier serve")
+    p.add_argument("--token", help="bearer token for the server (default: from the URL or LMTIER_TOKEN)")
+    p.add_argument("--disk", help="a disk tier's directory")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("inspect", help="list a disk tier's chunks; --verify finds corrupt ones")
+    p.add_argument("path", help="the disk tier's directory")
+    p.add_argument("--verify", action="store_true", help="read every chunk and check its checksum")
+    p.add_argument("--delete-corrupt", action="store_true", help="with --verify: delete the chunks that fail")
+    p.add_argument("--limit", type=int, default=50, help="chunks listed (default 50; all are checked)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("bench", help="run the benchmarks against their same-run references")
+    p.add_argument("--short", action="store_true", help="small sizes: a few minutes in all")
+    p.add_argument("--only", action="append", help=f"one benchmark, repeatable ({', '.join(BENCHMARKS)})")
+    p.add_argument("--out", default="benchmarks/results", help="where the reports go (default benchmarks/results)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -1,8 +1,20 @@
-"""lmtier's configuration, loaded in one place.
+"""lmtier's configuration: one frozen model, loaded in one place (``load``).
 
-Precedence, lowest to highest: the defaults below, a config file (TOML or JSON; its path
-from ``LMTIER_CONFIG`` or the caller), ``LMTIER_*`` environment variables, then explicit
-arguments (engine extra-config, command-line flags).
+``Config`` holds the engine side (``StoreConfig``: what the vLLM connector, the SGLang
+backend and the embedded API use) and the cache server (``ServerConfig``: ``lmtier
+serve``). Precedence, lowest to highest:
+
+1. the defaults below;
+2. a config file, YAML (``.yaml`` / ``.yml``), TOML (``.toml``) or JSON (``.json``), its
+   path from the caller (``--config``, the ``config`` extra-config key) or
+   ``LMTIER_CONFIG``. Engine keys at the top level, server keys under ``server:``; the
+   whole may sit under one ``lmtier:`` key;
+3. environment variables: ``LMTIER_<KEY>`` for engine keys, ``LMTIER_SERVER_<KEY>`` for
+   server keys (lists whitespace-separated);
+4. explicit arguments: engine extra-config, command-line flags.
+
+Every key is checked: an unknown key (in a file or as an ``LMTIER_*`` variable) or a bad
+value is a ``ConfigError`` naming the key and where it came from.
 """
 
 from __future__ import annotations
@@ -37,6 +49,10 @@ class StoreConfig:
     # "through": every put reaches every tier (in the background below the first).
     # "back": lower tiers receive what the first tier evicts, and what it holds at close.
     write_mode: str = "through"
+    # Prometheus /metrics from inside the engine on this port (0: off). Each process of
+    # the engine binds its own: the scheduler (or the single process) this port, worker
+    # rank r ``port + 1 + r``.
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, str):
@@ -52,6 +68,8 @@ class StoreConfig:
             raise ConfigError("write_queue must not be negative")
         if self.write_mode not in ("through", "back"):
             raise ConfigError(f"write_mode must be 'through' or 'back', got {self.write_mode!r}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics_port must lie in [0, 65536), got {self.metrics_port}")
 
 
 AUTO_CHUNK_MIN_BYTES = 256 * 1024
@@ -73,63 +91,6 @@ def resolve_chunk_tokens(configured: int, block_size: int | None = None, token_b
     blocks = -(-AUTO_CHUNK_MIN_BYTES // (block_size * token_bytes))
     cap = -(-DEFAULT_CHUNK_TOKENS // block_size)
     return min(blocks, cap) * block_size
-
-
-_ENV_PREFIX = "LMTIER_"
-_INT_FIELDS = {"chunk_tokens", "write_queue"}
-
-
-def _from_mapping(data: Mapping[str, Any], source: str) -> dict[str, Any]:
-    known = {f.name for f in fields(StoreConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"unknown setting(s) {', '.join(unknown)} in {source}; known: {', '.join(sorted(known))}")
-    out: dict[str, Any] = {}
-    for name, value in data.items():
-        if name == "chunk_tokens" and value == "auto":
-            value = 0
-        if name in _INT_FIELDS:
-            try:
-                value = int(value)
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"{name} in {source} must be an integer, got {value!r}") from exc
-        out[name] = value
-    return out
-
-
-def read_file(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        text = path.read_text()
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-    return _from_mapping(data.get("lmtier", data), str(path))
-
-
-def from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    data = {
-        key[len(_ENV_PREFIX) :].lower(): value
-        for key, value in env.items()
-        if key.startswith(_ENV_PREFIX) and key != "LMTIER_CONFIG"
-    }
-    known = {f.name for f in fields(StoreConfig)}
-    return _from_mapping({k: v for k, v in data.items() if k in known}, "environment")
-
-
-def load_config(
-    path: str | Path | None = None,
-    env: Mapping[str, str] | None = None,
-    **overrides: Any,
-) -> StoreConfig:
-    env = os.environ if env is None else env
-    merged: dict[str, Any] = {}
-    path = path or env.get("LMTIER_CONFIG")
-    if path:
-        merged.update(read_file(path))
-    merged.update(from_env(env))
-    merged.update(_from_mapping({k: v for k, v in overrides.items() if v is not None}, "arguments"))
-    return replace(StoreConfig(), **merged)
 
 
 @dataclass(frozen=True)
@@ -208,3 +169,190 @@ def read_token_file(path: str | Path) -> list[tuple[str, str]]:
     except OSError as exc:
         raise ConfigError(f"cannot read token file {path}: {exc}") from exc
     return [parse_token(line) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+# -- loading: one place ---------------------------------------------------------------------
+ENV_PREFIX = "LMTIER_"
+SERVER_ENV_PREFIX = "LMTIER_SERVER_"
+# LMTIER_* variables that are not settings: the config file's path, the grpc tier's token.
+OTHER_ENV = frozenset({"LMTIER_CONFIG", "LMTIER_TOKEN"})
+# Server keys a file or the environment may give beyond ServerConfig's fields.
+SERVER_EXTRA_KEYS = frozenset({"token_file"})
+_SIZE_FIELDS = frozenset({"max_chunk_bytes", "max_message_bytes"})
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything lmtier reads: the engine side and the cache server."""
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
+    """``value`` (from a file, a variable or a flag) as the type of ``cls.name``."""
+    kind = {f.name: str(f.type) for f in fields(cls)}[name]
+    where = f"{name} ({source})"
+    try:
+        if name == "chunk_tokens" and value == "auto":
+            return 0
+        if name in _SIZE_FIELDS:
+            from lmtier.units import parse_size
+
+            return parse_size(value)
+        if kind.startswith("tuple[tuple"):  # tokens: "SECRET=TENANT" strings
+            items = value.split() if isinstance(value, str) else list(value)
+            return tuple(parse_token(t) if isinstance(t, str) else tuple(t) for t in items)
+        if kind.startswith("tuple"):
+            items = value.split() if isinstance(value, str) else value
+            if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+                raise TypeError("expected a list of strings")
+            return tuple(items)
+        if kind == "int | None":
+            return None if value in (None, "", "none", "off") else _int(value)
+        if kind == "int":
+            return _int(value)
+        if kind == "float":
+            if isinstance(value, bool):
+                raise TypeError("expected a number")
+            return float(value)
+        if kind == "str":
+            if not isinstance(value, str):
+                raise TypeError("expected a string")
+            return value
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where} must be {_describe(kind)}, got {value!r}") from exc
+    raise ConfigError(f"{where}: unsupported setting type {kind}")  # a programming error
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, (bool, float)):
+        raise TypeError("expected an integer")
+    return int(value)
+
+
+def _describe(kind: str) -> str:
+    return {"int": "an integer", "int | None": "an integer", "float": "a number", "str": "a string"}.get(
+        kind, "a list of strings"
+    )
+
+
+def _section(cls: type, data: Mapping[str, Any], source: str, extra: frozenset[str] = frozenset()) -> dict[str, Any]:
+    known = {f.name for f in fields(cls)} | extra
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)} in {source}; known: {', '.join(sorted(known))}")
+    return {k: (v if k in extra else _coerce(cls, k, v, source)) for k, v in data.items() if v is not None}
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """A config file's settings: ``{"store": {...}, "server": {...}}``, checked."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = tomllib.loads(text)
+    except Exception as exc:  # OSError, and each parser's own error type
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings")
+    if isinstance(data.get("lmtier"), dict) and len(data) == 1:
+        data = data["lmtier"]
+    server = data.get("server", {})
+    if not isinstance(server, dict):
+        raise ConfigError(f"'server' in {path} must be a mapping of settings")
+    store = {k: v for k, v in data.items() if k != "server"}
+    return {
+        "store": _section(StoreConfig, store, str(path)),
+        "server": _section(ServerConfig, server, f"{path} [server]", SERVER_EXTRA_KEYS),
+    }
+
+
+def from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """The ``LMTIER_*`` settings of ``env``, checked; an unknown ``LMTIER_*`` variable
+    is an error (a misspelt setting must not pass silently)."""
+    store: dict[str, Any] = {}
+    server: dict[str, Any] = {}
+    store_keys = {f.name for f in fields(StoreConfig)}
+    server_keys = {f.name for f in fields(ServerConfig)} | SERVER_EXTRA_KEYS
+    for var, value in env.items():
+        if not var.startswith(ENV_PREFIX) or var in OTHER_ENV:
+            continue
+        if var.startswith(SERVER_ENV_PREFIX) and var[len(SERVER_ENV_PREFIX) :].lower() in server_keys:
+            server[var[len(SERVER_ENV_PREFIX) :].lower()] = value
+        elif var[len(ENV_PREFIX) :].lower() in store_keys:
+            store[var[len(ENV_PREFIX) :].lower()] = value
+        else:
+            known = [f"{ENV_PREFIX}{k.upper()}" for k in sorted(store_keys)]
+            known += [f"{SERVER_ENV_PREFIX}{k.upper()}" for k in sorted(server_keys)] + sorted(OTHER_ENV)
+            raise ConfigError(f"unknown setting {var} in the environment; known: {', '.join(known)}")
+    return {
+        "store": _section(StoreConfig, store, "environment"),
+        "server": _section(ServerConfig, server, "environment", SERVER_EXTRA_KEYS),
+    }
+
+
+def load(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    store: Mapping[str, Any] | None = None,
+    server: Mapping[str, Any] | None = None,
+) -> Config:
+    """The configuration in effect: defaults < file < environment < ``store`` / ``server``
+    (explicit arguments; None values are unset)."""
+    env = os.environ if env is None else env
+    layers = []
+    path = path or env.get("LMTIER_CONFIG")
+    if path:
+        layers.append(read_file(path))
+    layers.append(from_env(env))
+    layers.append(
+        {
+            "store": _section(StoreConfig, dict(store or {}), "arguments"),
+            "server": _section(ServerConfig, dict(server or {}), "arguments", SERVER_EXTRA_KEYS),
+        }
+    )
+    merged_store: dict[str, Any] = {}
+    merged_server: dict[str, Any] = {}
+    for layer in layers:
+        merged_store.update(layer["store"])
+        merged_server.update(layer["server"])
+    token_files = merged_server.pop("token_file", None)
+    if token_files:
+        files = token_files.split() if isinstance(token_files, str) else list(token_files)
+        tokens = list(merged_server.get("tokens", ()))
+        for f in files:
+            tokens += read_token_file(f)
+        merged_server["tokens"] = tuple(tokens)
+    return Config(store=replace(StoreConfig(), **merged_store), server=replace(ServerConfig(), **merged_server))
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None, **overrides: Any) -> StoreConfig:
+    """The engine side of ``load``: what the engine adapters and the embedded API use."""
+    return load(path, env, store=overrides).store
+
+
+def load_server_config(
+    path: str | Path | None = None, env: Mapping[str, str] | None = None, **overrides: Any
+) -> ServerConfig:
+    """The server side of ``load``: what ``lmtier serve`` uses."""
+    return load(path, env, server=overrides).server
+
+
+def public_view(config: Config) -> dict[str, Any]:
+    """The settings in effect as plain data, secrets left out (tokens: their tenants)."""
+    from dataclasses import asdict
+
+    data = asdict(config)
+    data["server"]["tokens"] = sorted({tenant for _, tenant in config.server.tokens})
+    data["server"]["tiers"] = list(config.server.tiers)
+    data["store"]["tiers"] = list(config.store.tiers)
+    return data

@@ -7,7 +7,7 @@ adapters expose this registry.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -21,6 +21,19 @@ TIER_BYTES = Counter(
     "lmtier_tier_bytes_total",
     "Chunk payload bytes read from or written to a tier.",
     ["tier", "op"],
+    registry=REGISTRY,
+)
+TIER_SECONDS = Histogram(
+    "lmtier_tier_op_seconds",
+    "Latency of one call into a tier (a batch of chunks), per tier and operation.",
+    ["tier", "op"],
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+    registry=REGISTRY,
+)
+BREAKER_OPEN = Gauge(
+    "lmtier_tier_breaker_open",
+    "1 while a tier's circuit breaker is open (calls skipped as misses), else 0.",
+    ["tier"],
     registry=REGISTRY,
 )
 TIER_ERRORS = Counter(
@@ -100,3 +113,25 @@ SERVER_READY = Gauge(
     "1 when every tier of the cache server passed its last probe, else 0.",
     registry=REGISTRY,
 )
+
+
+_EXPORTERS: dict[int, object] = {}  # port -> server, one per port and process
+
+
+def export(port: int, host: str = "0.0.0.0") -> bool:
+    """Serve ``REGISTRY`` on ``http://host:port/metrics`` from this process (idempotent).
+    A port that cannot be bound is logged and skipped: metrics never stop an engine."""
+    import logging
+    import os
+
+    from prometheus_client import start_http_server
+
+    key = hash((os.getpid(), port))
+    if key in _EXPORTERS:
+        return True
+    try:
+        _EXPORTERS[key] = start_http_server(port, addr=host, registry=REGISTRY)
+    except OSError as exc:
+        logging.getLogger(__name__).warning("lmtier: cannot serve metrics on port %d: %s", port, exc)
+        return False
+    return True

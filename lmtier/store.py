@@ -93,9 +93,15 @@ class TieredStore:
             if not want:
                 break
             got = self._call(tier, "get", tier.get, [keys[i] for i in want], default=None)
+            hits = nbytes = 0
             for i, chunk in zip(want, got or (), strict=False):
                 if chunk is not None:
                     found[i], source[i] = chunk, level
+                    hits += 1
+                    nbytes += chunk.nbytes
+            metrics.TIER_OPS.labels(tier.name, "get", "hit").inc(hits)
+            metrics.TIER_OPS.labels(tier.name, "get", "miss").inc(len(want) - hits)
+            metrics.TIER_BYTES.labels(tier.name, "get").inc(nbytes)
         prefix = next((i for i, c in enumerate(found) if c is None), len(found))
         release_all(found[prefix:])
         chunks: list[Chunk] = found[:prefix]  # type: ignore[assignment]
@@ -148,6 +154,7 @@ class TieredStore:
             return 0
         first = self.tiers[0]
         self._call(first, "put", first.put, chunks, default=None)
+        metrics.TIER_BYTES.labels(first.name, "put").inc(sum(c.nbytes for c in chunks))
         keys = [c.key for c in chunks]
         if len(self.tiers) > 1 and not self.write_back:
             self._enqueue(keys, self.tiers[1:])
@@ -211,6 +218,7 @@ class TieredStore:
                 try:
                     for tier in targets:
                         self._call(tier, "put", tier.put, chunks, default=None)
+                        metrics.TIER_BYTES.labels(tier.name, "put").inc(sum(c.nbytes for c in chunks))
                 finally:
                     release_all(chunks)
             except Exception:  # the writer thread must survive anything
@@ -265,14 +273,19 @@ class TieredStore:
         if not breaker.allow():
             metrics.TIER_OPS.labels(tier.name, op, "skipped").inc()
             return default
+        start = time.perf_counter()
         try:
             result = fn(*args)
         except Exception as exc:
             breaker.failure()
+            metrics.BREAKER_OPEN.labels(tier.name).set(int(breaker.is_open))
             metrics.TIER_ERRORS.labels(tier.name, op).inc()
             log.warning("tier %s failed on %s: %s", tier.name, op, exc)
             return default
+        finally:
+            metrics.TIER_SECONDS.labels(tier.name, op).observe(time.perf_counter() - start)
         breaker.success()
+        metrics.BREAKER_OPEN.labels(tier.name).set(0)
         return result
 
     def stats(self) -> dict[str, Any]:

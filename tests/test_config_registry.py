@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lmtier.config import StoreConfig, load_config, resolve_chunk_tokens
+from lmtier.config import Config, StoreConfig, load, load_config, load_server_config, public_view, resolve_chunk_tokens
 from lmtier.errors import ConfigError, MissingDependency
 from lmtier.tiers.base import TierURL, known_schemes, open_tier, register_tier
 
@@ -20,7 +20,7 @@ def test_defaults_are_one_gib_of_host_memory():
 def test_precedence_file_then_environment_then_arguments(tmp_path):
     toml = tmp_path / "lmtier.toml"
     toml.write_text('[lmtier]\ntiers = ["cpu://?size=2GiB"]\nchunk_tokens = 512\nsalt = "file"\n')
-    env = {"LMTIER_CONFIG": str(toml), "LMTIER_SALT": "env", "LMTIER_UNRELATED": "x"}
+    env = {"LMTIER_CONFIG": str(toml), "LMTIER_SALT": "env", "LMTIER_TOKEN": "not a setting"}
     cfg = load_config(env=env)
     assert (cfg.tiers, cfg.chunk_tokens, cfg.salt) == (("cpu://?size=2GiB",), 512, "env")
     cfg = load_config(env=env, salt="arg", chunk_tokens=None)
@@ -54,6 +54,61 @@ def test_unknown_settings_in_a_file_are_refused(tmp_path):
     path.write_text("chunk_tokenz = 3\n")
     with pytest.raises(ConfigError, match="chunk_tokenz"):
         load_config(path, env={})
+
+
+def test_one_yaml_file_configures_the_engine_side_and_the_server(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# tenants\ns3cret=alice\n")
+    path = tmp_path / "lmtier.yaml"
+    path.write_text(
+        "tiers: ['cpu://?size=2GiB', 'grpc://127.0.0.1:50051']\n"
+        "chunk_tokens: auto\n"
+        "metrics_port: 9500\n"
+        "server:\n"
+        "  port: 50052\n"
+        "  tiers: ['cpu://?size=1GiB']\n"
+        "  max_chunk_bytes: 8MiB\n"
+        "  metrics_port: 9400\n"
+        f"  token_file: {tokens}\n"
+    )
+    env = {"LMTIER_SERVER_PORT": "50053", "LMTIER_WRITE_QUEUE": "7"}
+    cfg = load(path, env=env, server={"grace": 2.5})
+    assert isinstance(cfg, Config)
+    assert cfg.store.tiers == ("cpu://?size=2GiB", "grpc://127.0.0.1:50051")
+    assert (cfg.store.chunk_tokens, cfg.store.metrics_port, cfg.store.write_queue) == (0, 9500, 7)
+    assert (cfg.server.port, cfg.server.max_chunk_bytes, cfg.server.metrics_port) == (50053, 8 << 20, 9400)
+    assert cfg.server.tokens == (("s3cret", "alice"),) and cfg.server.grace == 2.5
+    view = public_view(cfg)
+    assert view["server"]["tokens"] == ["alice"] and "s3cret" not in json.dumps(view)
+    assert load_server_config(path, env={}).port == 50052
+    # a file wrapped in one "lmtier:" key reads the same
+    wrapped = tmp_path / "wrapped.yml"
+    wrapped.write_text("lmtier:\n  salt: x\n  server: {workers: 3}\n")
+    cfg = load(wrapped, env={})
+    assert (cfg.store.salt, cfg.server.workers) == ("x", 3)
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "match"),
+    [
+        ("tiers: [cpu://]\nserver: {prot: 1}\n", {}, "prot"),
+        ("server: {port: many}\n", {}, "port .* must be an integer"),
+        ("server: {max_chunk_bytes: lots}\n", {}, "max_chunk_bytes"),
+        ("write_queue: 1.5\n", {}, "write_queue"),
+        ("tiers: 3\n", {}, "tiers"),
+        ("server: [1, 2]\n", {}, "server"),
+        ("- a list\n", {}, "mapping"),
+        (": : :\n", {}, "cannot read"),
+        ("", {"LMTIER_TEIRS": "cpu://"}, "LMTIER_TEIRS"),
+        ("", {"LMTIER_SERVER_PORT": "-1"}, "port"),
+        ("", {"LMTIER_METRICS_PORT": "70000"}, "metrics_port"),
+    ],
+)
+def test_unknown_keys_and_bad_values_name_the_key(tmp_path, text, env, match):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load(path, env=env)
 
 
 def test_urls_parse_typed_options():

@@ -17,7 +17,10 @@ from lmtier.redisproc import die_with_parent, free_port
 
 
 class ServerProcess:
-    def __init__(self, workdir: Path, *args: str, port: int | None = None, start: bool = True) -> None:
+    def __init__(
+        self, workdir: Path, *args: str, port: int | None = None, start: bool = True, env: dict | None = None
+    ) -> None:
+        self.env = dict(env or {})
         self.port = port or free_port()
         self.dir = Path(workdir) / f"lmtier-serve-{self.port}"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -36,7 +39,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 60.0) -> None:
         cmd = [sys.executable, "-m", "lmtier", "serve", "--port", str(self.port), *self.args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.dir / "server.log", "ab") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.dir, env=env, preexec_fn=die_with_parent

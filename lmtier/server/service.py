@@ -19,6 +19,7 @@ half-built frame; a ``Get`` holds ``GET_BATCH`` chunks and reads one batch ahead
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -30,7 +31,7 @@ import grpc
 from lmtier import codec, metrics, shm
 from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk, release_all
-from lmtier.config import ServerConfig
+from lmtier.config import Config, ServerConfig, public_view
 from lmtier.errors import IntegrityError, LayoutError, LmtierError
 from lmtier.server.auth import Authenticator
 from lmtier.shm import SegmentMaps, SegmentUnavailable
@@ -123,6 +124,7 @@ class _Leases:
 
 class CacheService:
     def __init__(self, store: TieredStore, config: ServerConfig, auth: Authenticator) -> None:
+        self._config_json = json.dumps(public_view(Config(server=config))["server"], sort_keys=True)
         self.store = store
         self.config = config
         self.auth = auth
@@ -420,7 +422,9 @@ class CacheService:
                     counters=counters,
                 )
             )
-        return cache_pb2.StatsResponse(tiers=tiers, tenant_chunks=len(self.tenant_keys(tag)))
+        return cache_pb2.StatsResponse(
+            tiers=tiers, tenant_chunks=len(self.tenant_keys(tag)), config_json=self._config_json
+        )
 
 
 _SIZES = {"capacity_bytes", "used_bytes", "chunks"}

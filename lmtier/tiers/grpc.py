@@ -302,11 +302,7 @@ class GrpcTier(Tier):
         if not keys:
             return []
         chunks = self._call("get", lambda: self._get(keys), None)
-        out = chunks if chunks is not None else [None] * len(keys)
-        hits = sum(c is not None for c in out)
-        metrics.TIER_OPS.labels(self.name, "get", "hit").inc(hits)
-        metrics.TIER_OPS.labels(self.name, "get", "miss").inc(len(keys) - hits)
-        return out
+        return chunks if chunks is not None else [None] * len(keys)
 
     def _get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
         segment = self._shm()

@@ -585,9 +585,6 @@ class RedisTier(Tier):
                     out[i] = self._decode(keys[i], *reply)
         if moved:
             self._moved([ReplyError("MOVED")])
-        hits = sum(c is not None for c in out)
-        metrics.TIER_OPS.labels(self.name, "get", "hit").inc(hits)
-        metrics.TIER_OPS.labels(self.name, "get", "miss").inc(len(keys) - hits)
         return out
 
     def _decode(self, key: bytes, buf: Any, n: int, payload_sum: int | None) -> Chunk | None:

@@ -128,9 +128,11 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "tenant_chunks")
+    __slots__ = ("tiers", "tenant_chunks", "config_json")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     TENANT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     tenant_chunks: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenant_chunks: _Optional[int] = ...) -> None: ...
+    config_json: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenant_chunks: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,231 @@
+"""Operations: ``lmtier serve`` from a config file and the environment, its effective
+settings and ``/metrics`` read back, and every other CLI command, good and bad arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from lmtier import metrics
+from lmtier.cli import main
+from lmtier.redisproc import free_port
+from lmtier.server.process import ServerProcess
+from lmtier.tiers.base import open_tier
+
+from conftest import make_namespace, make_prompt
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
+        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+@pytest.fixture(scope="module")
+def configured_server(tmp_path_factory):
+    """``lmtier serve --config FILE`` with LMTIER_SERVER_* overrides, a metrics port and a
+    token from a token file named in the config."""
+    tmp = tmp_path_factory.mktemp("serve")
+    (tmp / "tokens").write_text("s3cret=alice\n")
+    config = tmp / "lmtier.yaml"
+    config.write_text(
+        "server:\n"
+        "  tiers: ['cpu://?size=32MiB&slot=64KiB', 'file://" + str(tmp / "disk") + "?size=64MiB']\n"
+        "  workers: 3\n"
+        "  max_keys: 100\n"
+        "  max_chunk_bytes: 8MiB\n"
+        f"  token_file: {tmp / 'tokens'}\n"
+    )
+    metrics_port = free_port()
+    server = ServerProcess(
+        tmp,
+        "--config",
+        str(config),
+        env={"LMTIER_SERVER_MAX_KEYS": "77", "LMTIER_SERVER_METRICS_PORT": str(metrics_port)},
+    )
+    server.metrics_port = metrics_port
+    yield server
+    server.stop()
+
+
+def test_serve_runs_from_a_config_file_with_environment_overrides(configured_server, capsys):
+    url = f"grpc://{configured_server.address}"
+    assert main(["stats", "--server", url, "--token", "s3cret", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    config = out["config"]
+    assert config["workers"] == 3  # from the file
+    assert config["max_keys"] == 77  # the environment wins over the file
+    assert config["max_chunk_bytes"] == 8 << 20
+    assert config["port"] == int(configured_server.address.rsplit(":", 1)[1])  # the flag wins
+    assert config["tokens"] == ["alice"]  # tenants only, never the secrets
+    assert "s3cret" not in json.dumps(out)
+    assert [t["name"] for t in out["tiers"]] == ["cpu", "disk"]
+    assert out["tiers"][0]["capacity_bytes"] == 32 << 20
+
+    assert main(["stats", "--server", url, "--token", "s3cret"]) == 0
+    text = capsys.readouterr().out
+    assert "hit ratio" in text and "cpu" in text and "disk" in text
+    # a wrong token: one line, non-zero
+    assert main(["stats", "--server", url, "--token", "wrong"]) == 2
+    err = capsys.readouterr().err
+    assert "UNAUTHENTICATED" in err and err.count("\n") == 1
+
+
+def test_metrics_count_hits_misses_and_bytes_after_a_workload(configured_server):
+    tier = open_tier(f"grpc://{configured_server.address}?token=s3cret&shm=off")
+    ns = make_namespace()
+    prompt = make_prompt(6, seed=41, namespace=ns)
+    before = scrape(configured_server.metrics_port)
+    try:
+        tier.put(prompt.chunks())
+        got = tier.get(prompt.keys)
+        assert all(c is not None for c in got)
+        for c in got:
+            c.release()
+        other = make_prompt(3, seed=42, namespace=ns)
+        assert tier.get(other.keys) == [None] * 3
+    finally:
+        tier.close()
+    after = scrape(configured_server.metrics_port)
+    for name, labels in [
+        ("lmtier_tier_ops_total", {"tier": "cpu", "op": "get", "result": "hit"}),
+        ("lmtier_tier_ops_total", {"op": "get", "result": "miss"}),
+        ("lmtier_tier_bytes_total", {"tier": "cpu", "op": "get"}),
+        ("lmtier_tier_bytes_total", {"tier": "cpu", "op": "put"}),
+        ("lmtier_tier_op_seconds_count", {"tier": "cpu", "op": "get"}),
+        ("lmtier_server_bytes_total", {"direction": "put"}),
+        ("lmtier_server_rpcs_total", {"method": "Get", "code": "OK"}),
+    ]:
+        assert sample(after, name, **labels) > sample(before, name, **labels), (name, labels)
+    assert sample(after, "lmtier_tier_capacity_bytes", tier="cpu") == 32 << 20
+    assert sample(after, "lmtier_tier_breaker_open", tier="disk") == 0
+
+
+def test_the_in_engine_exporter_serves_lmtier_metrics():
+    port = free_port()
+    assert metrics.export(port, host="127.0.0.1")
+    assert metrics.export(port, host="127.0.0.1")  # idempotent
+    metrics.ENGINE_TOKENS.labels("test", "requested").inc(16)
+    text = scrape(port)
+    assert sample(text, "lmtier_engine_tokens_total", engine="test", result="requested") >= 16
+    # a port already taken is a warning, not a failure
+    assert metrics.export(port, host="127.0.0.1") is True
+    busy = free_port()
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", busy))
+        s.listen()
+        assert metrics.export(busy, host="127.0.0.1") is False
+
+
+# ------------------------------------------------------------------------------------------
+# Disk tiers: stats and inspect
+# ------------------------------------------------------------------------------------------
+@pytest.fixture
+def disk(tmp_path):
+    root = tmp_path / "disk"
+    tier = open_tier(f"file://{root}?size=64MiB")
+    prompt = make_prompt(5, seed=43)
+    tier.put(prompt.chunks())
+    tier.close()
+    return root, prompt
+
+
+def test_stats_reads_a_disk_tier(disk, capsys):
+    root, prompt = disk
+    assert main(["stats", "--disk", str(root), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["chunks"] == 5 and out["used_bytes"] > 5 * len(prompt.chunk_bytes(0))
+    assert main(["stats", "--disk", str(root)]) == 0
+    assert "5 chunks" in capsys.readouterr().out
+
+
+def test_inspect_lists_verifies_and_deletes_corrupt_chunks(disk, capsys):
+    root, prompt = disk
+    assert main(["inspect", str(root), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["chunks"] == 5 and listed["corrupt"] == 0
+    assert {c["key"] for c in listed["chunks_list"]} == {k.hex() for k in prompt.keys}
+    assert all(c["tokens"] == 16 for c in listed["chunks_list"])
+
+    assert main(["inspect", str(root), "--verify", "--quiet"]) == 0
+    assert "5 chunks, 0 corrupt" in capsys.readouterr().out
+
+    victim = next((root / "chunks").glob(f"*/{prompt.keys[2].hex()}*"))
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert main(["inspect", str(root), "--verify", "--quiet", "--json"]) == 1  # found, kept
+    report = json.loads(capsys.readouterr().out)
+    assert report["corrupt"] == 1
+    assert [c["key"] for c in report["chunks_list"] if not c["ok"]] == [prompt.keys[2].hex()]
+
+    assert main(["inspect", str(root), "--verify", "--quiet", "--delete-corrupt"]) == 0
+    assert "1 deleted" in capsys.readouterr().out
+    assert not victim.exists()
+    tier = open_tier(f"file://{root}?size=64MiB")
+    assert tier.contains(prompt.keys) == 2  # the index agrees: the third chunk is gone
+    tier.close()
+
+
+# ------------------------------------------------------------------------------------------
+# bench, and bad arguments everywhere
+# ------------------------------------------------------------------------------------------
+def test_bench_runs_a_benchmark_and_writes_its_report(tmp_path, capsys):
+    assert main(["bench", "--short", "--only", "cpu", "--out", str(tmp_path), "--quiet", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert set(results) == {"cpu"}
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    assert (tmp_path / "cpu.txt").read_text().strip()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bogus"],
+        ["serve", "--port", "many"],
+        ["serve", "--config", "/nonexistent/lmtier.yaml", "--port", "0"],
+        ["stats"],
+        ["stats", "--server", "http://x:1"],
+        ["stats", "--server", "grpc://127.0.0.1:1", "--timeout", "0.5"],
+        ["stats", "--disk", "/nonexistent"],
+        ["inspect", "/nonexistent"],
+        ["inspect"],
+        ["bench", "--only", "nosuch"],
+        ["size", "--model", "llama-3-8b"],
+        ["keys", "--model", "llama-3-8b", "--tokens-file", "/nonexistent"],
+        ["demo", "--docs", "many"],
+    ],
+)
+def test_bad_arguments_give_one_line_and_a_non_zero_exit(argv):
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmtier", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "LMTIER_CONFIG": ""},
+        cwd=ROOT,
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("lmtier") and "error" in lines[0]
