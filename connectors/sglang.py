@@ -14,7 +14,8 @@ SGLang's host pool. Both work.
 
 Extra-config keys of lmtier's own (all optional): ``tiers``, ``hash``, ``salt`` (tenant:
 stores with different salts never share), ``write_queue``, ``write_mode``,
-``metrics_port`` (Prometheus ``/metrics``, TP rank r on ``port + r``), ``config`` (a
+``metrics_port`` (Prometheus ``/metrics``, TP rank r on ``port + r``),
+``load_deadline`` (seconds a batch_get may take; the rest is recomputed), ``config`` (a
 config file), ``model_id`` (the model's name in the namespace; default: SGLang's model
 name). Unset keys come from ``LMTIER_*`` environment variables, then lmtier's defaults.
 SGLang's own keys (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``)
@@ -73,7 +74,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without sglang i
 log = logging.getLogger(__name__)
 
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
-OWN_KEYS = frozenset({"tiers", "hash", "salt", "write_queue", "write_mode", "metrics_port", "config", "model_id"})
+OWN_KEYS = frozenset(
+    {"tiers", "hash", "salt", "write_queue", "write_mode", "metrics_port", "load_deadline", "config", "model_id"}
+)
 LOAD_BATCH_BYTES = 4 << 20  # chunks read per batch in batch_get_v1; the next ones are read ahead
 ENGINE = "sglang"
 
@@ -157,6 +160,7 @@ class LMTierStorage(HiCacheStorage):
             write_queue=extra.get("write_queue"),
             write_mode=extra.get("write_mode"),
             metrics_port=extra.get("metrics_port"),
+            load_deadline=extra.get("load_deadline"),
         )
         if self.config.metrics_port:  # one port per rank: port + TP rank
             metrics.export(self.config.metrics_port + storage_config.tp_rank)
@@ -423,7 +427,8 @@ class LMTierStorage(HiCacheStorage):
         count of leading pages filled. Stops at the first miss or failed fill."""
         batch = max(1, LOAD_BATCH_BYTES // self.namespace.chunk_bytes)
         done = 0
-        batches = self.store.iter_get(keys, batch)
+        deadline = time.monotonic() + self.config.load_deadline if self.config.load_deadline else None
+        batches = self.store.iter_get(keys, batch, deadline=deadline)
         try:
             for chunks in batches:
                 try:

@@ -9,6 +9,7 @@
 Extra-config keys (all optional): ``tiers``, ``chunk_tokens``, ``hash``, ``salt``,
 ``write_queue``, ``write_mode``, ``metrics_port`` (Prometheus ``/metrics`` from the
 engine's processes: the scheduler on this port, worker rank r on ``port + 1 + r``),
+``load_deadline`` (seconds a step's loads may take; the rest is recomputed),
 ``config`` (a config file), ``model_id`` (the model's
 name in the namespace; default: the engine's model path or name). Unset keys come from
 ``LMTIER_*`` environment variables, then lmtier's defaults.
@@ -46,6 +47,7 @@ import os
 import queue
 import re
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -80,7 +82,18 @@ ENGINE = "vllm"  # the engine label of lmtier_engine_tokens_total
 # kv_connector_extra_config keys: the engine-side settings (lmtier.config.StoreConfig) a
 # connector takes per engine, plus the config file and the model's name in the keys.
 EXTRA_KEYS = frozenset(
-    {"tiers", "chunk_tokens", "hash", "salt", "write_queue", "write_mode", "metrics_port", "config", "model_id"}
+    {
+        "tiers",
+        "chunk_tokens",
+        "hash",
+        "salt",
+        "write_queue",
+        "write_mode",
+        "metrics_port",
+        "load_deadline",
+        "config",
+        "model_id",
+    }
 )
 
 LOAD_BATCH_BYTES = 4 << 20  # read ahead in batches of this much KV
@@ -194,6 +207,7 @@ class LMTierConnector(KVConnectorBase_V1):
             write_queue=extra.get("write_queue"),
             write_mode=extra.get("write_mode"),
             metrics_port=extra.get("metrics_port"),
+            load_deadline=extra.get("load_deadline"),
         )
         if self.config.metrics_port and role == KVConnectorRole.SCHEDULER:
             metrics.export(self.config.metrics_port)
@@ -360,14 +374,16 @@ class LMTierConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, LMTierMetadata) or self._engine is None:
             return
+        # one deadline for the step's loads: past it, what has not arrived is recomputed
+        deadline = time.monotonic() + self.config.load_deadline if self.config.load_deadline else None
         for plan in meta.loads:
-            self._load(plan)
+            self._load(plan, deadline)
 
-    def _load(self, plan: LoadPlan) -> None:
+    def _load(self, plan: LoadPlan, deadline: float | None = None) -> None:
         keys = plan.keys[self._rank]
         loaded_blocks = plan.first_block  # blocks before this are the engine's own
         # The plan starts at the chunk holding the first block to load (first_block < one chunk).
-        batches = self.store.iter_get(keys, self.load_batch)
+        batches = self.store.iter_get(keys, self.load_batch, deadline=deadline)
         try:
             i = 0
             for chunks in batches:

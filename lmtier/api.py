@@ -14,6 +14,7 @@ never raise from ``lookup`` / ``get``; wrong shapes and dtypes do, clearly.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,10 +28,13 @@ from lmtier.layout import KVLayout, canonical_dtype, preset
 from lmtier.store import TieredStore
 from lmtier.tiers.base import TierContext, open_tier
 
+LOAD_BATCH_BYTES = 4 << 20  # get_into reads this much per batch, the next batches ahead
+
 
 class KVStore:
-    def __init__(self, store: TieredStore, namespace: Namespace) -> None:
+    def __init__(self, store: TieredStore, namespace: Namespace, load_deadline: float = 0.0) -> None:
         self.store = store
+        self.load_deadline = load_deadline
         self.namespace = namespace
         self.layout = namespace.layout
         self.chunk_tokens = namespace.chunk_tokens
@@ -65,29 +69,42 @@ class KVStore:
 
     def get_into(self, tokens: Any, out: Any) -> int:
         """Write the KV of the leading available chunks into ``out`` (which must hold all
-        full chunks of ``tokens``); returns how many tokens were written."""
+        full chunks of ``tokens``); returns how many tokens were written. Reads in ~4 MiB
+        batches, the next ones ahead; with a ``load_deadline`` it returns what arrived in
+        time (the caller recomputes the rest)."""
         keys = self.keys(tokens)
         self._byte_view(out, len(keys) * self.chunk_tokens, allow_longer=True)
-        chunks = self.store.get(keys)
+        deadline = time.monotonic() + self.load_deadline if self.load_deadline else None
+        batch = max(1, LOAD_BATCH_BYTES // self.namespace.chunk_bytes)
+        written = 0
+        batches = self.store.iter_get(keys, batch, deadline=deadline)
         try:
-            return self._fill(out, chunks)
+            for chunks in batches:
+                try:
+                    n = self._fill(out, chunks, start=written)
+                finally:
+                    release_all(chunks)
+                written += n
+                if n < len(chunks) * self.chunk_tokens:
+                    break
         finally:
-            release_all(chunks)
+            batches.close()
+        return written
 
-    def _fill(self, out: Any, chunks: Sequence[Chunk]) -> int:
-        """Copy chunks into ``out`` in order, verifying each; returns the tokens written.
-
-        A chunk that fails verification ends the run: what follows it is useless.
+    def _fill(self, out: Any, chunks: Sequence[Chunk], start: int = 0) -> int:
+        """Copy chunks into ``out`` in order from token ``start``, verifying each; returns
+        the tokens written. A chunk that fails verification ends the run: what follows it
+        is useless.
         """
         if not chunks:
             return 0
-        data = self._byte_view(out, len(chunks) * self.chunk_tokens, allow_longer=True)
+        data = self._byte_view(out, start + len(chunks) * self.chunk_tokens, allow_longer=True)
         size = self.chunk_tokens
         for i, chunk in enumerate(chunks):
             if chunk.layout != self.layout or chunk.num_tokens != size:
                 return i * size  # a foreign chunk under our key: never copy it in
             try:
-                chunk.copy_to(data[:, :, i * size : (i + 1) * size])
+                chunk.copy_to(data[:, :, start + i * size : start + (i + 1) * size])
             except IntegrityError:
                 return i * size
         return len(chunks) * size
@@ -149,6 +166,7 @@ def open_store(
     hash: str | None = None,
     write_queue: int | None = None,
     write_mode: str | None = None,
+    load_deadline: float | None = None,
     config: str | None = None,
 ) -> KVStore:
     """Open a store for one model. Unset arguments come from the config file and
@@ -161,6 +179,7 @@ def open_store(
         hash=hash,
         write_queue=write_queue,
         write_mode=write_mode,
+        load_deadline=load_deadline,
     )
     if isinstance(layout, str):
         layout = preset(layout)
@@ -183,7 +202,8 @@ def open_store(
         for tier in opened:
             tier.close()
         raise
-    return KVStore(TieredStore(opened, write_queue=cfg.write_queue, write_mode=cfg.write_mode), namespace)
+    store = TieredStore(opened, write_queue=cfg.write_queue, write_mode=cfg.write_mode)
+    return KVStore(store, namespace, load_deadline=cfg.load_deadline)
 
 
 def _torch():

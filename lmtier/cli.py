@@ -273,45 +273,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 1 if corrupt and not deleted else 0
 
 
-# name -> (script, short-mode arguments); every script takes --json-out
-BENCHMARKS = {
-    "cpu": ("bench_cpu_tier.py", ["--working-set-mib", "64", "--rounds", "1"]),
-    "disk": ("bench_disk_tier.py", ["--working-set-mib", "128", "--rounds", "1", "--rebuild-chunks", "2000"]),
-    "redis": ("bench_redis_tier.py", ["--sizes-mib", "1", "--total-mib", "32", "--rounds", "1"]),
-    "grpc": ("bench_grpc_tier.py", ["--sizes-mib", "2", "--total-mib", "32", "--rounds", "1"]),
-}
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
-    import subprocess
+    from lmtier import bench
 
-    root = Path(__file__).resolve().parent.parent / "benchmarks"
-    if not root.is_dir():
-        raise LmtierError(f"no benchmarks/ next to the package ({root}): run from a source checkout")
-    names = args.only or list(BENCHMARKS)
-    unknown = sorted(set(names) - set(BENCHMARKS))
-    if unknown:
-        raise LmtierError(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for name in _progress(names, "benchmarks", enabled=not args.quiet):
-        script, short = BENCHMARKS[name]
-        report = out / f"{name}.json"
-        cmd = [sys.executable, str(root / script), *(short if args.short else []), "--json-out", str(report)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-            raise LmtierError(f"benchmark {name} failed (exit {proc.returncode}): {tail[0]}")
-        (out / f"{name}.txt").write_text(proc.stdout)
-        results[name] = json.loads(report.read_text())
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    summary = bench.run(
+        out, short=args.short, only=args.only, progress=lambda names: _progress(names, "benchmarks", not args.quiet)
+    )
     if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        for name in names:
-            print((out / f"{name}.txt").read_text().rstrip())
-        print(f"reports in {out}/")
+        print(json.dumps(summary, indent=2))
+        return 0
+    print((out / "results.md").read_text().rstrip())
+    print(f"\nreports, table and plots in {out}/")
     return 0
 
 
@@ -406,9 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("bench", help="run the benchmarks against their same-run references")
+    p = sub.add_parser("bench", help="every benchmark against its same-run reference: JSON, a table, plots")
     p.add_argument("--short", action="store_true", help="small sizes: a few minutes in all")
-    p.add_argument("--only", action="append", help=f"one benchmark, repeatable ({', '.join(BENCHMARKS)})")
+    p.add_argument("--only", action="append", help="one benchmark, repeatable (cpu, disk, redis, grpc, vllm)")
     p.add_argument("--out", default="benchmarks/results", help="where the reports go (default benchmarks/results)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -53,6 +53,9 @@ class StoreConfig:
     # the engine binds its own: the scheduler (or the single process) this port, worker
     # rank r ``port + 1 + r``.
     metrics_port: int = 0
+    # Seconds a load may take before the engine recomputes what has not arrived (0: no
+    # deadline). Bounds what a slow tier costs a request.
+    load_deadline: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, str):
@@ -70,6 +73,8 @@ class StoreConfig:
             raise ConfigError(f"write_mode must be 'through' or 'back', got {self.write_mode!r}")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must lie in [0, 65536), got {self.metrics_port}")
+        if self.load_deadline < 0:
+            raise ConfigError(f"load_deadline must not be negative, got {self.load_deadline}")
 
 
 AUTO_CHUNK_MIN_BYTES = 256 * 1024

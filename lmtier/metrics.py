@@ -78,6 +78,11 @@ PROMOTIONS = Counter(
     ["tier"],
     registry=REGISTRY,
 )
+LOAD_DEADLINES = Counter(
+    "lmtier_load_deadlines_total",
+    "Loads cut short by the load deadline (the engine recomputed the rest).",
+    registry=REGISTRY,
+)
 LOOKUP_TOKENS = Counter(
     "lmtier_lookup_tokens_total",
     "Tokens asked for and tokens found by prefix lookups.",

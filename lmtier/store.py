@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from lmtier import metrics
@@ -108,7 +109,9 @@ class TieredStore:
         self._promote(chunks, source[:prefix])
         return chunks
 
-    def iter_get(self, keys: Sequence[bytes], batch: int, ahead: int = READ_AHEAD) -> Iterator[list[Chunk]]:
+    def iter_get(
+        self, keys: Sequence[bytes], batch: int, ahead: int = READ_AHEAD, deadline: float | None = None
+    ) -> Iterator[list[Chunk]]:
         """``get`` in batches of ``batch`` keys, with up to ``ahead`` batches being read in
         the background while the caller uses the current one (so a disk's queue never
         drains between batches); stops after the first batch with a miss.
@@ -116,6 +119,10 @@ class TieredStore:
         Each yielded list is the leading run found in its batch; the caller releases the
         chunks. Close the generator (or exhaust it) when stopping early: batches read
         ahead are then released here.
+
+        ``deadline`` (``time.monotonic()`` seconds): a batch not read by then ends the
+        iteration (the caller recomputes the rest) without waiting for it; what it reads
+        later is released as it arrives. A slow tier costs the load at most the deadline.
         """
         batches = [keys[i : i + batch] for i in range(0, len(keys), max(1, batch))]
         pending: deque[Future] = deque()
@@ -127,17 +134,30 @@ class TieredStore:
                 pending.append(self._reader().submit(self.get, batches[submitted]))
                 submitted += 1
 
+        late = False
         try:
             for wanted in batches:
                 top_up()
-                current = pending.popleft().result()
+                future = pending[0]
+                try:
+                    current = future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    late = True
+                    metrics.LOAD_DEADLINES.inc()
+                    log.warning("load deadline passed with %d of %d chunks read; the rest is recomputed",
+                                found, len(keys))  # fmt: skip
+                    return
+                pending.popleft()
                 found += len(current)
                 yield current
                 if len(current) < len(wanted):
                     return
         finally:
             for future in pending:
-                release_all(future.result())
+                if late:  # never wait on a slow tier past the deadline
+                    future.add_done_callback(lambda f: release_all(f.result()))
+                else:
+                    release_all(future.result())
             if len(batches) > 1:
                 self._touch(keys[:found])
 

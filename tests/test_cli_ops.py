@@ -193,9 +193,12 @@ def test_inspect_lists_verifies_and_deletes_corrupt_chunks(disk, capsys):
 def test_bench_runs_a_benchmark_and_writes_its_report(tmp_path, capsys):
     assert main(["bench", "--short", "--only", "cpu", "--out", str(tmp_path), "--quiet", "--json"]) == 0
     results = json.loads(capsys.readouterr().out)
-    assert set(results) == {"cpu"}
+    assert set(results["benchmarks"]) == {"cpu"}
     assert json.loads((tmp_path / "results.json").read_text()) == results
-    assert (tmp_path / "cpu.txt").read_text().strip()
+    (target,) = results["targets"]
+    assert target["reference"] == "np.copyto" and target["ratio"] > 0
+    assert "| cpu |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "throughput.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize(

@@ -37,22 +37,44 @@ def test_console_script_is_installed():
     assert json.loads(run.stdout)["total_bytes"] == 1024**3
 
 
-def run_benchmark(script: str, out: Path, *args: str) -> tuple[dict, str]:
-    """Run a benchmark script with ``--json-out out``; returns its report and its stdout."""
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    """``lmtier bench --short``, as CI runs it: every benchmark, the table and the plots."""
+    out = tmp_path_factory.mktemp("bench")
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args, "--json-out", str(out)],
+        [sys.executable, "-m", "lmtier", "bench", "--short", "--quiet", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1500,
+        cwd=ROOT,
     )
-    assert run.returncode == 0, run.stderr
-    return json.loads(out.read_text()), run.stdout
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return out, json.loads((out / "results.json").read_text()), run.stdout
 
 
-def test_cpu_benchmark_reports_both_sides_and_their_ratio(tmp_path):
-    report, stdout = run_benchmark(
-        "bench_cpu_tier.py", tmp_path / "bench.json", "--working-set-mib", "32", "--rounds", "1"
-    )
+def report_of(suite, name: str) -> tuple[dict, str]:
+    out, summary, _ = suite
+    return summary["benchmarks"][name], (out / f"{name}.txt").read_text()
+
+
+def test_the_suite_writes_json_a_table_of_every_target_and_plots(suite):
+    out, summary, stdout = suite
+    assert summary["mode"] == "short" and set(summary["benchmarks"]) == {"cpu", "disk", "redis", "grpc", "vllm"}
+    benches = [t["benchmark"] for t in summary["targets"]]
+    assert {b: benches.count(b) for b in set(benches)} == {"cpu": 1, "disk": 2, "redis": 4, "grpc": 4, "vllm": 3}
+    for t in summary["targets"]:
+        assert t["lmtier"] > 0 and t["reference_value"] > 0 and t["ratio"] > 0
+        assert isinstance(t["met"], bool) and t["target"]
+    table = (out / "results.md").read_text()
+    assert table.count("\n| ") >= len(summary["targets"])
+    assert "| grpc | gRPC tier over TCP, PUT 0.5 MiB (GB/s) |" in table
+    assert "| grpc | gRPC tier over TCP, PUT 0.5 MiB (GB/s) |" in stdout  # printed too
+    for png in ("throughput.png", "ttft.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cpu_benchmark_reports_both_sides_and_their_ratio(suite):
+    report, stdout = report_of(suite, "cpu")
     results = report["results"]
     assert set(results) == {"reference_copyto", "cpu_tier", "reference_strided", "embedded_api"}
     for name in ("cpu_tier", "embedded_api"):
@@ -62,34 +84,18 @@ def test_cpu_benchmark_reports_both_sides_and_their_ratio(tmp_path):
     assert "| cpu_tier |" in stdout  # the table follows the JSON
 
 
-def test_disk_benchmark_measures_dd_and_the_tier_in_the_same_run(tmp_path):
-    report, stdout = run_benchmark(
-        "bench_disk_tier.py",
-        tmp_path / "disk.json",
-        "--dir",
-        str(tmp_path),
-        "--working-set-mib",
-        "32",
-        "--rounds",
-        "1",
-        "--batch",
-        "8",
-        "--rebuild-chunks",
-        "500",
-    )
+def test_disk_benchmark_measures_dd_and_the_tier_in_the_same_run(suite):
+    report, stdout = report_of(suite, "disk")
     for direction in ("write", "read"):
         r = report["throughput"][direction]
         assert r["dd_gb_per_s"] > 0 and r["lmtier_gb_per_s"] > 0
         assert r["ratio_of_bests"] == pytest.approx(r["lmtier_gb_per_s"] / r["dd_gb_per_s"])
     assert report["rebuild"]["chunks"] == 500
     assert "| read |" in stdout
-    assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]  # cleaned up after itself
 
 
-def test_redis_benchmark_measures_redis_benchmark_lmtier_and_redis_py_on_one_server(tmp_path):
-    report, stdout = run_benchmark(
-        "bench_redis_tier.py", tmp_path / "redis.json", "--sizes-mib", "1", "--total-mib", "16", "--rounds", "1"
-    )
+def test_redis_benchmark_measures_redis_benchmark_lmtier_and_redis_py_on_one_server(suite):
+    report, stdout = report_of(suite, "redis")
     assert [(r["chunk_mib"], r["op"]) for r in report["rows"]] == [(1, "set"), (1, "get"), (1, "set+get")]
     for r in report["rows"]:
         assert r["redis_benchmark_gbps"] > 0 and r["lmtier_gbps"] > 0 and r["naive_redis_py_gbps"] > 0
@@ -97,10 +103,8 @@ def test_redis_benchmark_measures_redis_benchmark_lmtier_and_redis_py_on_one_ser
     assert "| 1 MiB | GET |" in stdout and "| 1 MiB | SET+GET |" in stdout
 
 
-def test_grpc_benchmark_measures_echo_memcpy_redis_and_both_transports_in_one_run(tmp_path):
-    report, stdout = run_benchmark(
-        "bench_grpc_tier.py", tmp_path / "grpc.json", "--sizes-mib", "0.5", "--total-mib", "8", "--rounds", "1"
-    )
+def test_grpc_benchmark_measures_echo_memcpy_redis_and_both_transports_in_one_run(suite):
+    report, stdout = report_of(suite, "grpc")
     ops = [r["op"] for r in report["rows"]]
     assert ops == ["put", "get", "load", "put+get"]
     for r in report["rows"]:
@@ -136,34 +140,11 @@ def test_the_vllm_demo_runs_two_engines_and_checks_its_own_answers(tmp_path):
     assert (tmp_path / "out" / "ttft.png").stat().st_size > 1000
 
 
-def test_ttft_benchmark_measures_every_configuration(tmp_path):
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_vllm_ttft.py"),
-            "--lengths",
-            "512",
-            "--docs",
-            "1",
-            "--layers",
-            "2",
-            "--hidden",
-            "256",
-            "--throughput-prompts",
-            "2",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads((tmp_path / "ttft.json").read_text())
+def test_ttft_benchmark_measures_every_configuration(suite):
+    report, _ = report_of(suite, "vllm")
     (row,) = report["rows"]
     for key in ("no_cache", "vllm_prefix_hit", "lmtier_store", "lmtier_no_store", "lmtier_cpu_hit", "lmtier_disk_hit"):
         assert row[key] > 0
     assert row["disk_floor"] > row["vllm_prefix_hit"]
     assert row["cached_tokens"]["lmtier_disk_hit"] == 256  # one full chunk of the 448-token document
     assert report["no_reuse_throughput"]["ratio"] > 0
-    assert (tmp_path / "ttft.png").stat().st_size > 1000

@@ -82,9 +82,7 @@ class DiskTier(Tier):
         self._chunks = self.root / "chunks"
         self._tmp = self.root / "tmp"
         try:
-            for i in range(256):
-                (self._chunks / f"{i:02x}").mkdir(parents=True, exist_ok=True)
-            self._tmp.mkdir(exist_ok=True)
+            self._make_dirs()
         except OSError as exc:
             raise ConfigError(f"cannot use {self.root} as a disk tier: {exc}") from exc
         self.o_direct = _supports_o_direct(self._tmp) if o_direct is None else o_direct
@@ -148,6 +146,8 @@ class DiskTier(Tier):
             written = [self._write_temp(c) for c in todo]
         self._publish([w for w in written if isinstance(w, tuple)], present, order)
         if todo and all(w == "io" for w in written):
+            if not self._tmp.is_dir():
+                self._rebuild()
             raise TierError(f"disk tier {self.name}: no chunk could be written (see the log)")
 
     def delete(self, keys: Sequence[bytes]) -> None:
@@ -394,6 +394,24 @@ class DiskTier(Tier):
             txn.set_usage(txn.usage() - sum(sizes.values()))
 
     # -- helpers ------------------------------------------------------------------------
+    def _make_dirs(self) -> None:
+        for i in range(256):
+            (self._chunks / f"{i:02x}").mkdir(parents=True, exist_ok=True)
+        self._tmp.mkdir(exist_ok=True)
+
+    def _rebuild(self) -> None:
+        """The directory vanished under us (unmounted, deleted): start it again, empty, with
+        a fresh index, so that writes work once the path is usable. What was in it is gone;
+        reads of it were already misses."""
+        log.warning("disk tier %s: %s vanished; starting it again, empty", self.name, self.root)
+        try:
+            self._make_dirs()
+            old, self.index = self.index, DiskIndex(str(self.root / "index.sqlite"))
+            old.close()
+            self.reconcile()
+        except OSError as exc:
+            log.warning("disk tier %s: cannot start %s again yet: %s", self.name, self.root, exc)
+
     def _path(self, key: bytes) -> str:
         name = key.hex()
         return f"{self._chunks}/{name[:2]}/{name}{SUFFIX}"

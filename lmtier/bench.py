@@ -1,0 +1,227 @@
+"""``lmtier bench``: every benchmark of ``benchmarks/`` in one run, each against its same-run
+reference, summarized in one table of every ratio target (met or not) and two plots.
+
+    run(out, short=False, only=None)  -> summary dict; writes into ``out``:
+        NAME.json, NAME.txt     each benchmark's own report and printed tables
+        results.json            {"benchmarks": {NAME: report}, "targets": [rows]}
+        results.md              the targets table, then each benchmark's own tables
+        throughput.png          lmtier against its reference, per tier and operation
+        ttft.png                TTFT against prompt length, with and without lmtier
+
+``short`` runs small sizes (a few minutes in all: what CI runs); the full mode is what
+the README's results page comes from. The benchmark scripts live in the source checkout's
+``benchmarks/`` directory; they are not part of the installed package.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from lmtier.errors import LmtierError
+
+ROOT = Path(__file__).resolve().parent.parent / "benchmarks"
+
+# name -> (script, short-mode arguments, full-mode arguments). Every script but vllm takes
+# --json-out; vllm writes ttft.json and ttft.png into --out.
+SUITE: dict[str, tuple[str, list[str], list[str]]] = {
+    "cpu": ("bench_cpu_tier.py", ["--working-set-mib", "32", "--rounds", "1"], []),
+    "disk": (
+        "bench_disk_tier.py",
+        ["--working-set-mib", "32", "--rounds", "1", "--batch", "8", "--rebuild-chunks", "500"],
+        [],
+    ),
+    "redis": ("bench_redis_tier.py", ["--sizes-mib", "1", "--total-mib", "16", "--rounds", "1"], []),
+    "grpc": ("bench_grpc_tier.py", ["--sizes-mib", "0.5", "--total-mib", "8", "--rounds", "1"], []),
+    "vllm": (
+        "bench_vllm_ttft.py",
+        ["--lengths", "512", "--docs", "1", "--layers", "2", "--hidden", "256", "--throughput-prompts", "2"],
+        [],
+    ),
+}
+
+
+def run(
+    out: Path,
+    *,
+    short: bool = False,
+    only: Iterable[str] | None = None,
+    progress: Callable[[Iterable[str]], Iterable[str]] = lambda names: names,
+) -> dict[str, Any]:
+    if not ROOT.is_dir():
+        raise LmtierError(f"no benchmarks/ next to the package ({ROOT}): run from a source checkout")
+    names = list(only or SUITE)
+    unknown = sorted(set(names) - set(SUITE))
+    if unknown:
+        raise LmtierError(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(SUITE)}")
+    out.mkdir(parents=True, exist_ok=True)
+    reports: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    for name in progress(names):
+        script, short_args, full_args = SUITE[name]
+        args = short_args if short else full_args
+        if name == "vllm":
+            target = out / "vllm"
+            cmd = [sys.executable, str(ROOT / script), *args, "--out", str(target)]
+        else:
+            cmd = [sys.executable, str(ROOT / script), *args, "--json-out", str(out / f"{name}.json")]
+        start = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        seconds[name] = time.monotonic() - start
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            raise LmtierError(f"benchmark {name} failed (exit {proc.returncode}): {tail[0]}")
+        (out / f"{name}.txt").write_text(proc.stdout)
+        if name == "vllm":
+            shutil.copyfile(target / "ttft.json", out / "vllm.json")
+            shutil.copyfile(target / "ttft.png", out / "ttft.png")
+        reports[name] = json.loads((out / f"{name}.json").read_text())
+    summary = {
+        "mode": "short" if short else "full",
+        "machine": {"python": platform.python_version(), "processor": platform.machine(), "cpus": _cpus()},
+        "seconds": seconds,
+        "targets": targets(reports),
+        "benchmarks": reports,
+    }
+    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(summary, out))
+    throughput_plot(summary["targets"], out / "throughput.png")
+    return summary
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _row(bench: str, what: str, lmtier: float, ref_name: str, ref: float, ratio: float, target: str, met: bool):
+    return {
+        "benchmark": bench,
+        "what": what,
+        "lmtier": lmtier,
+        "reference": ref_name,
+        "reference_value": ref,
+        "ratio": ratio,
+        "target": target,
+        "met": bool(met),
+    }
+
+
+def targets(reports: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every ratio target of the earlier issues, from the reports present, met or not."""
+    rows: list[dict[str, Any]] = []
+    if "cpu" in reports:
+        r = reports["cpu"]["results"]
+        c = r["cpu_tier"]
+        rows.append(
+            _row("cpu", "memory tier put+get, 2 MiB chunks (GB/s)", c["gb_per_s"], "np.copyto",
+                 r["reference_copyto"]["gb_per_s"], c["ratio_to_reference"], ">= 0.7x", c["ratio_to_reference"] >= 0.7)
+        )  # fmt: skip
+    if "disk" in reports:
+        t = reports["disk"]["throughput"]
+        for d in ("write", "read"):
+            x = t[d]
+            rows.append(
+                _row("disk", f"disk tier {d} (GB/s; ratio: median of same-round pairs)", x["lmtier_gb_per_s"],
+                     f"dd O_DIRECT {d}", x["dd_gb_per_s"], x["ratio"], ">= 0.8x", x["ratio"] >= 0.8)
+            )  # fmt: skip
+    if "redis" in reports:
+        for x in reports["redis"]["rows"]:
+            if x["op"] not in ("set", "get"):
+                continue
+            what = f"redis tier {x['op'].upper()}, {x['chunk_mib']:g} MiB (GB/s)"
+            ratio = x["lmtier_over_redis_benchmark"]
+            rows.append(_row("redis", what, x["lmtier_gbps"], "redis-benchmark -c 4", x["redis_benchmark_gbps"],
+                             ratio, ">= 0.8x", ratio >= 0.8))  # fmt: skip
+            naive = x["lmtier_over_naive"]
+            rows.append(_row("redis", what, x["lmtier_gbps"], "redis-py SET/GET loop", x["naive_redis_py_gbps"],
+                             naive, ">= 3x", naive >= 3))  # fmt: skip
+    if "grpc" in reports:
+        for x in reports["grpc"]["rows"]:
+            if x["op"] not in ("put", "get"):
+                continue
+            size = f"{x['chunk_mib']:g} MiB"
+            rows.append(_row("grpc", f"gRPC tier over TCP, {x['op'].upper()} {size} (GB/s)", x["tcp_gbps"],
+                             "bare gRPC echo", x["echo_gbps"], x["tcp_over_echo"], ">= 0.9x",
+                             x["tcp_over_echo"] >= 0.9))  # fmt: skip
+            rows.append(_row("grpc", f"gRPC tier over shared memory, {x['op'].upper()} {size} (GB/s)", x["shm_gbps"],
+                             "memcpy", x["memcpy_gbps"], x["shm_over_memcpy"], ">= 0.5x",
+                             x["shm_over_memcpy"] >= 0.5))  # fmt: skip
+    if "vllm" in reports:
+        v = reports["vllm"]
+        for x in v["rows"]:
+            n = x["prompt_tokens"]
+            ratio = x["disk_hit_over_prefix_hit"]
+            rows.append(_row("vllm", f"TTFT of an lmtier disk hit, {n} tokens (s)", x["lmtier_disk_hit"],
+                             "vLLM resident prefix hit", x["vllm_prefix_hit"], ratio, "<= 1.3x (at 8k)",
+                             ratio <= 1.3))  # fmt: skip
+            overhead = x["store_overhead"]
+            rows.append(_row("vllm", f"TTFT of a storing request, {n} tokens (s)", x["lmtier_store"],
+                             "same engine, not storing", x["lmtier_no_store"], 1 + overhead, "<= 1.05x",
+                             overhead <= 0.05))  # fmt: skip
+        t = v["no_reuse_throughput"]
+        rows.append(_row("vllm", "throughput without reuse (tokens/s)", t["with_lmtier_tokens_per_s"],
+                         "vLLM without lmtier", t["without_lmtier_tokens_per_s"], t["ratio"], ">= 0.97x",
+                         t["ratio"] >= 0.97))  # fmt: skip
+    return rows
+
+
+def markdown(summary: dict[str, Any], out: Path) -> str:
+    m = summary["machine"]
+    lines = [
+        f"# lmtier benchmarks ({summary['mode']} mode)",
+        "",
+        f"Machine: {m['cpus']} CPUs ({m['processor']}), Python {m['python']}. Every ratio is lmtier "
+        "against a reference measured in the same run.",
+        "",
+        "| benchmark | what | lmtier | reference | reference value | ratio | target | met |",
+        "|---|---|---:|---|---:|---:|---|---|",
+    ]
+    for r in summary["targets"]:
+        lines.append(
+            f"| {r['benchmark']} | {r['what']} | {r['lmtier']:.3g} | {r['reference']} | {r['reference_value']:.3g} "
+            f"| {r['ratio']:.2f}x | {r['target']} | {'yes' if r['met'] else '**no**'} |"
+        )
+    lines += ["", "![throughput](throughput.png)"]
+    if (out / "ttft.png").exists():
+        lines += ["", "![TTFT](ttft.png)"]
+    for name in summary["benchmarks"]:
+        text = (out / f"{name}.txt").read_text()
+        tables = [line for line in text.splitlines() if line.startswith("|")]
+        if tables:
+            lines += ["", f"## {name}", "", *tables]
+    return "\n".join(lines) + "\n"
+
+
+def throughput_plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """lmtier against its reference for every throughput target (GB/s rows), side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [r for r in rows if "(GB/s" in r["what"]]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(bars) + 2), 4.5))
+    if bars:
+        xs = range(len(bars))
+        ax.bar([x - 0.2 for x in xs], [r["lmtier"] for r in bars], width=0.4, label="lmtier")
+        ax.bar([x + 0.2 for x in xs], [r["reference_value"] for r in bars], width=0.4, label="same-run reference")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(
+            [f"{r['what'].split(' (')[0]}\nvs {r['reference']}" for r in bars], rotation=60, ha="right", fontsize=7
+        )
+        ax.legend()
+    ax.set_ylabel("GB/s")
+    ax.set_title("lmtier against its same-run references")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,299 @@
+"""Faults seen from the engine's side (the embedded API, which the engine adapters mirror):
+each remote server killed and restarted mid-workload, a slow tier against a load deadline,
+a full disk, a read-only or vanished disk directory, damaged bytes in every tier. For each:
+the engine gets a shorter hit or none (it recomputes), never wrong KV and never an
+exception; the error counters move; everything works again once the fault ends.
+
+Real servers and real files throughout; the only injected parts are the operating-system
+errors a test cannot cause for real as root (ENOSPC, EROFS).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from lmtier import metrics
+from lmtier.api import open_store
+from lmtier.layout import KVLayout
+from lmtier.redisproc import RedisServer, cli
+from lmtier.server.process import ServerProcess
+from lmtier.tiers import disk as disk_module
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
+CHUNK = 16
+
+
+def prompt(n_chunks: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 50_000, n_chunks * CHUNK)
+    kv = torch.from_numpy(rng.integers(-(2**15), 2**15, LAYOUT.tensor_shape(len(tokens)), dtype=np.int16))
+    return tokens, kv.view(torch.float16)
+
+
+def load(store, tokens) -> tuple[int, torch.Tensor]:
+    """What the engine does on a hit: lookup, then load into its own buffer."""
+    out = torch.zeros(LAYOUT.tensor_shape(len(tokens)), dtype=torch.float16)
+    store.lookup(tokens)  # must not raise either
+    return store.get_into(tokens, out), out
+
+
+def assert_never_wrong(got: int, out: torch.Tensor, kv: torch.Tensor) -> None:
+    """The loaded prefix is exactly the stored KV; nothing was written past it."""
+    assert got % CHUNK == 0
+    assert torch.equal(out[:, :, :got].view(torch.int16), kv[:, :, :got].view(torch.int16))
+    assert not out[:, :, got:].view(torch.int16).any()
+
+
+def counter(metric, **labels) -> float:
+    return sum(
+        s.value
+        for m in metric.collect()
+        for s in m.samples
+        if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def eventually(condition, seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+# ------------------------------------------------------------------------------------------
+# Remote servers killed and restarted mid-workload
+# ------------------------------------------------------------------------------------------
+def test_redis_killed_mid_workload_is_misses_then_recovers(tmp_path):
+    server = RedisServer(tmp_path)
+    store = open_store([f"{server.url}?timeout=1&connect_timeout=1"], model="faults", layout=LAYOUT,
+                       chunk_tokens=CHUNK)  # fmt: skip
+    try:
+        before = [prompt(4, seed=i) for i in range(3)]
+        for tokens, kv in before:
+            assert store.put(tokens, kv) == 4 * CHUNK
+        store.flush()
+        errors = counter(metrics.TIER_ERRORS, tier="redis")
+
+        server.kill()
+        for i in range(6):  # the workload goes on: loads are misses, stores are dropped
+            tokens, kv = before[i % 3]
+            got, out = load(store, tokens)
+            assert got == 0
+            assert_never_wrong(got, out, kv)
+            store.put(*prompt(2, seed=100 + i))
+        assert counter(metrics.TIER_ERRORS, tier="redis") > errors
+
+        server.start()  # same port, empty: a restarted cache
+        tokens, kv = prompt(4, seed=7)
+        assert eventually(lambda: store.put(tokens, kv) == 4 * CHUNK)  # once the breaker lets a call through
+        got, out = load(store, tokens)
+        assert got == 4 * CHUNK
+        assert_never_wrong(got, out, kv)
+    finally:
+        store.close()
+        server.stop()
+
+
+def test_cache_server_killed_mid_workload_is_misses_then_recovers(tmp_path):
+    server = ServerProcess(tmp_path, "--tier", "cpu://?size=32MiB", "--tier", f"file://{tmp_path}/disk?size=64MiB")
+    store = open_store([f"grpc://{server.address}?timeout=2&retries=1&shm=off"], model="faults", layout=LAYOUT,
+                       chunk_tokens=CHUNK)  # fmt: skip
+    try:
+        tokens, kv = prompt(4, seed=11)
+        assert store.put(tokens, kv) == 4 * CHUNK
+        store.flush()
+        assert eventually(
+            lambda: (tmp_path / "disk" / "chunks").exists() and len(list((tmp_path / "disk").glob("chunks/*/*"))) == 4
+        )
+        server.kill()  # a crash: its disk keeps the chunks
+        for i in range(4):
+            got, out = load(store, tokens)
+            assert got == 0
+            assert_never_wrong(got, out, kv)
+            store.put(*prompt(2, seed=200 + i))
+        server.start()  # the disk tier brings the chunks back
+        assert eventually(lambda: load(store, tokens)[0] == 4 * CHUNK)
+        got, out = load(store, tokens)
+        assert_never_wrong(got, out, kv)
+    finally:
+        store.close()
+        server.stop()
+
+
+# ------------------------------------------------------------------------------------------
+# A slow tier against the load deadline
+# ------------------------------------------------------------------------------------------
+def test_a_slow_tier_costs_at_most_the_load_deadline_then_recovers(tmp_path):
+    server = RedisServer(tmp_path, "--enable-debug-command", "yes")
+    store = open_store([f"{server.url}?timeout=30"], model="faults", layout=LAYOUT, chunk_tokens=CHUNK,
+                       load_deadline=0.5)  # fmt: skip
+    try:
+        tokens, kv = prompt(8, seed=21)
+        assert store.put(tokens, kv) == 8 * CHUNK
+        store.flush()
+        late = metrics.LOAD_DEADLINES._value.get()
+        slept = threading.Event()
+
+        def stall() -> None:  # the server itself stops answering for 5 s
+            cli(server.port, "DEBUG", "SLEEP", "5", timeout=20)
+            slept.set()
+
+        staller = threading.Thread(target=stall)
+        staller.start()
+        time.sleep(0.3)
+        out = torch.zeros(LAYOUT.tensor_shape(len(tokens)), dtype=torch.float16)
+        got = store.get_into(tokens, out)
+        assert not slept.is_set(), "the load waited for the slow tier instead of giving up at its deadline"
+        assert got == 0  # nothing arrived in time: the engine recomputes
+        assert_never_wrong(got, out, kv)
+        assert metrics.LOAD_DEADLINES._value.get() == late + 1
+        staller.join()
+        got, out = load(store, tokens)  # the tier is fast again
+        assert got == 8 * CHUNK
+        assert_never_wrong(got, out, kv)
+    finally:
+        store.close()
+        server.stop()
+
+
+# ------------------------------------------------------------------------------------------
+# The disk: full, read-only, vanished
+# ------------------------------------------------------------------------------------------
+def failing_open(code: int):
+    real = os.open
+
+    def fake(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT:
+            raise OSError(code, os.strerror(code), path)
+        return real(path, flags, *args, **kwargs)
+
+    return fake
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["full", "read-only"])
+def test_a_full_or_read_only_disk_drops_writes_and_keeps_serving(tmp_path, monkeypatch, code):
+    store = open_store(["cpu://?size=1MiB", f"file://{tmp_path}/disk?size=64MiB"], model="faults", layout=LAYOUT,
+                       chunk_tokens=CHUNK)  # fmt: skip
+    try:
+        kept, kept_kv = prompt(2, seed=31)
+        store.put(kept, kept_kv)
+        store.flush()
+        disk = store.store.tiers[1]
+        errors = disk.stats()["write_errors"]
+
+        monkeypatch.setattr(disk_module.os, "open", failing_open(code))
+        tokens, kv = prompt(2, seed=32)
+        assert store.put(tokens, kv) == 2 * CHUNK  # memory holds it; the disk write fails quietly
+        store.flush()
+        assert disk.stats()["write_errors"] > errors
+        assert disk.contains(store.keys(tokens)) == 0
+        got, out = load(store, kept)  # what the disk already had is still served
+        assert got == 2 * CHUNK
+        assert_never_wrong(got, out, kept_kv)
+
+        monkeypatch.undo()  # the disk has room / is writable again
+        fresh, fresh_kv = prompt(2, seed=33)
+        store.put(fresh, fresh_kv)
+        store.flush()
+        assert disk.contains(store.keys(fresh)) == 2
+    finally:
+        store.close()
+
+
+def test_a_vanished_disk_directory_is_misses_then_recreated(tmp_path):
+    root = tmp_path / "disk"
+    store = open_store([f"file://{root}?size=64MiB"], model="faults", layout=LAYOUT, chunk_tokens=CHUNK)
+    try:
+        tokens, kv = prompt(3, seed=41)
+        assert store.put(tokens, kv) == 3 * CHUNK
+        shutil.rmtree(root)
+        got, out = load(store, tokens)
+        assert got == 0
+        assert_never_wrong(got, out, kv)
+        store.put(*prompt(1, seed=42))  # the first write after the loss: fails, no exception
+
+        again, again_kv = prompt(3, seed=43)
+        assert eventually(lambda: store.put(again, again_kv) == 3 * CHUNK)  # the directory is rebuilt
+        got, out = load(store, again)
+        assert got == 3 * CHUNK
+        assert_never_wrong(got, out, again_kv)
+    finally:
+        store.close()
+
+
+# ------------------------------------------------------------------------------------------
+# Damaged bytes in every tier
+# ------------------------------------------------------------------------------------------
+def damage_file(store, key: bytes) -> None:
+    path = store.store.tiers[0]._path(key)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 50)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def damage_redis_value(store, key: bytes) -> None:
+    tier = store.store.tiers[0]
+    node = tier._node_for(tier._rkey(key))
+
+    def work(conn):
+        value = bytearray(conn.call(b"GET", tier._rkey(key)))
+        value[-50] ^= 0x01
+        conn.call(b"SET", tier._rkey(key), bytes(value))
+
+    node.run(work)
+
+
+@pytest.mark.parametrize("where", ["file", "redis", "grpc"])
+def test_a_damaged_chunk_in_any_tier_ends_the_hit_before_it(tmp_path, where):
+    servers = []
+    if where == "file":
+        url = f"file://{tmp_path}/disk?size=64MiB"
+    elif where == "redis":
+        servers.append(RedisServer(tmp_path))
+        url = servers[0].url
+    else:
+        # the server keeps chunks on disk; a damaged file there reaches the client in the
+        # Get stream, and the client's own check refuses it
+        servers.append(ServerProcess(tmp_path, "--tier", f"file://{tmp_path}/server-disk?size=64MiB"))
+        url = f"grpc://{servers[0].address}?shm=off"
+    store = open_store([url], model="faults", layout=LAYOUT, chunk_tokens=CHUNK)
+    try:
+        tokens, kv = prompt(4, seed=51)
+        assert store.put(tokens, kv) == 4 * CHUNK
+        store.flush()
+        third = store.keys(tokens)[2]
+        if where == "file":
+            damage_file(store, third)
+        elif where == "redis":
+            damage_redis_value(store, third)
+        else:
+            files = list((tmp_path / "server-disk" / "chunks").glob(f"*/*{third.hex()}*"))
+            assert len(files) == 1
+            data = bytearray(files[0].read_bytes())
+            data[-50] ^= 0x01
+            files[0].write_bytes(bytes(data))
+        got, out = load(store, tokens)
+        assert got == 2 * CHUNK  # the two chunks before the damage, nothing after
+        assert_never_wrong(got, out, kv)
+        assert store.lookup(tokens) == 2 * CHUNK  # the damaged copy is gone
+        store.put(tokens, kv)  # recomputed and stored again
+        store.flush()
+        got, out = load(store, tokens)
+        assert got == 4 * CHUNK
+        assert_never_wrong(got, out, kv)
+    finally:
+        store.close()
+        for s in servers:
+            s.stop()
