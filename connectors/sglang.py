@@ -59,7 +59,7 @@ import torch
 
 from lmtier import metrics
 from lmtier.chunk import Chunk, release_all
-from lmtier.config import StoreConfig, load_config
+from lmtier.config import StoreConfig, engine_config
 from lmtier.errors import ConfigError, LayoutError
 from lmtier.keys import Namespace, named_keys
 from lmtier.layout import KVLayout, canonical_dtype
@@ -146,22 +146,7 @@ def byte_view(canonical: torch.Tensor, layout: KVLayout) -> np.ndarray | None:
 class LMTierStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
-        unknown = sorted(set(extra) - SGLANG_KEYS - OWN_KEYS)
-        if unknown:
-            raise ConfigError(f"lmtier: unknown storage extra-config keys {unknown}; known: {sorted(OWN_KEYS)}")
-        tiers = extra.get("tiers")
-        if isinstance(tiers, str):
-            tiers = tiers.split()
-        self.config: StoreConfig = load_config(
-            extra.get("config"),
-            tiers=tuple(tiers) if tiers else None,
-            hash=extra.get("hash"),
-            salt=extra.get("salt"),
-            write_queue=extra.get("write_queue"),
-            write_mode=extra.get("write_mode"),
-            metrics_port=extra.get("metrics_port"),
-            load_deadline=extra.get("load_deadline"),
-        )
+        self.config: StoreConfig = engine_config(extra, SGLANG_KEYS | OWN_KEYS, "storage extra-config")
         if self.config.metrics_port:  # one port per rank: port + TP rank
             metrics.export(self.config.metrics_port + storage_config.tp_rank)
         self.model_id = str(extra.get("model_id") or storage_config.model_name or "")

@@ -62,7 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from lmtier import metrics
 from lmtier.chunk import Chunk, release_all
-from lmtier.config import StoreConfig, load_config, resolve_chunk_tokens
+from lmtier.config import StoreConfig, engine_config, resolve_chunk_tokens
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.store import TieredStore
@@ -194,21 +194,7 @@ class LMTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        unknown = sorted(set(extra) - EXTRA_KEYS)
-        if unknown:
-            raise ValueError(f"lmtier: unknown kv_connector_extra_config keys {unknown}; known: {sorted(EXTRA_KEYS)}")
-        tiers = extra.get("tiers")
-        self.config = load_config(
-            extra.get("config"),
-            tiers=tuple(tiers) if tiers else None,
-            chunk_tokens=extra.get("chunk_tokens"),
-            hash=extra.get("hash"),
-            salt=extra.get("salt"),
-            write_queue=extra.get("write_queue"),
-            write_mode=extra.get("write_mode"),
-            metrics_port=extra.get("metrics_port"),
-            load_deadline=extra.get("load_deadline"),
-        )
+        self.config = engine_config(extra, EXTRA_KEYS, "kv_connector_extra_config")
         if self.config.metrics_port and role == KVConnectorRole.SCHEDULER:
             metrics.export(self.config.metrics_port)
         self.block_size = vllm_config.cache_config.block_size

@@ -290,9 +290,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _progress(items, what: str, enabled: bool):
     """A progress bar on stderr (tqdm) when ``enabled`` and stderr is read by a person."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # an optional nicety
+        return items
     if not enabled:
         return items
-    from tqdm import tqdm
 
     return tqdm(items, desc=what, unit="", file=sys.stderr, leave=False, disable=None)
 

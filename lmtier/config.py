@@ -345,6 +345,17 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     return load(path, env, store=overrides).store
 
 
+def engine_config(extra: Mapping[str, Any], accepted: frozenset[str], where: str) -> StoreConfig:
+    """An engine adapter's settings: its extra-config (``accepted`` keys: engine-side
+    settings, ``config`` for a file, adapter keys such as ``model_id``) over the file,
+    the environment and the defaults. An unknown key is a ``ConfigError`` naming it."""
+    unknown = sorted(set(extra) - accepted)
+    if unknown:
+        raise ConfigError(f"lmtier: unknown {where} keys {unknown}; known: {sorted(accepted)}")
+    store_keys = {f.name for f in fields(StoreConfig)}
+    return load_config(extra.get("config"), **{k: v for k, v in extra.items() if k in store_keys})
+
+
 def load_server_config(
     path: str | Path | None = None, env: Mapping[str, str] | None = None, **overrides: Any
 ) -> ServerConfig:

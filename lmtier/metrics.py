@@ -120,7 +120,7 @@ SERVER_READY = Gauge(
 )
 
 
-_EXPORTERS: dict[int, object] = {}  # port -> server, one per port and process
+_EXPORTERS: dict[tuple[int, int], object] = {}  # (pid, port) -> server
 
 
 def export(port: int, host: str = "0.0.0.0") -> bool:
@@ -131,7 +131,7 @@ def export(port: int, host: str = "0.0.0.0") -> bool:
 
     from prometheus_client import start_http_server
 
-    key = hash((os.getpid(), port))
+    key = (os.getpid(), port)
     if key in _EXPORTERS:
         return True
     try:

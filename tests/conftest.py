@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -71,3 +73,13 @@ def make_prompt(
 @pytest.fixture
 def prompt() -> Prompt:
     return make_prompt(8)
+
+
+def eventually(condition, seconds: float = 30.0) -> bool:
+    """Whether ``condition()`` turns true within ``seconds`` (polled every 0.1 s)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()

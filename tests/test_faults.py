@@ -27,6 +27,8 @@ from lmtier.redisproc import RedisServer, cli
 from lmtier.server.process import ServerProcess
 from lmtier.tiers import disk as disk_module
 
+from conftest import eventually
+
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
 CHUNK = 16
 
@@ -59,15 +61,6 @@ def counter(metric, **labels) -> float:
         for s in m.samples
         if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items())
     )
-
-
-def eventually(condition, seconds: float = 30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 # ------------------------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 from lmtier.chunk import release_all
@@ -11,7 +10,7 @@ from lmtier.server.process import ServerProcess
 from lmtier.store import TieredStore
 from lmtier.tiers.base import open_tier
 
-from conftest import make_prompt
+from conftest import eventually, make_prompt
 
 TIMEOUT, RETRIES = 2.0, 1
 
@@ -21,12 +20,7 @@ def server_args(disk) -> list[str]:
 
 
 def wait_until(condition, seconds: float = 60.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
+    return eventually(condition, seconds)
 
 
 def on_server_disk(tier, n: int) -> bool:
