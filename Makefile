@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv system demo test lint unit bench clean
+.PHONY: venv system demo test lint unit bench fuzz clean
 
 venv:
 	@./scripts/setup-venv.sh
@@ -23,13 +23,14 @@ unit: venv system
 
 test: lint unit
 
+# Every benchmark against its same-run reference: benchmarks/results/results.{json,md}, plots.
 bench: venv system
-	$(PY) benchmarks/bench_cpu_tier.py
-	$(PY) benchmarks/bench_disk_tier.py
-	$(PY) benchmarks/bench_redis_tier.py
-	$(PY) benchmarks/bench_grpc_tier.py
-	$(PY) benchmarks/load_server.py
-	$(PY) benchmarks/bench_vllm_ttft.py
+	$(PY) -m lmtier bench
+
+# The fuzzing targets with a longer budget than CI's (FUZZ_EXAMPLES examples per target).
+FUZZ_EXAMPLES ?= 5000
+fuzz: venv system
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/test_fuzz.py tests/test_codec.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

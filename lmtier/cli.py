@@ -138,6 +138,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "max_keys": args.max_keys,
         "workers": args.workers,
         "max_concurrent_rpcs": args.max_concurrent_rpcs,
+        "max_calls_per_tenant": args.max_calls_per_tenant,
+        "max_streams_per_connection": args.max_streams_per_connection,
         "metrics_port": args.metrics_port,
         "shm_dir": "" if args.no_shm else args.shm_dir,
         "grace": args.grace,
@@ -359,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-keys", type=int, help="keys per request (default 4096)")
     p.add_argument("--workers", type=int, help="threads serving calls (default 16)")
     p.add_argument("--max-concurrent-rpcs", type=int, help="calls at once; more are refused (default 64)")
+    p.add_argument(
+        "--max-calls-per-tenant", type=int, help="calls of one tenant at once; more are refused (default 32)"
+    )
+    p.add_argument(
+        "--max-streams-per-connection", type=int, help="streams of one connection at once; more wait (default 16)"
+    )
     p.add_argument("--shm-dir", help="where same-host clients' segments live (default /dev/shm)")
     p.add_argument("--no-shm", action="store_true", help="refuse the shared-memory data plane")
     p.add_argument("--grace", type=float, help="seconds in-flight calls get on shutdown (default 10)")

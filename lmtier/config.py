@@ -123,6 +123,12 @@ class ServerConfig:
     max_keys: int = 4096
     workers: int = 16
     max_concurrent_rpcs: int = 64
+    # Fairness between clients: calls one tenant may have in flight (more get
+    # RESOURCE_EXHAUSTED, which the grpc tier retries with backoff), and streams one
+    # connection may have open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: more wait in the
+    # client until one ends).
+    max_calls_per_tenant: int = 32
+    max_streams_per_connection: int = 16
     # Prometheus /metrics, /healthz and /readyz on this port (None: off).
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
@@ -147,8 +153,9 @@ class ServerConfig:
             raise ConfigError("mutual TLS (a client CA) needs the server's certificate and key too")
         if self.max_chunk_bytes <= 0 or self.max_message_bytes <= 0 or self.max_keys <= 0:
             raise ConfigError("limits must be positive")
-        if self.workers < 1 or self.max_concurrent_rpcs < 1:
-            raise ConfigError("workers and max_concurrent_rpcs must be at least 1")
+        for name in ("workers", "max_concurrent_rpcs", "max_calls_per_tenant", "max_streams_per_connection"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for token, tenant in self.tokens:
             if not token or not tenant:
                 raise ConfigError("a token and its tenant must not be empty")

@@ -9,7 +9,8 @@ A phase is {"name", "prompts": [[ids...], ...]} or {"name", "chat": {"first": [.
 "questions": [[...], ...]}} (each round's prompt: the previous prompt, its answer, the
 next question), with optional "max_tokens", "request" (the requests' kv_transfer_params,
 e.g. {"lmtier": {"save": false}}) and "settle": true (let background saves land after
-each request, untimed). {"flush": true} as a phase lets saves land between phases. Each
+each request, untimed) or "drain": true (the phase's time includes landing its saves).
+{"flush": true} as a phase lets saves land between phases. Each
 output records its tokens, greedy logprobs, num_cached_tokens and seconds.
 """
 
@@ -120,7 +121,12 @@ def main() -> None:
                 results[phase["name"]] += run([prompt], max_tokens, request)
                 flush_stores()
         elif "prompts" in phase:
+            t0 = time.perf_counter()
             results[phase["name"]] = run(phase["prompts"], max_tokens, request)
+            if phase.get("drain"):  # the phase's time includes landing its background saves
+                flush_stores()
+                for out in results[phase["name"]]:
+                    out["seconds"] = time.perf_counter() - t0
         else:
             chat, prompt, rounds = phase["chat"], list(phase["chat"]["first"]), []
             for question in [None, *chat["questions"]]:

@@ -149,7 +149,7 @@ class SegmentMaps:
                 self._maps.pop(name)
                 held = None
             if held is None:
-                held = self._map(path, st, self.writable)
+                held = self._map(path, self.writable)
                 self._maps[name] = held
                 while len(self._maps) > self.limit:
                     self._maps.popitem(last=False)  # unmapped once no view remains
@@ -162,12 +162,21 @@ class SegmentMaps:
         return memoryview(segment)[offset : offset + length]
 
     @staticmethod
-    def _map(path: str, st: os.stat_result, writable: bool) -> tuple[mmap.mmap, int, int]:
+    def _map(path: str, writable: bool) -> tuple[mmap.mmap, int, int]:
+        """Map the file at ``path``, checked on the descriptor actually mapped: a regular
+        file (never a symlink, never a FIFO to block on) with no other name (a hard link
+        would let a request reach a file outside the segment directory)."""
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
+            fd = os.open(path, flags)
         except OSError as exc:
             raise SegmentUnavailable(f"cannot open shared-memory segment {path}: {exc.strerror}") from exc
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SegmentUnavailable(f"{path} is not a regular file")
+            if st.st_nlink != 1:
+                raise SegmentUnavailable(f"{path} has {st.st_nlink} names: not a segment a client made")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             return mmap.mmap(fd, st.st_size, prot=prot), st.st_ino, st.st_size
         except (OSError, ValueError) as exc:

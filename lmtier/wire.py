@@ -159,8 +159,10 @@ SMALL_MESSAGE = 4096  # below this, protobuf's C parser is the faster way (no bu
 def unpack(message: bytes | memoryview) -> list[Piece]:
     """The pieces of a serialized ``Pieces`` message; ``data`` views point into it.
     Raises ``FormatError`` when malformed."""
-    if len(message) < SMALL_MESSAGE:
-        return _unpack_small(message)
+    return _unpack_small(message) if len(message) < SMALL_MESSAGE else _unpack_large(message)
+
+
+def _unpack_large(message: bytes | memoryview) -> list[Piece]:
     pieces = []
     for number, wire, value in _fields(memoryview(message).cast("B")):
         if number == 1 and wire == 2:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 from lmtier.chunk import Chunk
 from lmtier.keys import Namespace
@@ -83,3 +85,16 @@ def eventually(condition, seconds: float = 30.0) -> bool:
             return True
         time.sleep(0.1)
     return condition()
+
+
+FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "100"))  # `make fuzz` raises it
+
+
+def fuzz(scale: int = 1) -> settings:
+    """Hypothesis settings for a fuzzing target: ``scale`` x FUZZ_EXAMPLES examples, no
+    per-example deadline (a shared 2-core machine: time per example is not the point)."""
+    return settings(
+        max_examples=FUZZ_EXAMPLES * scale,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+    )

@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from lmtier import codec
 from lmtier.chunk import Chunk
 from lmtier.errors import ChecksumError, FormatError, IntegrityError, LayoutError, LayoutMismatch, NamespaceMismatch
 from lmtier.layout import KVLayout
+
+from conftest import fuzz
 
 LAYOUTS = [
     KVLayout(2, 2, 16, "float32"),
@@ -136,14 +138,14 @@ def _frame(header: bytes, payload: bytes) -> bytes:
     return codec._preamble(header, len(payload), xxhash.xxh3_64_intdigest(payload)) + header + payload
 
 
-@settings(max_examples=300, deadline=None)
+@fuzz(3)
 @given(st.binary(max_size=512))
 def test_decoding_arbitrary_bytes_never_crashes(data):
     with pytest.raises(IntegrityError):
         codec.decode(data)
 
 
-@settings(max_examples=200, deadline=None)
+@fuzz(2)
 @given(
     header=st.dictionaries(
         st.sampled_from(["v", "ns", "key", "layout", "tokens", "codec", "raw_len", "x"]),

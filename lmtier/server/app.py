@@ -63,6 +63,7 @@ class CacheServer:
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_concurrent_streams", config.max_streams_per_connection),
         ]
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(config.workers, thread_name_prefix="lmtier-rpc"),

@@ -24,9 +24,11 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from lmtier import codec, metrics, shm
 from lmtier.buffers import BufferPool
@@ -134,13 +136,18 @@ class CacheService:
         self.shared = first if getattr(first, "shared_name", None) else None  # zero-copy reads
         capacity = getattr(first, "capacity", 0)
         self.leases = _Leases(capacity // 4, config.shm_dir)
+        self._calls: dict[bytes, int] = {}  # tenant tag -> calls in flight
+        self._calls_lock = threading.Lock()
 
     # -- registration -------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
-        def unary(fn, request_type, response_type):
+        """Every method takes its request as bytes and parses it itself: gRPC's own
+        deserializer would answer a malformed request with INTERNAL, not INVALID_ARGUMENT."""
+
+        def unary(fn, request_type, response_type, admit=True):
             return grpc.unary_unary_rpc_method_handler(
-                _observed(fn.__name__, fn),
-                request_deserializer=request_type.FromString,
+                self._observed(fn.__name__, fn, request_type, admit),
+                request_deserializer=None,
                 response_serializer=response_type.SerializeToString,
             )
 
@@ -149,21 +156,85 @@ class CacheService:
             {
                 "Lookup": unary(self.Lookup, cache_pb2.LookupRequest, cache_pb2.LookupResponse),
                 "Get": grpc.unary_stream_rpc_method_handler(
-                    _observed_stream("Get", self.Get),
-                    request_deserializer=cache_pb2.GetRequest.FromString,
+                    self._observed_stream("Get", self.Get, cache_pb2.GetRequest),
+                    request_deserializer=None,
                     response_serializer=None,  # ChunkPiece bytes from lmtier.wire
                 ),
                 "Put": grpc.stream_unary_rpc_method_handler(
-                    _observed("Put", self.Put),
-                    request_deserializer=None,  # raw ChunkPiece bytes, parsed by lmtier.wire
+                    self._observed("Put", self.Put, None),  # raw ChunkPiece bytes, parsed by lmtier.wire
+                    request_deserializer=None,
                     response_serializer=cache_pb2.PutResponse.SerializeToString,
                 ),
                 "Delete": unary(self.Delete, cache_pb2.DeleteRequest, cache_pb2.DeleteResponse),
                 "List": unary(self.List, cache_pb2.ListRequest, cache_pb2.ListResponse),
-                "Release": unary(self.Release, cache_pb2.ReleaseRequest, cache_pb2.ReleaseResponse),
+                # Release frees memory: never refused for being one call too many.
+                "Release": unary(self.Release, cache_pb2.ReleaseRequest, cache_pb2.ReleaseResponse, admit=False),
                 "Stats": unary(self.Stats, cache_pb2.StatsRequest, cache_pb2.StatsResponse),
             },
         )
+
+    @contextmanager
+    def _admitted(self, context: grpc.ServicerContext, admit: bool) -> Iterator[bytes]:
+        """The caller's tenant tag, for as long as the call runs; a tenant already at
+        ``max_calls_per_tenant`` calls is refused with RESOURCE_EXHAUSTED, so that one
+        client (however many connections it opens) cannot take every worker."""
+        tag = self.auth.tag(context)
+        if not admit:
+            yield tag
+            return
+        limit = self.config.max_calls_per_tenant
+        with self._calls_lock:
+            held = self._calls.get(tag, 0)
+            if held >= limit:
+                raise _Abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this tenant has {held} calls in flight; the limit is {limit} (max_calls_per_tenant)",
+                )
+            self._calls[tag] = held + 1  # one entry per tenant with a call in flight: bounded
+        try:
+            yield tag
+        finally:
+            with self._calls_lock:
+                held = self._calls.pop(tag) - 1
+                if held:
+                    self._calls[tag] = held
+
+    def calls_in_flight(self, tag: bytes) -> int:
+        with self._calls_lock:
+            return self._calls.get(tag, 0)
+
+    @contextmanager
+    def _accounted(self, name: str, context: grpc.ServicerContext, admit: bool) -> Iterator[bytes]:
+        """Admits and counts one call, yielding its tenant tag; turns ``_Abort`` into its
+        status and any other failure into ``INTERNAL`` with a log line (the server never
+        dies of one call)."""
+        metrics.SERVER_INFLIGHT.inc()
+        code = grpc.StatusCode.OK
+        try:
+            with self._admitted(context, admit) as tag:
+                yield tag
+        except Exception as exc:
+            code, message = _failure(name, context, exc)
+            if message is not None:
+                context.abort(code, message)
+            raise
+        finally:
+            metrics.SERVER_INFLIGHT.dec()
+            metrics.SERVER_RPCS.labels(name, code.name).inc()
+
+    def _observed(self, name: str, fn: Callable[..., Any], request_type: Any, admit: bool = True) -> Callable:
+        def call(request: Any, context: grpc.ServicerContext) -> Any:
+            with self._accounted(name, context, admit) as tag:
+                return fn(_parsed(request_type, request), context, tag)
+
+        return call
+
+    def _observed_stream(self, name: str, fn: Callable[..., Iterator[Any]], request_type: Any) -> Callable:
+        def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            with self._accounted(name, context, True) as tag:
+                yield from fn(_parsed(request_type, request), context, tag)
+
+        return call
 
     # -- input checks ---------------------------------------------------------------------
     def _scoped(self, tag: bytes, keys) -> list[bytes]:
@@ -179,13 +250,14 @@ class CacheService:
         return out
 
     # -- calls --------------------------------------------------------------------------
-    def Lookup(self, request: cache_pb2.LookupRequest, context: grpc.ServicerContext) -> cache_pb2.LookupResponse:
-        keys = self._scoped(self.auth.tag(context), request.keys)
+    def Lookup(
+        self, request: cache_pb2.LookupRequest, context: grpc.ServicerContext, tag: bytes
+    ) -> cache_pb2.LookupResponse:
+        keys = self._scoped(tag, request.keys)
         return cache_pb2.LookupResponse(hits=self.store.lookup(keys))
 
-    def Get(self, request: cache_pb2.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def Get(self, request: cache_pb2.GetRequest, context: grpc.ServicerContext, tag: bytes) -> Iterator[bytes]:
         keys = list(request.keys)
-        tag = self.auth.tag(context)
         scoped = self._scoped(tag, keys)
         landing = [Region(r.segment, r.offset, r.length) for r in request.landing]
         if len(landing) > len(keys):
@@ -284,8 +356,7 @@ class CacheService:
         except LmtierError as exc:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
 
-    def Put(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> cache_pb2.PutResponse:
-        tag = self.auth.tag(context)
+    def Put(self, messages: Iterator[bytes], context: grpc.ServicerContext, tag: bytes) -> cache_pb2.PutResponse:
         assembler = FrameAssembler(self.buffers, self.config.max_chunk_bytes)
         batch: list[tuple[Chunk, Callable[[], None]]] = []
         damaged: list[bytes] = []
@@ -378,16 +449,19 @@ class CacheService:
             )
         return chunk.view_as(tag + key)
 
-    def Release(self, request: cache_pb2.ReleaseRequest, context: grpc.ServicerContext) -> cache_pb2.ReleaseResponse:
-        self.leases.release(request.lease, self.auth.tag(context))
+    def Release(
+        self, request: cache_pb2.ReleaseRequest, context: grpc.ServicerContext, tag: bytes
+    ) -> cache_pb2.ReleaseResponse:
+        self.leases.release(request.lease, tag)
         return cache_pb2.ReleaseResponse()
 
-    def Delete(self, request: cache_pb2.DeleteRequest, context: grpc.ServicerContext) -> cache_pb2.DeleteResponse:
-        self.store.delete(self._scoped(self.auth.tag(context), request.keys))
+    def Delete(
+        self, request: cache_pb2.DeleteRequest, context: grpc.ServicerContext, tag: bytes
+    ) -> cache_pb2.DeleteResponse:
+        self.store.delete(self._scoped(tag, request.keys))
         return cache_pb2.DeleteResponse()
 
-    def List(self, request: cache_pb2.ListRequest, context: grpc.ServicerContext) -> cache_pb2.ListResponse:
-        tag = self.auth.tag(context)
+    def List(self, request: cache_pb2.ListRequest, context: grpc.ServicerContext, tag: bytes) -> cache_pb2.ListResponse:
         limit = min(request.limit or LIST_DEFAULT, LIST_MAX)
         keys = self.tenant_keys(tag, limit + 1)
         return cache_pb2.ListResponse(keys=[k[len(tag) :] for k in keys[:limit]], truncated=len(keys) > limit)
@@ -406,8 +480,9 @@ class CacheService:
         keys = list(seen)
         return keys if limit is None else keys[:limit]
 
-    def Stats(self, request: cache_pb2.StatsRequest, context: grpc.ServicerContext) -> cache_pb2.StatsResponse:
-        tag = self.auth.tag(context)
+    def Stats(
+        self, request: cache_pb2.StatsRequest, context: grpc.ServicerContext, tag: bytes
+    ) -> cache_pb2.StatsResponse:
         tiers = []
         for stats in self.store.stats()["tiers"]:
             counters = {
@@ -442,57 +517,25 @@ def _nothing() -> None:
     return None
 
 
-def _status(context: grpc.ServicerContext, exc: BaseException) -> grpc.StatusCode:
+def _parsed(request_type: Any, raw: Any) -> Any:
+    """The request message from its bytes; malformed bytes are the caller's error."""
+    if request_type is None:
+        return raw
+    try:
+        return request_type.FromString(raw)
+    except DecodeError as exc:
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_type.__name__}: {exc}") from exc
+
+
+def _failure(name: str, context: grpc.ServicerContext, exc: BaseException) -> tuple[grpc.StatusCode, str | None]:
+    """The status a failed call ends with, and the message to abort it with (None: the
+    call was aborted already, by the authenticator)."""
     if isinstance(exc, _Abort):
-        return exc.code
+        return exc.code, str(exc)
+    if isinstance(exc, grpc.RpcError):  # the client went away while we read its stream
+        return grpc.StatusCode.CANCELLED, None
     code = context.code() if hasattr(context, "code") else None
-    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
-
-
-def _observed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Counts the call, turns ``_Abort`` into its status and any other failure into
-    ``INTERNAL`` with a log line (the server never dies of one call)."""
-
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
-        metrics.SERVER_INFLIGHT.inc()
-        code = grpc.StatusCode.OK
-        try:
-            return fn(request, context)
-        except _Abort as exc:
-            code = exc.code
-            context.abort(exc.code, str(exc))
-        except Exception as exc:
-            code = _status(context, exc)
-            if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK):  # not an abort: a bug
-                code = grpc.StatusCode.INTERNAL
-                log.exception("%s failed", name)
-                context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
-            raise
-        finally:
-            metrics.SERVER_INFLIGHT.dec()
-            metrics.SERVER_RPCS.labels(name, code.name).inc()
-
-    return call
-
-
-def _observed_stream(name: str, fn: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
-    def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        metrics.SERVER_INFLIGHT.inc()
-        code = grpc.StatusCode.OK
-        try:
-            yield from fn(request, context)
-        except _Abort as exc:
-            code = exc.code
-            context.abort(exc.code, str(exc))
-        except Exception as exc:
-            code = _status(context, exc)
-            if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.OK):
-                code = grpc.StatusCode.INTERNAL
-                log.exception("%s failed", name)
-                context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
-            raise
-        finally:
-            metrics.SERVER_INFLIGHT.dec()
-            metrics.SERVER_RPCS.labels(name, code.name).inc()
-
-    return call
+    if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
+        return code, None
+    log.exception("%s failed", name)  # not an abort: a bug
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

@@ -1,0 +1,457 @@
+"""Security, in tests: credentials and tenant isolation on every RPC (the list of RPCs comes
+from the service descriptor, so a new one without its cases fails here), TLS refusals,
+limits on the calls of one client, disk and shared-memory paths that input cannot steer,
+and no pickle anywhere lmtier writes or sends bytes."""
+
+from __future__ import annotations
+
+import ast
+import os
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from lmtier import codec
+from lmtier.certs import make_certificates
+from lmtier.chunk import release_all
+from lmtier.config import ServerConfig
+from lmtier.server import create_server
+from lmtier.server.auth import tenant_tag
+from lmtier.tiers.base import open_tier
+from lmtier.v1 import cache_pb2
+from lmtier.wire import Region, pack, piece, unpack
+
+from conftest import eventually, make_prompt
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVICE = "/lmtier.v1.CacheService/"
+METHODS = sorted(m.name for m in cache_pb2.DESCRIPTOR.services_by_name["CacheService"].methods)
+S = grpc.StatusCode
+PROMPT = make_prompt(3, seed=77)
+OTHER = make_prompt(3, seed=78)  # other bytes, stored under PROMPT's keys by another tenant
+
+
+def call(channel: grpc.Channel, method: str, request, token: str | None = None, **kw):
+    """One call on a bare channel; the response (a list for Get) or the RpcError raised."""
+    metadata = kw.pop("metadata", None)
+    if metadata is None:
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    if method == "Put":
+        fn = channel.stream_unary(SERVICE + "Put", None, cache_pb2.PutResponse.FromString)
+        return fn(iter(request), metadata=metadata, timeout=20, **kw)
+    if method == "Get":
+        fn = channel.unary_stream(SERVICE + "Get", cache_pb2.GetRequest.SerializeToString, None)
+        return list(fn(request, metadata=metadata, timeout=20, **kw))
+    response = getattr(cache_pb2, f"{method}Response")
+    fn = channel.unary_unary(SERVICE + method, type(request).SerializeToString, response.FromString)
+    return fn(request, metadata=metadata, timeout=20, **kw)
+
+
+def code_of(fn) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code()
+
+
+def puts(prompt=PROMPT, keys=None) -> list[bytes]:
+    """Put messages for a prompt's chunks (under other keys, if given)."""
+    frames = [codec.encode(c.view_as(k)) for c, k in zip(prompt.chunks(), keys or prompt.keys, strict=True)]
+    return [pack(piece(k, len(f), data=[f])) for k, f in zip(keys or prompt.keys, frames, strict=True)]
+
+
+def served(messages: list[bytes]) -> list[bytes]:
+    """The chunk bytes of a Get's messages (small chunks: one piece each), verified."""
+    return [codec.decode(bytes(p.data), key=p.key).tobytes() for m in messages for p in unpack(m)]
+
+
+# A well-formed request of every RPC: refused only for who sends it.
+REQUESTS = {
+    "Lookup": lambda: cache_pb2.LookupRequest(keys=PROMPT.keys),
+    "Get": lambda: cache_pb2.GetRequest(keys=PROMPT.keys),
+    "Put": lambda: puts(),
+    "Delete": lambda: cache_pb2.DeleteRequest(keys=PROMPT.keys),
+    "List": lambda: cache_pb2.ListRequest(limit=10),
+    "Release": lambda: cache_pb2.ReleaseRequest(lease=1),
+    "Stats": lambda: cache_pb2.StatsRequest(),
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv, port = create_server(
+        ServerConfig(
+            port=0,
+            tiers=("cpu://?size=16MiB&slot=64KiB",),
+            tokens=(("alice-secret", "alice"), ("bob-secret", "bob")),
+            shm_dir="",
+        )
+    )
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    srv.channel = channel
+    yield srv
+    channel.close()
+    srv.stop(0)
+
+
+def test_every_rpc_has_its_credential_and_isolation_cases():
+    assert sorted(REQUESTS) == METHODS
+    assert sorted(ISOLATION) == METHODS
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        (),
+        (("authorization", "Bearer nope"),),
+        (("authorization", "Bearer alice-secret-and-more"),),
+        (("authorization", "Bearer alice-secre"),),
+        (("authorization", "Basic alice-secret"),),
+        (("authorization", "Bearer "),),
+        (("authorization", "alice-secret"),),
+        (("x-api-key", "alice-secret"),),
+    ],
+    ids=["none", "unknown", "longer", "prefix", "basic", "empty", "no scheme", "other header"],
+)
+def test_every_rpc_refuses_a_caller_without_a_known_token(server, method, metadata):
+    assert code_of(lambda: call(server.channel, method, REQUESTS[method](), metadata=metadata)) == S.UNAUTHENTICATED
+    # and the same request with a known token is served
+    call(server.channel, method, REQUESTS[method](), token="alice-secret")
+
+
+def test_only_health_and_reflection_answer_without_credentials(server):
+    """Kubernetes probes need health without a token; neither service reveals a key."""
+    answer = health_pb2_grpc.HealthStub(server.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# -- tenant isolation, per RPC: Alice stores PROMPT; Bob's call must not see or change it ----
+def _alice_intact(server) -> None:
+    got = call(server.channel, "Get", cache_pb2.GetRequest(keys=PROMPT.keys), token="alice-secret")
+    assert served(got) == [PROMPT.chunk_bytes(i) for i in range(3)]
+
+
+def _bob_lookup(server):
+    assert call(server.channel, "Lookup", REQUESTS["Lookup"](), token="bob-secret").hits == 0
+
+
+def _bob_get(server):
+    assert call(server.channel, "Get", REQUESTS["Get"](), token="bob-secret") == []
+
+
+def _bob_put(server):
+    """Bob's own bytes under the same keys: his copies, never Alice's."""
+    assert call(server.channel, "Put", puts(OTHER, PROMPT.keys), token="bob-secret").stored == 3
+    got = call(server.channel, "Get", REQUESTS["Get"](), token="bob-secret")
+    assert served(got) == [OTHER.chunk_bytes(i) for i in range(3)]
+    call(server.channel, "Delete", REQUESTS["Delete"](), token="bob-secret")
+
+
+def _bob_delete(server):
+    call(server.channel, "Delete", REQUESTS["Delete"](), token="bob-secret")
+
+
+def _bob_list(server):
+    assert not set(call(server.channel, "List", REQUESTS["List"](), token="bob-secret").keys) & set(PROMPT.keys)
+
+
+def _bob_release(server):
+    """Leases exist only on a one-tenant server; a foreign or made-up lease changes nothing."""
+    for lease in (0, 1, 2**63, 2**64 - 1):
+        call(server.channel, "Release", cache_pb2.ReleaseRequest(lease=lease), token="bob-secret")
+    assert server.service.leases.held == 0 and not server.zero_copy
+
+
+def _bob_stats(server):
+    assert call(server.channel, "Stats", REQUESTS["Stats"](), token="bob-secret").tenant_chunks == 0
+
+
+ISOLATION = {
+    "Lookup": _bob_lookup,
+    "Get": _bob_get,
+    "Put": _bob_put,
+    "Delete": _bob_delete,
+    "List": _bob_list,
+    "Release": _bob_release,
+    "Stats": _bob_stats,
+}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_no_rpc_of_one_tenant_sees_or_changes_another_tenants_chunks(server, method):
+    assert call(server.channel, "Put", puts(), token="alice-secret").stored == 3
+    ISOLATION[method](server)
+    _alice_intact(server)
+    assert call(server.channel, "Stats", REQUESTS["Stats"](), token="alice-secret").tenant_chunks == 3
+    assert set(PROMPT.keys) <= set(call(server.channel, "List", REQUESTS["List"](), token="alice-secret").keys)
+
+
+# -- TLS ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    ours = make_certificates(tmp_path_factory.mktemp("ours"), clients=("carol",))
+    theirs = make_certificates(tmp_path_factory.mktemp("theirs"), clients=("carol",))
+    return ours, theirs
+
+
+def test_mutual_tls_refuses_every_rpc_without_a_certificate_signed_by_its_ca(certs):
+    ours, theirs = certs
+    srv, port = create_server(
+        ServerConfig(
+            port=0,
+            tiers=("cpu://?size=16MiB&slot=64KiB",),
+            tls_cert=ours["server.crt"],
+            tls_key=ours["server.key"],
+            tls_client_ca=ours["ca.crt"],
+            shm_dir="",
+        )
+    )
+    ca = Path(ours["ca.crt"]).read_bytes()
+
+    def channel(client: dict | None) -> grpc.Channel:
+        key = Path(client["client-carol.key"]).read_bytes() if client else None
+        cert = Path(client["client-carol.crt"]).read_bytes() if client else None
+        credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        return grpc.secure_channel(f"localhost:{port}", credentials)
+
+    try:
+        good, anonymous, forged = channel(ours), channel(None), channel(theirs)
+        plaintext = grpc.insecure_channel(f"127.0.0.1:{port}")
+        for method in METHODS:
+            call(good, method, REQUESTS[method]())  # carol, signed by our CA: served
+            for refused in (anonymous, forged, plaintext):
+                assert code_of(lambda c=refused, m=method: call(c, m, REQUESTS[m]())) == S.UNAVAILABLE, method
+        assert len(srv.service.tenant_keys(tenant_tag("carol"))) == 3  # carol's Put, the last to store
+        for c in (good, anonymous, forged, plaintext):
+            c.close()
+    finally:
+        srv.stop(0)
+
+
+# -- limits on one client's calls ----------------------------------------------------------------
+class HeldPuts:
+    """Put streams that stay open (their request iterators wait) until ``release``."""
+
+    def __init__(self, channel: grpc.Channel, token: str, n: int) -> None:
+        self.gate = threading.Event()
+        fn = channel.stream_unary(SERVICE + "Put", None, cache_pb2.PutResponse.FromString)
+        self.futures = [
+            fn.future(self._wait(), metadata=(("authorization", f"Bearer {token}"),), timeout=60) for _ in range(n)
+        ]
+
+    def _wait(self):
+        self.gate.wait(60)
+        yield from ()
+
+    def release(self) -> list:
+        self.gate.set()
+        return [f.result(timeout=60) for f in self.futures]
+
+
+def connection(address: str) -> grpc.Channel:
+    """A channel with its own connection (channels in one process share them by default)."""
+    return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def limited_server(**limits):
+    srv, port = create_server(
+        ServerConfig(
+            port=0,
+            tiers=("cpu://?size=16MiB&slot=64KiB",),
+            tokens=(("alice-secret", "alice"), ("bob-secret", "bob")),
+            shm_dir="",
+            workers=8,
+            **limits,
+        )
+    )
+    return srv, f"127.0.0.1:{port}"
+
+
+def test_a_tenant_past_its_call_limit_is_refused_and_others_are_served(monkeypatch):
+    srv, address = limited_server(max_calls_per_tenant=2)
+    alice = tenant_tag("alice")
+    channels = [connection(address) for _ in range(3)]  # one client, many connections
+    lookup = cache_pb2.LookupRequest(keys=PROMPT.keys)
+    try:
+        held = [HeldPuts(channels[0], "alice-secret", 1), HeldPuts(channels[1], "alice-secret", 1)]
+        assert eventually(lambda: srv.service.calls_in_flight(alice) == 2)
+        with pytest.raises(grpc.RpcError) as refused:
+            call(channels[2], "Lookup", lookup, token="alice-secret")
+        assert refused.value.code() == S.RESOURCE_EXHAUSTED and "max_calls_per_tenant" in refused.value.details()
+        assert call(channels[2], "Lookup", lookup, token="bob-secret").hits == 0  # Bob is served
+        # The engine-facing tier: a refusal is retried with backoff, then a miss, never an error.
+        monkeypatch.setenv("LMTIER_TOKEN", "alice-secret")
+        tier = open_tier(f"grpc://{address}?retries=1&shm=off")
+        assert tier.contains(PROMPT.keys) == 0
+        assert tier.counts["retries"] >= 1
+        for h in held:
+            assert [r.stored for r in h.release()] == [0]
+        assert eventually(lambda: srv.service.calls_in_flight(alice) == 0)
+        tier.put(PROMPT.chunks())
+        assert tier.contains(PROMPT.keys) == 3  # served again once the calls ended
+        tier.close()
+    finally:
+        for c in channels:
+            c.close()
+        srv.stop(0)
+
+
+def test_streams_past_a_connections_limit_wait_their_turn(monkeypatch):
+    srv, address = limited_server(max_calls_per_tenant=10, max_streams_per_connection=2)
+    alice = tenant_tag("alice")
+    one, other = connection(address), connection(address)
+    try:
+        held = HeldPuts(one, "alice-secret", 3)
+        assert eventually(lambda: srv.service.calls_in_flight(alice) == 2)
+        # A call on another connection gets through; the third stream is still queued.
+        assert call(other, "Lookup", cache_pb2.LookupRequest(keys=PROMPT.keys), token="alice-secret").hits == 0
+        assert srv.service.calls_in_flight(alice) == 2
+        assert not held.futures[2].done()
+        assert [r.stored for r in held.release()] == [0, 0, 0]  # then all three are served
+    finally:
+        one.close()
+        other.close()
+        srv.stop(0)
+
+
+def test_message_frame_and_key_limits_refuse_what_is_over_them():
+    srv, address = limited_server(max_message_bytes=1 << 20, max_chunk_bytes=256 << 10, max_keys=8)
+    channel = connection(address)
+    key, frame = PROMPT.keys[0], codec.encode(PROMPT.chunks()[0])
+    keys = [PROMPT.keys[0]] * 9
+    try:
+        big = [pack(piece(key, len(frame), data=[frame])), b"\x0a" + b"\x00" * (1536 << 10)]
+        assert code_of(lambda: call(channel, "Put", big, "alice-secret")) == S.RESOURCE_EXHAUSTED  # a message
+        huge = [pack(piece(key, 300 << 10, data=[frame]))]
+        assert code_of(lambda: call(channel, "Put", huge, "alice-secret")) == S.RESOURCE_EXHAUSTED  # a frame
+        for method, request in (("Lookup", cache_pb2.LookupRequest), ("Get", cache_pb2.GetRequest)):
+            over = request(keys=keys)  # a Get's stream is as long as its keys: bounded by max_keys
+            assert code_of(lambda m=method, r=over: call(channel, m, r, "alice-secret")) == S.INVALID_ARGUMENT
+        assert call(channel, "Lookup", cache_pb2.LookupRequest(keys=keys[:8]), "alice-secret").hits == 0
+        assert srv.service.buffers.outstanding == 0
+    finally:
+        channel.close()
+        srv.stop(0)
+
+
+# -- paths that input cannot steer ---------------------------------------------------------------
+def test_shared_memory_names_from_a_request_never_reach_outside_the_directory(tmp_path):
+    shm_dir, outside = tmp_path / "shm", tmp_path / "outside"
+    shm_dir.mkdir()
+    outside.write_bytes(b"\x00" * 65536)
+    decoy = "lmtier-" + "a" * 32
+    (shm_dir / decoy).symlink_to(outside)  # a name of the right shape, pointing away
+    linked = "lmtier-" + "b" * 32
+    os.link(outside, shm_dir / linked)  # a second name for a file that lives elsewhere
+    good = "lmtier-" + "c" * 32
+    (shm_dir / good).write_bytes(b"\x00" * 65536)  # a real segment, to show the path works
+    # Two tenants: the server writes what a Get serves into the regions the client names.
+    tokens = (("alice-secret", "alice"), ("bob-secret", "bob"))
+    config = ServerConfig(port=0, tiers=("cpu://?size=16MiB&slot=64KiB",), shm_dir=str(shm_dir), tokens=tokens)
+    srv, port = create_server(config)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    key, frame = PROMPT.keys[0], codec.encode(PROMPT.chunks()[0])
+    assert call(channel, "Put", [pack(piece(key, len(frame), data=[frame]))], "alice-secret").stored == 1
+
+    def get(name: str):
+        landing = cache_pb2.SharedRegion(segment=name, length=65536)
+        return call(channel, "Get", cache_pb2.GetRequest(keys=[key], landing=[landing]), "alice-secret")
+
+    try:
+        assert len(get(good)) == 1 and (shm_dir / good).read_bytes()[: len(frame)] == frame
+        names = [decoy, linked, "../outside", str(outside), "..", "lmtier-" + "a" * 31 + "/", "lmtier-" + "A" * 32]
+        for name in names:
+            assert code_of(lambda n=name: get(n)) in (S.INVALID_ARGUMENT, S.FAILED_PRECONDITION), name
+            put = [pack(piece(key, len(frame), region=Region(name, 0, len(frame))))]
+            refused = code_of(lambda p=put: call(channel, "Put", p, "alice-secret"))
+            assert refused in (S.INVALID_ARGUMENT, S.FAILED_PRECONDITION), name
+        assert outside.read_bytes() == b"\x00" * 65536  # nothing was written through any name
+    finally:
+        channel.close()
+        srv.stop(0)
+
+
+def test_disk_file_names_come_from_key_digests_only(tmp_path):
+    """Keys are bytes that become hex names; no key, however odd, leaves the tier's directory."""
+    tier = open_tier(f"file://{tmp_path / 'disk'}?size=16MiB")
+    odd = [b"../../../../etc/passwd\x00" + b"\xff" * 9, b"/" * 32, b"\x00" * 16, b"..\\..\\" + b"." * 10]
+    chunks = [c.view_as(k) for c, k in zip(PROMPT.chunks() + PROMPT.chunks()[:1], odd, strict=True)]
+    tier.put(chunks)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert all(p.resolve().is_relative_to((tmp_path / "disk").resolve()) for p in files)
+    names = {p.name.split(".")[0] for p in files}
+    assert {k.hex() for k in odd} <= names
+    got = tier.get(odd)
+    assert [c.tobytes() for c in got] == [PROMPT.chunk_bytes(i) for i in (0, 1, 2, 0)]
+    release_all(got)
+    tier.close()
+
+
+# -- no pickle ------------------------------------------------------------------------------------
+PICKLING_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "shelve", "marshal", "joblib", "copyreg"}
+PICKLING_CALLS = {"torch.load", "torch.save", "np.load", "numpy.load", "load", "save"}
+PICKLING_NAMES = {"Queue", "SimpleQueue", "Pipe", "Manager", "Pool"}  # from multiprocessing: pickles
+
+
+def pickle_uses(paths: list[Path]) -> list[str]:
+    """Every import of a pickle-based serializer, call that (un)pickles, or
+    multiprocessing channel (they pickle what they carry) in ``paths``."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names if a.name.split(".")[0] in PICKLING_MODULES]
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                names = [module] if module.split(".")[0] in PICKLING_MODULES else []
+                if module.endswith("multiprocessing"):
+                    names += [a.name for a in node.names if a.name in PICKLING_NAMES]
+                if module in ("torch", "numpy"):
+                    names += [f"{module}.{a.name}" for a in node.names if a.name in ("load", "save")]
+            elif isinstance(node, ast.Call):
+                func = ast.unparse(node.func)
+                last = func.rsplit(".", 1)[-1]
+                names = [func] if func in PICKLING_CALLS - {"load", "save"} else []
+                if "multiprocessing" in func and last in PICKLING_NAMES:
+                    names.append(func)
+            else:
+                continue
+            found += [f"{path.relative_to(path.parents[1])}:{node.lineno}: {n}" for n in names]
+    return found
+
+
+def test_no_module_that_ships_pickles():
+    """Bytes that lmtier stores or sends are frames, msgpack or protobuf."""
+    sources = sorted(p for d in ("lmtier", "connectors", "benchmarks") for p in (ROOT / d).rglob("*.py"))
+    assert len(sources) > 30
+    assert pickle_uses(sources) == []
+
+
+def test_the_pickle_scan_finds_each_kind_of_use(tmp_path):
+    bad = tmp_path / "pkg" / "bad.py"
+    bad.parent.mkdir()
+    bad.write_text(
+        "import pickle\nimport dill.settings\nfrom torch import load\nfrom multiprocessing import Queue\n"
+        "import torch, numpy as np, multiprocessing\ntorch.load('x')\nnp.load('y', allow_pickle=True)\n"
+        "multiprocessing.Pipe()\n"
+    )
+    assert [f.split(": ")[1] for f in pickle_uses([bad])] == [
+        "pickle", "dill", "torch.load", "Queue", "torch.load", "np.load", "multiprocessing.Pipe",
+    ]  # fmt: skip
+
+
+def test_what_a_tier_writes_is_an_lmtier_frame_not_a_pickle(tmp_path):
+    """On disk (and so in Redis and the server, which hold the same frames) every chunk is
+    a checksummed frame whose header is msgpack."""
+    tier = open_tier(f"file://{tmp_path}?size=16MiB")
+    tier.put(PROMPT.chunks())
+    files = [p for p in tmp_path.rglob("*.lmt")]
+    assert len(files) == 3
+    for path in files:
+        data = path.read_bytes()
+        assert data.startswith(codec.MAGIC)  # a pickle starts with b"\x80" and its protocol
+        assert codec.decode(data).key in PROMPT.keys
+    tier.close()
