@@ -148,3 +148,17 @@ def test_ttft_benchmark_measures_every_configuration(suite):
     assert row["disk_floor"] > row["vllm_prefix_hit"]
     assert row["cached_tokens"]["lmtier_disk_hit"] == 256  # one full chunk of the 448-token document
     assert report["no_reuse_throughput"]["ratio"] > 0
+
+
+def test_the_readme_results_page_is_a_full_run_copied_unedited():
+    """The README's table is docs/results/results.md's, from a full `lmtier bench` run,
+    with every target of that run and the plots it made."""
+    results = ROOT / "docs" / "results"
+    summary = json.loads((results / "results.json").read_text())
+    assert summary["mode"] == "full" and set(summary["benchmarks"]) == {"cpu", "disk", "redis", "grpc", "vllm"}
+    table = (results / "results.md").read_text().split("\n\n")[2].splitlines()
+    assert len(table) == 2 + len(summary["targets"])
+    readme = (ROOT / "README.md").read_text()
+    assert "\n".join(table) in readme
+    for png in ("throughput.png", "ttft.png"):
+        assert (results / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"docs/results/{png}" in readme

@@ -334,27 +334,21 @@ def test_list_release_and_stats_take_any_request(sound, method, field, values):
 
 
 # -- the parsers, in process ------------------------------------------------------------------
-piece_messages = st.builds(
-    cache_pb2.ChunkPiece,
-    key=st.binary(max_size=40),
-    frame_size=st.integers(0, 2**64 - 1),
+_piece_fields = {
+    "key": st.binary(max_size=40),
+    "frame_size": st.integers(0, 2**64 - 1),
+    "head": st.binary(max_size=40),
+    "lease": st.integers(0, 2**64 - 1),
+}
+_regions = st.builds(
+    cache_pb2.SharedRegion,
+    segment=st.text(max_size=40),
     offset=st.integers(0, 2**64 - 1),
-    data=st.binary(max_size=5000),
-    head=st.binary(max_size=40),
-    lease=st.integers(0, 2**64 - 1),
-) | st.builds(
-    cache_pb2.ChunkPiece,
-    key=st.binary(max_size=40),
-    frame_size=st.integers(0, 2**64 - 1),
-    region=st.builds(
-        cache_pb2.SharedRegion,
-        segment=st.text(max_size=40),
-        offset=st.integers(0, 2**64 - 1),
-        length=st.integers(0, 2**64 - 1),
-    ),
-    head=st.binary(max_size=40),
-    lease=st.integers(0, 2**64 - 1),
+    length=st.integers(0, 2**64 - 1),
 )
+piece_messages = st.builds(
+    cache_pb2.ChunkPiece, offset=st.integers(0, 2**64 - 1), data=st.binary(max_size=5000), **_piece_fields
+) | st.builds(cache_pb2.ChunkPiece, region=_regions, **_piece_fields)
 
 
 @fuzz(5)

@@ -79,17 +79,18 @@ REQUESTS = {
 }
 
 
+def two_tenant_server(**settings):
+    """A server for tenants alice and bob (memory tier only); returns it and its address."""
+    tokens = (("alice-secret", "alice"), ("bob-secret", "bob"))
+    config = ServerConfig(port=0, tiers=("cpu://?size=16MiB&slot=64KiB",), tokens=tokens, shm_dir="", **settings)
+    srv, port = create_server(config)
+    return srv, f"127.0.0.1:{port}"
+
+
 @pytest.fixture(scope="module")
 def server():
-    srv, port = create_server(
-        ServerConfig(
-            port=0,
-            tiers=("cpu://?size=16MiB&slot=64KiB",),
-            tokens=(("alice-secret", "alice"), ("bob-secret", "bob")),
-            shm_dir="",
-        )
-    )
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    srv, address = two_tenant_server()
+    channel = grpc.insecure_channel(address)
     srv.channel = channel
     yield srv
     channel.close()
@@ -256,22 +257,8 @@ def connection(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
 
 
-def limited_server(**limits):
-    srv, port = create_server(
-        ServerConfig(
-            port=0,
-            tiers=("cpu://?size=16MiB&slot=64KiB",),
-            tokens=(("alice-secret", "alice"), ("bob-secret", "bob")),
-            shm_dir="",
-            workers=8,
-            **limits,
-        )
-    )
-    return srv, f"127.0.0.1:{port}"
-
-
 def test_a_tenant_past_its_call_limit_is_refused_and_others_are_served(monkeypatch):
-    srv, address = limited_server(max_calls_per_tenant=2)
+    srv, address = two_tenant_server(workers=8, max_calls_per_tenant=2)
     alice = tenant_tag("alice")
     channels = [connection(address) for _ in range(3)]  # one client, many connections
     lookup = cache_pb2.LookupRequest(keys=PROMPT.keys)
@@ -300,7 +287,7 @@ def test_a_tenant_past_its_call_limit_is_refused_and_others_are_served(monkeypat
 
 
 def test_streams_past_a_connections_limit_wait_their_turn(monkeypatch):
-    srv, address = limited_server(max_calls_per_tenant=10, max_streams_per_connection=2)
+    srv, address = two_tenant_server(workers=8, max_calls_per_tenant=10, max_streams_per_connection=2)
     alice = tenant_tag("alice")
     one, other = connection(address), connection(address)
     try:
@@ -318,7 +305,7 @@ def test_streams_past_a_connections_limit_wait_their_turn(monkeypatch):
 
 
 def test_message_frame_and_key_limits_refuse_what_is_over_them():
-    srv, address = limited_server(max_message_bytes=1 << 20, max_chunk_bytes=256 << 10, max_keys=8)
+    srv, address = two_tenant_server(workers=8, max_message_bytes=1 << 20, max_chunk_bytes=256 << 10, max_keys=8)
     channel = connection(address)
     key, frame = PROMPT.keys[0], codec.encode(PROMPT.chunks()[0])
     keys = [PROMPT.keys[0]] * 9
