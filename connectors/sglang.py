@@ -63,7 +63,7 @@ from lmtier.config import StoreConfig, engine_config
 from lmtier.errors import ConfigError, LayoutError
 from lmtier.keys import Namespace, named_keys
 from lmtier.layout import KVLayout, canonical_dtype
-from lmtier.store import TieredStore
+from lmtier.store import TieredStore, deadline_after, load_batch
 from lmtier.tiers.base import TierContext, open_tier
 
 try:
@@ -77,7 +77,6 @@ SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface
 OWN_KEYS = frozenset(
     {"tiers", "hash", "salt", "write_queue", "write_mode", "metrics_port", "load_deadline", "config", "model_id"}
 )
-LOAD_BATCH_BYTES = 4 << 20  # chunks read per batch in batch_get_v1; the next ones are read ahead
 ENGINE = "sglang"
 
 
@@ -410,10 +409,9 @@ class LMTierStorage(HiCacheStorage):
     def _load(self, keys: list[bytes], fill) -> int:
         """Read ``keys`` in batches (reading ahead) and ``fill(i, chunk)`` each one; the
         count of leading pages filled. Stops at the first miss or failed fill."""
-        batch = max(1, LOAD_BATCH_BYTES // self.namespace.chunk_bytes)
+        batch = load_batch(self.namespace.chunk_bytes)
         done = 0
-        deadline = time.monotonic() + self.config.load_deadline if self.config.load_deadline else None
-        batches = self.store.iter_get(keys, batch, deadline=deadline)
+        batches = self.store.iter_get(keys, batch, deadline=deadline_after(self.config.load_deadline))
         try:
             for chunks in batches:
                 try:

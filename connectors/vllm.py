@@ -47,7 +47,6 @@ import os
 import queue
 import re
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -65,7 +64,7 @@ from lmtier.chunk import Chunk, release_all
 from lmtier.config import StoreConfig, engine_config, resolve_chunk_tokens
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
-from lmtier.store import TieredStore
+from lmtier.store import TieredStore, deadline_after, load_batch
 from lmtier.tiers.base import TierContext, open_tier
 from lmtier.transfer import CopyEngine, check_chunk_size
 
@@ -96,7 +95,6 @@ EXTRA_KEYS = frozenset(
     }
 )
 
-LOAD_BATCH_BYTES = 4 << 20  # read ahead in batches of this much KV
 SAVE_BUFFER_BYTES = 256 << 20  # bound on host memory holding chunks on their way to the store
 
 
@@ -208,7 +206,7 @@ class LMTierConnector(KVConnectorBase_V1):
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
         self.chunk_bytes = self.layout.chunk_bytes(self.chunk_tokens)
         # chunks read per batch when loading: the next batch is read while one is copied in
-        self.load_batch = max(1, LOAD_BATCH_BYTES // self.chunk_bytes)
+        self.load_batch = load_batch(self.chunk_bytes)
         model_id = extra.get("model_id") or str(model.model)
         self.namespaces = [
             Namespace(
@@ -361,7 +359,7 @@ class LMTierConnector(KVConnectorBase_V1):
         if not isinstance(meta, LMTierMetadata) or self._engine is None:
             return
         # one deadline for the step's loads: past it, what has not arrived is recomputed
-        deadline = time.monotonic() + self.config.load_deadline if self.config.load_deadline else None
+        deadline = deadline_after(self.config.load_deadline)
         for plan in meta.loads:
             self._load(plan, deadline)
 

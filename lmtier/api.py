@@ -14,7 +14,6 @@ never raise from ``lookup`` / ``get``; wrong shapes and dtypes do, clearly.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,10 +24,8 @@ from lmtier.config import load_config, resolve_chunk_tokens
 from lmtier.errors import IntegrityError, LayoutError, MissingDependency
 from lmtier.keys import Namespace, as_token_array
 from lmtier.layout import KVLayout, canonical_dtype, preset
-from lmtier.store import TieredStore
+from lmtier.store import TieredStore, deadline_after, load_batch
 from lmtier.tiers.base import TierContext, open_tier
-
-LOAD_BATCH_BYTES = 4 << 20  # get_into reads this much per batch, the next batches ahead
 
 
 class KVStore:
@@ -74,10 +71,10 @@ class KVStore:
         time (the caller recomputes the rest)."""
         keys = self.keys(tokens)
         self._byte_view(out, len(keys) * self.chunk_tokens, allow_longer=True)
-        deadline = time.monotonic() + self.load_deadline if self.load_deadline else None
-        batch = max(1, LOAD_BATCH_BYTES // self.namespace.chunk_bytes)
         written = 0
-        batches = self.store.iter_get(keys, batch, deadline=deadline)
+        batches = self.store.iter_get(
+            keys, load_batch(self.namespace.chunk_bytes), deadline=deadline_after(self.load_deadline)
+        )
         try:
             for chunks in batches:
                 try:

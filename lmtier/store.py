@@ -46,7 +46,18 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 WRITE_MODES = ("through", "back")
 READ_AHEAD = 2  # batches in flight beyond the one being used, in iter_get
+LOAD_BATCH_BYTES = 4 << 20  # an engine's load reads this much KV per iter_get batch
 _STOP = object()
+
+
+def load_batch(chunk_bytes: int) -> int:
+    """Keys per ``iter_get`` batch for a load of chunks of ``chunk_bytes``."""
+    return max(1, LOAD_BATCH_BYTES // chunk_bytes)
+
+
+def deadline_after(seconds: float) -> float | None:
+    """The ``iter_get`` deadline ``seconds`` from now; None for 0 (no deadline)."""
+    return time.monotonic() + seconds if seconds else None
 
 
 class TieredStore:

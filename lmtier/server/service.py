@@ -3,8 +3,9 @@
     Lookup  leading hits of a key list          Get   the leading run, frame by frame
     Put     frames in, stored when whole        Delete, List, Stats
 
-Every call first resolves the caller's tenant (``auth``) and scopes its keys; then checks
-its input and answers a clear status for anything wrong (``INVALID_ARGUMENT`` for a
+Every call first parses its request, resolves the caller's tenant (``auth``) and is
+admitted (``max_calls_per_tenant``, see ``_accounted``); it scopes its keys to the tenant,
+checks its input and answers a clear status for anything wrong (``INVALID_ARGUMENT`` for a
 malformed message or key, ``RESOURCE_EXHAUSTED`` for a frame over the limit, ``DATA_LOSS``
 for a damaged one, ``FAILED_PRECONDITION`` for a shared-memory segment not on this host).
 
@@ -53,7 +54,7 @@ LIST_DEFAULT, LIST_MAX = 1000, 100_000
 
 
 class _Abort(Exception):
-    """Raised inside a handler to end the call with a status (see ``_observed``)."""
+    """Raised inside a handler to end the call with a status (see ``_accounted``)."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
