@@ -17,6 +17,10 @@ engines, and for each prompt length:
   ``disk_floor`` is the prefix hit plus the time ``dd`` takes, in the same run, to read
   that many bytes from the same disk with O_DIRECT: no disk hit can be faster.
 
+The disk hits' answers are checked against vLLM's own prefix-cache hits of the same
+prompts (bit for bit wherever both cached as many tokens) and against full prefills
+(greedy tokens, logprobs within ``lmtier.enginerun.LOGPROB_TOLERANCE``).
+
 Workloads: long documents (a document plus a question) and a multi-round chat (each
 round's prompt is the previous prompt, its answer and a new question; the last round is
 timed). TTFT is the time of a one-token generate call, the median over a few documents.
@@ -41,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from lmtier.config import resolve_chunk_tokens
-from lmtier.enginerun import run_engine
+from lmtier.enginerun import compare_answers, run_engine
 from lmtier.layout import KVLayout
 from lmtier.tinymodel import build
 
@@ -129,11 +133,17 @@ def run(
         for n in lengths
     ]
     results = {
-        "none": engine(tmp, "none", {**base, "phases": warm + ask("q1", 1) + chat("c", True) + no_reuse}),
+        "none": engine(
+            tmp, "none", {**base, "phases": warm + ask("q1", 1) + chat("c", True) + no_reuse + ask("q3", 3)}
+        ),
         "prefix": engine(
             tmp,
             "prefix",
-            {**base, "prefix_caching": True, "phases": warm + ask("q1", 1) + ask("q2", 2) + chat("c", True)},
+            {
+                **base,
+                "prefix_caching": True,
+                "phases": warm + ask("q1", 1) + ask("q2", 2) + chat("c", True) + ask("q3", 3),
+            },
         ),
         "lmtier_a": engine(
             tmp,
@@ -175,6 +185,12 @@ def run(
                 c: results[c][f"c-chat-{n}"][-1]["seconds"] for c in ("none", "prefix", "lmtier_a", "lmtier_b")
             },
         }
+        # B's disk hits against vLLM's own prefix-cache hits of the same prompts (bit for bit
+        # where both cached as many tokens) and full prefills (greedy tokens, tolerance).
+        problems, exact = compare_answers(
+            *([results[c][f"q3-{n}-{d}"][0] for d in range(docs)] for c in ("lmtier_b", "prefix", "none"))
+        )
+        row["answers"] = {"requests": docs, "bit_for_bit": exact, "problems": problems}
         row["disk_read_seconds_dd"] = read_seconds[n]
         row["disk_floor"] = row["vllm_prefix_hit"] + read_seconds[n]
         row["disk_hit_over_prefix_hit"] = row["lmtier_disk_hit"] / row["vllm_prefix_hit"]
@@ -263,12 +279,18 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def answers(a: dict) -> str:
+    if a["problems"]:
+        return "DIFFERENT: " + "; ".join(a["problems"])
+    return f"identical ({a['bit_for_bit']}/{a['requests']} bit for bit with vLLM's prefix hit)"
+
+
 def markdown(report: dict) -> str:
     lines = [
         "| prompt tokens | no cache | vLLM prefix hit | lmtier storing | same engine, not storing "
         "| lmtier memory hit | lmtier disk hit | disk floor (prefix hit + dd read) "
-        "| disk hit / prefix hit | disk hit / floor | storing overhead |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| disk hit / prefix hit | disk hit / floor | storing overhead | disk hits' answers |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in report["rows"]:
         ms = {
@@ -287,7 +309,7 @@ def markdown(report: dict) -> str:
             f"| {r['prompt_tokens']} | {ms['no_cache']} | {ms['vllm_prefix_hit']} | {ms['lmtier_store']} "
             f"| {ms['lmtier_no_store']} | {ms['lmtier_cpu_hit']} | {ms['lmtier_disk_hit']} | {ms['disk_floor']} "
             f"| {r['disk_hit_over_prefix_hit']:.2f}x | {r['disk_hit_over_floor']:.2f}x "
-            f"| {r['store_overhead'] * 100:+.1f}% |"
+            f"| {r['store_overhead'] * 100:+.1f}% | {answers(r['answers'])} |"
         )
     t = report["no_reuse_throughput"]
     lines.append("")

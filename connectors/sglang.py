@@ -187,7 +187,7 @@ class LMTierStorage(HiCacheStorage):
         opened = []
         try:
             for url in self.config.tiers:
-                opened.append(open_tier(url, context))
+                opened.append(open_tier(url, context, defer=True))
         except BaseException:
             for tier in opened:
                 tier.close()

@@ -163,7 +163,7 @@ def _shared_store(cfg: StoreConfig, chunk_bytes: int) -> TieredStore:
         store = _STORES.get(key)
         if store is None:
             context = TierContext(chunk_bytes=chunk_bytes)
-            tiers = [open_tier(url, context) for url in cfg.tiers]
+            tiers = [open_tier(url, context, defer=True) for url in cfg.tiers]
             store = TieredStore(tiers, write_queue=cfg.write_queue, write_mode=cfg.write_mode)
             _STORES[key] = store
         return store

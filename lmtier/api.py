@@ -194,7 +194,7 @@ def open_store(
     opened = []
     try:
         for url in cfg.tiers:
-            opened.append(open_tier(url, context))
+            opened.append(open_tier(url, context, defer=True))
     except BaseException:
         for tier in opened:
             tier.close()

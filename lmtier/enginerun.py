@@ -8,19 +8,28 @@ SPEC: {"model": dir, "lmtier": {extra config} | null, "multiprocess": bool, "tp"
 A phase is {"name", "prompts": [[ids...], ...]} or {"name", "chat": {"first": [...],
 "questions": [[...], ...]}} (each round's prompt: the previous prompt, its answer, the
 next question), with optional "max_tokens", "request" (the requests' kv_transfer_params,
-e.g. {"lmtier": {"save": false}}) and "settle": true (let background saves land after
+e.g. {"lmtier": {"save": false}}), "read_prefix_cache": false (the requests skip vLLM's own
+prefix cache: full prefills in an engine that has one) and "settle": true (let background saves land after
 each request, untimed) or "drain": true (the phase's time includes landing its saves).
 {"flush": true} as a phase lets saves land between phases. Each
-output records its tokens, greedy logprobs, num_cached_tokens and seconds.
+output records its tokens, greedy logprobs, the margin of each greedy choice over the
+runner-up, a digest of its prompt, num_cached_tokens and seconds.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+
+# How far a greedy logprob served from a cache may lie from a full prefill's: the attention
+# kernels compute a prefix read from cache and one computed in the same pass with other
+# low bits, by how much depends on the CPU (seen up to ~1e-2 on the tiny models here).
+LOGPROB_TOLERANCE = 5e-2
 
 
 def run_engine(spec: dict, workdir: Path, name: str, timeout: float | None = None) -> dict:
@@ -43,6 +52,53 @@ def run_engine(spec: dict, workdir: Path, name: str, timeout: float | None = Non
     result = json.loads(out.read_text())
     result["log"] = run.stderr
     return result
+
+
+def compare_answers(
+    got: Sequence[dict], hits: Sequence[dict], full: Sequence[dict], tolerance: float = LOGPROB_TOLERANCE
+) -> tuple[list[str], int]:
+    """How answers served from lmtier depart from their two references; returns readable
+    problems (none: they agree) and how many answers were compared bit for bit.
+
+    ``hits``: the same requests served from vLLM's own prefix cache in the same engine
+    configuration. Where both cached as many tokens of the same prompt, the engine did the
+    same computation on what must be the same KV bytes, so the answers must be equal bit
+    for bit; where the counts differ (lmtier caches whole chunks, vLLM whole blocks) that
+    comparison is not made. ``full``: the same requests prefilled whole, without any
+    cache: the same greedy tokens with logprobs within ``tolerance``, up to the first near
+    tie (the full prefill's top two logprobs closer than ``tolerance``), where the low bits
+    may pick either token and the answers go on from different tokens.
+    """
+    problems, exact = [], 0
+    for i, (out, hit) in enumerate(zip(got, hits, strict=True)):
+        if out["cached"] == hit["cached"] and out["prompt"] == hit["prompt"]:
+            exact += 1
+            if (out["tokens"], out["logprobs"]) != (hit["tokens"], hit["logprobs"]):
+                problems.append(f"answer {i}: differs from vLLM's own prefix-cache hit ({out['cached']} tokens cached)")
+    return problems + prefill_problems(got, full, tolerance), exact
+
+
+def prefill_problems(got: Sequence[dict], full: Sequence[dict], tolerance: float = LOGPROB_TOLERANCE) -> list[str]:
+    """``compare_answers`` against full prefills alone."""
+    problems = []
+    for i, (out, ref) in enumerate(zip(got, full, strict=True)):
+        if out["prompt"] != ref["prompt"]:
+            continue  # an earlier answer of the conversation went another way at a near tie
+        for t, (a, b) in enumerate(zip(out["tokens"], ref["tokens"], strict=True)):
+            if a != b:
+                if ref["margins"][t] > tolerance:
+                    problems.append(f"answer {i}: greedy token {t} differs from a full prefill's (no near tie)")
+                break
+            if abs(out["logprobs"][t] - ref["logprobs"][t]) > tolerance:
+                problems.append(f"answer {i}: logprob {t} further than {tolerance} from a full prefill's")
+                break
+    return problems
+
+
+def _margin(position: dict) -> float:
+    """How far the greedy choice was ahead of the runner-up, in logprob."""
+    best = sorted((lp.logprob for lp in position.values()), reverse=True)
+    return best[0] - best[1] if len(best) > 1 else float("inf")
 
 
 def main() -> None:
@@ -82,9 +138,16 @@ def main() -> None:
 
     default_max_tokens = spec.get("max_tokens", 8)
 
-    def run(prompts, max_tokens=default_max_tokens, request=None):
+    def run(prompts, max_tokens=default_max_tokens, request=None, read_prefix_cache=True):
         extra = {"kv_transfer_params": request} if request else None
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=1, ignore_eos=True, extra_args=extra)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0,
+            logprobs=2,  # the runner-up too: how near a tie each greedy choice was
+            ignore_eos=True,
+            extra_args=extra,
+            skip_reading_prefix_cache=not read_prefix_cache,
+        )
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
@@ -94,6 +157,8 @@ def main() -> None:
                 "logprobs": [
                     lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
                 ],
+                "margins": [_margin(lp) for lp in o.outputs[0].logprobs],
+                "prompt": hashlib.sha256(json.dumps(list(o.prompt_token_ids)).encode()).hexdigest()[:16],
                 "cached": o.num_cached_tokens,
                 "prompt_len": len(o.prompt_token_ids),
                 "seconds": elapsed,
@@ -114,15 +179,19 @@ def main() -> None:
         if phase.get("flush"):  # let background saves land before the next phase
             flush_stores()
             continue
-        max_tokens, request = phase.get("max_tokens", default_max_tokens), phase.get("request")
+        options = {
+            "max_tokens": phase.get("max_tokens", default_max_tokens),
+            "request": phase.get("request"),
+            "read_prefix_cache": phase.get("read_prefix_cache", True),
+        }
         if "prompts" in phase and phase.get("settle"):
             results[phase["name"]] = []
             for prompt in phase["prompts"]:
-                results[phase["name"]] += run([prompt], max_tokens, request)
+                results[phase["name"]] += run([prompt], **options)
                 flush_stores()
         elif "prompts" in phase:
             t0 = time.perf_counter()
-            results[phase["name"]] = run(phase["prompts"], max_tokens, request)
+            results[phase["name"]] = run(phase["prompts"], **options)
             if phase.get("drain"):  # the phase's time includes landing its background saves
                 flush_stores()
                 for out in results[phase["name"]]:
@@ -132,7 +201,7 @@ def main() -> None:
             for question in [None, *chat["questions"]]:
                 if question is not None:
                     prompt = prompt + rounds[-1]["tokens"] + question
-                rounds.append(run([prompt], max_tokens, request)[0])
+                rounds.append(run([prompt], **options)[0])
                 if phase.get("settle"):  # the user reads the answer before the next question
                     flush_stores()
             results[phase["name"]] = rounds

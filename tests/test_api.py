@@ -142,3 +142,19 @@ def test_the_core_runs_without_importing_torch():
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
+
+
+def test_a_tier_unreachable_at_start_misses_and_a_misconfigured_one_is_an_error():
+    from lmtier.errors import ConfigError
+    from lmtier.redisproc import free_port
+
+    layout = lmtier.KVLayout(2, 2, 16, "float32")
+    down = f"redis+cluster://127.0.0.1:{free_port()}?connect_timeout=0.2&timeout=0.2"
+    with lmtier.open_store(["cpu://?size=8MiB", down], model="m", layout=layout, chunk_tokens=16) as store:
+        kv = torch.randn(layout.tensor_shape(64))
+        assert store.put(range(64), kv) == 64  # memory serves; the shared tier misses
+        assert torch.equal(store.get(range(64)), kv)
+        shared = store.stats()["tiers"][1]
+        assert shared["state"] == "unavailable" and "CLUSTER SLOTS" in shared["error"]
+    with pytest.raises(ConfigError, match="bad host:port"):
+        lmtier.open_store(["cpu://?size=8MiB", "redis+cluster://127.0.0.1:port"], model="m", layout=layout)

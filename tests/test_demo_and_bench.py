@@ -147,6 +147,7 @@ def test_ttft_benchmark_measures_every_configuration(suite):
         assert row[key] > 0
     assert row["disk_floor"] > row["vllm_prefix_hit"]
     assert row["cached_tokens"]["lmtier_disk_hit"] == 256  # one full chunk of the 448-token document
+    assert row["answers"]["problems"] == [] and row["answers"]["requests"] > 0
     assert report["no_reuse_throughput"]["ratio"] > 0
 
 

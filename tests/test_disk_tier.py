@@ -285,6 +285,63 @@ def test_two_processes_sharing_a_directory_stay_consistent_and_bounded(tmp_path)
     assert check_directory(tmp_path, size) > 10
 
 
+OPENER = textwrap.dedent("""
+    import sys, numpy as np
+    from lmtier.chunk import Chunk
+    from lmtier.layout import KVLayout
+    from lmtier.tiers.disk import DiskTier
+    root, me = sys.argv[1], int(sys.argv[2])
+    layout = KVLayout(2, 2, 32, "float16")
+    print("ready", flush=True)
+    for line in sys.stdin:  # one fresh directory per line, opened by every process at once
+        tier = DiskTier(f"{root}/{line.strip()}", size=1 << 20, threads=1)
+        data = np.full(layout.byte_shape(16), me, dtype=np.uint8)
+        tier.put([Chunk(bytes([me]) * 16, layout, data, namespace=b"race")])
+        (chunk,) = tier.get([bytes([me]) * 16])
+        assert chunk is not None and chunk.tobytes() == data.tobytes()
+        chunk.release()
+        tier.close()
+        print("ok", flush=True)
+""")
+
+
+def test_many_processes_open_one_fresh_directory_at_the_same_instant(tmp_path):
+    """Engine ranks, instances and a server start together on a new directory: every one
+    of them opens it, every round, and all their chunks are there afterwards."""
+    processes, rounds = 8, 20
+    openers = [
+        subprocess.Popen(
+            [sys.executable, "-c", OPENER, str(tmp_path), str(i)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    try:
+        for p in openers:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        for r in range(rounds):
+            for p in openers:  # as close to one instant as the pipes allow
+                p.stdin.write(f"round{r}\n")
+                p.stdin.flush()
+            for p in openers:
+                line = p.stdout.readline().strip()
+                if line != "ok":
+                    p.kill()
+                    pytest.fail(f"round {r}: an opener said {line!r}:\n{p.communicate()[1][-3000:]}")
+            tier = DiskTier(tmp_path / f"round{r}", size=1 << 20)
+            assert tier.contains([bytes([i]) * 16 for i in range(processes)]) == processes
+            tier.close()
+    finally:
+        for p in openers:
+            p.stdin.close()
+        for p in openers:
+            p.wait(timeout=60)
+    assert [p.returncode for p in openers] == [0] * processes
+
+
 def test_dead_writers_temporary_files_are_removed_on_open(tmp_path):
     new_tier(tmp_path).close()
     stale = tmp_path / "tmp" / "999999999-1.tmp"

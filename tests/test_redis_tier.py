@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import time
 
 import pytest
 
 from lmtier.certs import make_certificates
 from lmtier.chunk import release_all
-from lmtier.errors import ConfigError
+from lmtier.errors import ConfigError, TierError
 from lmtier.redisproc import RedisCluster, RedisServer
 from lmtier.store import TieredStore
 from lmtier.tiers.base import open_tier
+from lmtier.tiers.deferred import DeferredTier
 from lmtier.tiers.redis import RedisTier
 
-from conftest import make_namespace, make_prompt
+from conftest import eventually, make_namespace, make_prompt
 from tier_contract import TierContract
 
 BIG = make_namespace(chunk_tokens=256)  # 128 KiB chunks
@@ -240,3 +244,39 @@ def test_tls(tmp_path):
             assert store.lookup(prompt.keys) == 0
     finally:
         node.stop()
+
+
+def test_a_cluster_that_does_not_answer_at_start_misses_and_is_opened_once_it_does(cluster, caplog):
+    """An engine starting while its shared tier is down keeps running: the tier misses,
+    says so once, and serves as soon as it answers. A misconfigured one still raises."""
+    cluster.flush()
+    url = cluster.url + "?timeout=0.3&connect_timeout=0.3"
+    chunks = make_prompt(3, seed=11).chunks()
+    keys = [c.key for c in chunks]
+    for node in cluster.nodes:
+        os.kill(node.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TierError):
+            open_tier(url)  # without defer, as before: the caller decides
+        with caplog.at_level(logging.WARNING):
+            tier = open_tier(url, defer=True)
+        assert isinstance(tier, DeferredTier)
+        said = [r.getMessage() for r in caplog.records if r.name == "lmtier.tiers.deferred"]
+        assert len(said) == 1 and "cannot be opened now" in said[0]
+        tier.put(chunks)
+        assert tier.contains(keys) == 0 and tier.get(keys) == [None] * 3
+        assert tier.stats()["state"] == "unavailable" and tier.stats()["dropped_puts"] == 3
+    finally:
+        for node in cluster.nodes:
+            os.kill(node.proc.pid, signal.SIGCONT)
+    try:
+        assert eventually(lambda: tier.opened is not None)  # the calls it gets trigger retries
+        tier.put(chunks)
+        assert tier.contains(keys) == 3
+        got = tier.get(keys)
+        assert [c.tobytes() for c in got] == [c.tobytes() for c in chunks]
+        release_all(got)
+    finally:
+        tier.close()
+    with pytest.raises(ConfigError):
+        open_tier(cluster.url + "?timeout=-1", defer=True)

@@ -105,3 +105,28 @@ def test_a_hung_server_costs_one_timeout_then_the_breaker_skips_it(tmp_path):
         server.proc.send_signal(signal.SIGCONT)
         tier.close()
         server.kill()
+
+
+def test_a_server_whose_shared_tier_is_down_at_start_runs_serves_its_memory_and_is_not_ready(tmp_path):
+    """Not ready (its probes write through every tier) but alive and answering, the
+    unreachable tier reported, retried in the background."""
+    from grpc_health.v1 import health_pb2
+
+    from lmtier.redisproc import free_port
+
+    down = f"redis+cluster://127.0.0.1:{free_port()}?connect_timeout=0.2&timeout=0.2"
+    server = ServerProcess(tmp_path, "--tier", "cpu://?size=32MiB&slot=64KiB", "--tier", down, start=False)
+    server.start(ready=False)
+    remote = open_tier(f"grpc://{server.address}?timeout={TIMEOUT}&retries={RETRIES}")
+    try:
+        stored = make_prompt(3, seed=4)
+        remote.put(stored.chunks())
+        assert remote.contains(stored.keys) == 3
+        lower = remote.stats()["server_tiers"][1]
+        assert lower["counters"]["unavailable"] == 1 and lower["chunks"] == 0
+        assert server.log().count("cannot be opened now") == 1
+        assert server.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert server.proc.poll() is None
+    finally:
+        remote.close()
+        server.stop()

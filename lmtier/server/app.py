@@ -56,7 +56,7 @@ class CacheServer:
         self.zero_copy = bool(config.shm_dir) and self.auth.single_tenant
         context = TierContext(shared_dir=config.shm_dir if self.zero_copy else "")
         self.store = store or TieredStore(
-            [open_tier(url, context if i == 0 else TierContext()) for i, url in enumerate(config.tiers)],
+            [open_tier(url, context if i == 0 else TierContext(), defer=i > 0) for i, url in enumerate(config.tiers)],
             write_queue=config.write_queue,
         )
         self.service = CacheService(self.store, config, self.auth)

@@ -37,7 +37,8 @@ class ServerProcess:
     def pid(self) -> int:
         return self.proc.pid if self.proc is not None else -1
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float = 60.0, ready: bool = True) -> None:
+        """Start and wait until the server is ready (or, with ``ready=False``, answers at all)."""
         cmd = [sys.executable, "-m", "lmtier", "serve", "--port", str(self.port), *self.args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.dir / "server.log", "ab") as log:
@@ -45,7 +46,7 @@ class ServerProcess:
                 cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.dir, env=env, preexec_fn=die_with_parent
             )
         deadline = time.monotonic() + timeout
-        while not self.serving():
+        while (self.health() != health_pb2.HealthCheckResponse.SERVING) if ready else self.health() is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"lmtier serve on port {self.port} did not become ready:\n{self.log()[-3000:]}")
@@ -53,12 +54,15 @@ class ServerProcess:
 
     def serving(self) -> bool:
         """Whether the health service answers SERVING (plaintext servers only)."""
+        return self.health() == health_pb2.HealthCheckResponse.SERVING
+
+    def health(self) -> int | None:
+        """The health service's status; None when the server does not answer."""
         with grpc.insecure_channel(self.address) as channel:
             try:
-                answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
             except grpc.RpcError:
-                return False
-        return answer.status == health_pb2.HealthCheckResponse.SERVING
+                return None
 
     def log(self) -> str:
         path = self.dir / "server.log"

@@ -174,8 +174,24 @@ def tier_class(scheme: str) -> type[Tier]:
     return getattr(module, class_name)
 
 
-def open_tier(url: str, context: TierContext | None = None) -> Tier:
-    """Build the tier a URL names: ``open_tier("cpu://?size=8GiB")``."""
+def open_tier(url: str, context: TierContext | None = None, *, defer: bool = False) -> Tier:
+    """Build the tier a URL names: ``open_tier("cpu://?size=8GiB")``.
+
+    A misconfigured URL raises ``ConfigError`` (or ``MissingDependency``). With ``defer``
+    a tier that is configured well but cannot be opened now (a server down, a directory
+    locked) comes back as a ``DeferredTier`` that misses and opens it again later, instead
+    of raising: what an engine wants at start (``lmtier.tiers.deferred``).
+    """
     parsed = TierURL.parse(url)
     cls = tier_class(parsed.scheme)
-    return cls.from_url(parsed, context or TierContext())  # type: ignore[attr-defined]
+    context = context or TierContext()
+    if not defer:
+        return cls.from_url(parsed, context)  # type: ignore[attr-defined]
+    from lmtier.tiers.deferred import MISCONFIGURED, DeferredTier
+
+    try:
+        return cls.from_url(parsed, context)  # type: ignore[attr-defined]
+    except MISCONFIGURED:
+        raise
+    except Exception as exc:  # unreachable for now: retried
+        return DeferredTier(cls, parsed, context, exc)

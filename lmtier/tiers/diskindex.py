@@ -21,9 +21,12 @@ and rebuilds it from the files if the database is lost.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import random
 import sqlite3
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -47,14 +50,40 @@ class DiskIndex:
     def _conn(self) -> sqlite3.Connection:
         """One connection per process, made lazily and anew after ``fork``."""
         if self._pid != os.getpid():
+            self._db, self._pid = self._open(), os.getpid()
+        return self._db
+
+    def _open(self) -> sqlite3.Connection:
+        """Connect and set the database up, however many processes open it at once.
+
+        Switching a fresh database to WAL takes SQLite's exclusive lock, and SQLite answers
+        "database is locked" to a racing opener without waiting on its busy handler. So
+        openers take turns on an advisory lock file beside the database, switch to WAL only
+        when the database is not in WAL already, and retry what stays busy until the busy
+        timeout has passed.
+        """
+        deadline = time.monotonic() + self._busy_timeout_s
+        delay = 0.005
+        while True:
             conn = sqlite3.connect(
                 self.path, timeout=self._busy_timeout_s, isolation_level=None, check_same_thread=False
             )
-            conn.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
-            conn.execute("PRAGMA synchronous=NORMAL")  # consistent after a crash; files are the truth
-            conn.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} COMMIT;")
-            self._db, self._pid = conn, os.getpid()
-        return self._db
+            try:
+                with _turn(self.path + ".lock", deadline):
+                    if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                        conn.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+                    conn.execute("PRAGMA synchronous=NORMAL")  # consistent after a crash; files are the truth
+                    conn.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} COMMIT;")
+                return conn
+            except sqlite3.OperationalError as exc:
+                conn.close()
+                if not _busy(exc) or time.monotonic() + delay > deadline:
+                    raise
+            except BaseException:
+                conn.close()
+                raise
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 0.5)
 
     def present(self, keys: Sequence[bytes]) -> set[bytes]:
         found: set[bytes] = set()
@@ -150,6 +179,32 @@ class Txn:
                 if len(out) == n:
                     break
         return out
+
+
+def _busy(exc: sqlite3.OperationalError) -> bool:
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
+
+
+@contextmanager
+def _turn(path: str, deadline: float) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``path`` (made if missing) until the block ends;
+    raises ``sqlite3.OperationalError`` ("locked") when it is not ours by ``deadline``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        delay = 0.002
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise sqlite3.OperationalError(f"{path} is locked by another process") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _after(prefix: bytes) -> bytes | None:

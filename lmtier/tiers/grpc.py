@@ -540,7 +540,13 @@ class GrpcTier(Tier):
             "used_bytes": sum(t.used_bytes for t in response.tiers),
             "chunks": response.tenant_chunks,
             "server_tiers": [
-                {"name": t.name, "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "chunks": t.chunks}
+                {
+                    "name": t.name,
+                    "capacity_bytes": t.capacity_bytes,
+                    "used_bytes": t.used_bytes,
+                    "chunks": t.chunks,
+                    "counters": dict(t.counters),
+                }
                 for t in response.tiers
             ],
             "shm": segment.name if segment is not None and time.monotonic() >= self._shm_off_until else None,
