@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv system demo test lint unit bench fuzz clean
+.PHONY: venv system demo test lint wheel unit bench fuzz clean
 
 venv:
 	@./scripts/setup-venv.sh
@@ -21,7 +21,11 @@ lint: venv
 unit: venv system
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test: lint unit
+# The wheel as a user installs it: every module in it, `lmtier serve` started from it.
+wheel: venv
+	@./scripts/check-wheel.sh
+
+test: lint wheel unit
 
 # Every benchmark against its same-run reference: benchmarks/results/results.{json,md}, plots.
 bench: venv system

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 STAMP="$VENV/.lmtier-stamp"
-want=$(cat requirements/lock.txt pyproject.toml scripts/setup-venv.sh | sha256sum | cut -d' ' -f1)
+want=$(cat requirements/lock.txt pyproject.toml setup.py scripts/setup-venv.sh | sha256sum | cut -d' ' -f1)
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" && -x "$VENV/bin/python" ]]; then
     exit 0

@@ -75,3 +75,29 @@ def test_the_generated_service_round_trips_over_a_real_server_on_port_0():
             assert [(p.key, p.data, p.WhichOneof("body")) for m in got for p in m.pieces] == want
     finally:
         server.stop(grace=None)
+
+
+def test_the_declared_dependency_floors_admit_only_runtimes_the_generated_code_accepts():
+    """The generated modules refuse an older grpcio or protobuf at import: the extras that
+    install them must not promise less (a user pinned below would crash at import)."""
+    import re
+    import tomllib
+
+    generated = (ROOT / "lmtier" / "v1" / "cache_pb2.py").read_text()
+    protobuf = tuple(int(x) for x in re.search(r"Protobuf Python Version: (\d+)\.(\d+)\.(\d+)", generated).groups())
+    grpc_text = (ROOT / "lmtier" / "v1" / "cache_pb2_grpc.py").read_text()
+    grpcio = tuple(int(x) for x in re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_text)[1].split("."))
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    checked = 0
+    for extra, requirements in extras.items():
+        for requirement in requirements:
+            name, spec = re.match(r"([A-Za-z0-9_.-]+)(.*)", requirement).groups()
+            floor = re.search(r">=([\d.]+)", spec)
+            floor = tuple(int(x) for x in floor[1].split(".")) if floor else ()
+            if name == "protobuf":
+                assert floor >= protobuf and f"<{protobuf[0] + 1}" in spec, (extra, requirement)
+                checked += 1
+            elif name.startswith("grpcio") and name != "grpcio-tools":
+                assert floor >= grpcio, (extra, requirement)
+                checked += 1
+    assert checked >= 6
