@@ -201,3 +201,36 @@ def test_the_readme_lists_every_setting():
     names = [f.name for f in fields(StoreConfig)] + [f.name for f in fields(ServerConfig)] + sorted(SERVER_EXTRA_KEYS)
     missing = [n for n in names if f"`{n}`" not in section]
     assert not missing, f"settings missing from the README's table: {missing}"
+
+
+def test_the_image_build_stage_has_all_it_needs_to_build_a_wheel_with_the_server(tmp_path):
+    """What the Dockerfile copies into its build stage, and nothing else, builds a wheel
+    that holds the server (Docker itself is not needed to check that)."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    text = (DEPLOY / "Dockerfile").read_text()
+    build_stage = text.split("\nFROM ")[1]  # the first stage, after the header comments
+    context = tmp_path / "src"
+    context.mkdir()
+    for line in re.findall(r"^COPY (?!--from)(.+)$", build_stage, re.M):
+        *sources, target = line.split()
+        for source in sources:
+            origin = DEPLOY.parent / source
+            dest = context / source if target in ("./", ".") else context / target
+            if origin.is_dir():
+                shutil.copytree(origin, dest, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy(origin, dest)
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), "."],
+        cwd=context,
+        capture_output=True,
+        text=True,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = tmp_path.glob("lmtier-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "lmtier/server/app.py" in names and "lmtier/connectors/vllm.py" in names
