@@ -130,3 +130,35 @@ def test_a_server_whose_shared_tier_is_down_at_start_runs_serves_its_memory_and_
     finally:
         remote.close()
         server.stop()
+
+
+def test_a_second_server_on_a_taken_port_is_a_clear_error_and_leaves_nothing_behind(tmp_path):
+    """gRPC would share the port (SO_REUSEPORT) and the kernel would split the clients
+    between two caches; a taken metrics port is refused the same way. Whatever the failed
+    start made (its memory tier's shared-memory slab) is gone with it."""
+    import subprocess
+    import sys
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    first = ServerProcess(tmp_path, "--shm-dir", str(shm))
+    try:
+        held = sorted(shm.iterdir())
+        assert held  # the first server's slab
+        for flags, why in (
+            (["--port", str(first.port)], "cannot listen on"),
+            (["--port", "0", "--metrics-port", str(first.port)], "cannot serve metrics on"),
+        ):
+            second = subprocess.run(
+                [sys.executable, "-m", "lmtier", "serve", *flags, "--shm-dir", str(shm)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert second.returncode != 0 and why in second.stderr, second.stderr
+            assert "Traceback" not in second.stderr and "listening" not in second.stdout
+            assert sorted(shm.iterdir()) == held
+        assert first.serving()
+    finally:
+        first.stop()
+    assert list(shm.iterdir()) == []

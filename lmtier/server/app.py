@@ -59,11 +59,22 @@ class CacheServer:
             [open_tier(url, context if i == 0 else TierContext(), defer=i > 0) for i, url in enumerate(config.tiers)],
             write_queue=config.write_queue,
         )
+        try:
+            self._build(config)
+        except BaseException:
+            if store is None:  # what this server made (a shared-memory slab) must not outlive it
+                self.store.close()
+            raise
+
+    def _build(self, config: ServerConfig) -> None:
         self.service = CacheService(self.store, config, self.auth)
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+            # gRPC sets SO_REUSEPORT by default: a second server on a taken port would then
+            # start, and the kernel would split connections between the two. Refuse instead.
+            ("grpc.so_reuseport", 0),
         ]
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(config.workers, thread_name_prefix="lmtier-rpc"),
@@ -75,17 +86,23 @@ class CacheServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         address = f"{config.host}:{config.port}"
+        credentials = None
         if config.tls_cert:
             credentials = grpc.ssl_server_credentials(
                 [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
                 root_certificates=Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None,
                 require_client_auth=bool(config.tls_client_ca),
             )
-            self.port = self.grpc.add_secure_port(address, credentials)
-        else:
-            self.port = self.grpc.add_insecure_port(address)
+        try:
+            self.port = (
+                self.grpc.add_secure_port(address, credentials)
+                if config.tls_cert
+                else self.grpc.add_insecure_port(address)
+            )
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
+            raise OSError(f"cannot listen on {address}: the port is taken or the address is not this host's")
         self.ready = False
         self.stopping = threading.Event()
         self.stopped = threading.Event()
@@ -95,11 +112,18 @@ class CacheServer:
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> CacheServer:
+        if self.config.metrics_port is not None:  # before anything runs: a taken port stops the start cleanly
+            try:
+                self._http = ThreadingHTTPServer((self.config.metrics_host, self.config.metrics_port), _handler(self))
+            except OSError as exc:
+                self.grpc.stop(None)
+                self.store.close()
+                where = f"{self.config.metrics_host}:{self.config.metrics_port}"
+                raise OSError(f"cannot serve metrics on {where}: {exc}") from exc
+            self.metrics_port = self._http.server_address[1]
         self._set_ready(self.probe())
         self.grpc.start()
-        if self.config.metrics_port is not None:
-            self._http = ThreadingHTTPServer((self.config.metrics_host, self.config.metrics_port), _handler(self))
-            self.metrics_port = self._http.server_address[1]
+        if self._http is not None:
             threading.Thread(target=self._http.serve_forever, name="lmtier-metrics", daemon=True).start()
         self._prober.start()
         log.info(
