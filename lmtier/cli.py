@@ -158,7 +158,7 @@ def _server_stats(url: str, token: str | None, timeout: float) -> dict:
 
     parsed = TierURL.parse(url)
     if parsed.scheme not in ("grpc", "grpcs"):
-        raise LmtierError(f"--server takes a grpc:// or grpcs:// URL, got {url!r}")
+        raise LmtierError(f"--server takes a grpc:// or grpcs:// URL, got {parsed.shown!r}")
     if token:
         url += ("&" if "?" in url else "?") + f"token={token}"
     url += ("&" if "?" in url else "?") + "shm=off"

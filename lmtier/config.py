@@ -371,11 +371,16 @@ def load_server_config(
 
 
 def public_view(config: Config) -> dict[str, Any]:
-    """The settings in effect as plain data, secrets left out (tokens: their tenants)."""
+    """The settings in effect as plain data, secrets left out (tokens: their tenants; tier
+    URLs: passwords and tokens replaced by ***; the key path)."""
     from dataclasses import asdict
+
+    from lmtier.tiers.base import redact_url
 
     data = asdict(config)
     data["server"]["tokens"] = sorted({tenant for _, tenant in config.server.tokens})
-    data["server"]["tiers"] = list(config.server.tiers)
-    data["store"]["tiers"] = list(config.store.tiers)
+    data["server"]["tiers"] = [redact_url(url) for url in config.server.tiers]
+    data["store"]["tiers"] = [redact_url(url) for url in config.store.tiers]
+    if data["server"].get("tls_key"):
+        data["server"]["tls_key"] = "***"
     return data

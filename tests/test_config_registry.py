@@ -143,3 +143,25 @@ def test_chunk_tokens_auto_follows_the_engine_block_and_the_kv_size():
     assert resolve_chunk_tokens(0, 64, 4096) == 64  # a small model: 64 x 4 KiB = 256 KiB
     assert resolve_chunk_tokens(0, 16, 1024) == 256  # tiny KV: capped at 256 tokens
     assert resolve_chunk_tokens(0, 96, 64) == 288  # the cap rounds up to whole blocks
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:pw@cache:6379/2", "redis://:***@cache:6379/2"),
+        ("redis://user:pw@cache:6379?timeout=1", "redis://user:***@cache:6379?timeout=1"),
+        ("rediss://user@cache", "rediss://***@cache"),
+        ("grpc://cache:50051?token=t0k&timeout=2", "grpc://cache:50051?token=***&timeout=2"),
+        (
+            "grpcs://cache:50051?tls_key=/etc/k.pem&tls_ca=/etc/ca.pem",
+            "grpcs://cache:50051?tls_key=***&tls_ca=/etc/ca.pem",
+        ),
+        ("redis://cache?password=pw&token_env=LMTIER_TOKEN", "redis://cache?password=***&token_env=LMTIER_TOKEN"),
+        ("file:///var/lib/lmtier?size=1GiB", "file:///var/lib/lmtier?size=1GiB"),
+        ("cache:6379?password=pw", "cache:6379"),
+    ],
+)
+def test_urls_are_shown_without_their_secrets(url, shown):
+    from lmtier.tiers.base import redact_url
+
+    assert redact_url(url) == shown

@@ -442,3 +442,67 @@ def test_what_a_tier_writes_is_an_lmtier_frame_not_a_pickle(tmp_path):
         assert data.startswith(codec.MAGIC)  # a pickle starts with b"\x80" and its protocol
         assert codec.decode(data).key in PROMPT.keys
     tier.close()
+
+
+def test_no_output_surface_shows_a_planted_secret(tmp_path):
+    """A password and a token in tier URLs, a token on the command line: none of them in
+    the Stats RPC, `lmtier stats` (table, JSON, errors), the server's log, /metrics, or a
+    configuration error."""
+    import re
+    import subprocess
+    import sys
+    import urllib.request
+
+    from lmtier.errors import ConfigError
+    from lmtier.redisproc import free_port
+    from lmtier.server.process import ServerProcess
+
+    secret = "planted-" + os.urandom(8).hex()
+    tiers = [
+        "cpu://?size=32MiB&slot=64KiB",
+        f"redis://:{secret}@127.0.0.1:{free_port()}?timeout=0.2&connect_timeout=0.2",
+        f"grpc://127.0.0.1:{free_port()}?token={secret}&timeout=0.5&retries=0",
+    ]
+    args = [a for url in tiers for a in ("--tier", url)]
+    server = ServerProcess(tmp_path, *args, "--token", "fleet=fleet", "--metrics-port", "0", start=False)
+    server.start(ready=False)  # its lower tiers cannot answer: alive, not ready
+    try:
+        shown = []
+        for extra in ([], ["--json"]):
+            run = subprocess.run(
+                [sys.executable, "-m", "lmtier", "stats", "--server", f"grpc://{server.address}?token=fleet", *extra],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert run.returncode == 0, run.stderr
+            assert "redis://:***@127.0.0.1" in run.stdout and "token=***" in run.stdout
+            shown += [run.stdout, run.stderr]
+        wrong = subprocess.run(
+            [sys.executable, "-m", "lmtier", "stats", "--server", f"http://{server.address}?token={secret}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert wrong.returncode != 0
+        shown += [wrong.stdout, wrong.stderr]
+        found = re.search(r"metrics on (http://\S+/metrics)", server.log())
+        assert found, server.log()
+        shown.append(urllib.request.urlopen(found[1], timeout=10).read().decode())
+        for url in (f"{tiers[1]}&bogus=1", f"{tiers[2]}&token=again"):
+            with pytest.raises(ConfigError) as info:
+                open_tier(url)
+            shown.append(str(info.value))
+        bad = subprocess.run(
+            [sys.executable, "-m", "lmtier", "serve", "--port", "0", "--tier", f"{tiers[1]}&bogus=1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert bad.returncode != 0 and "bogus" in bad.stderr
+        shown += [bad.stdout, bad.stderr]
+    finally:
+        server.stop()
+    shown.append(server.log())
+    leaks = [text[max(0, text.find(secret) - 200) :][:400] for text in shown if secret in text]
+    assert not leaks, leaks

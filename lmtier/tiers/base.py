@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, quote, urlsplit
 
 from lmtier.chunk import Chunk
 from lmtier.errors import ConfigError, MissingDependency
@@ -71,7 +71,7 @@ class Tier(ABC):
     def from_url(cls, url: TierURL, context: TierContext) -> Tier:
         """Build from a parsed URL; tiers with a location (host, path) override this."""
         if url.netloc or url.path not in ("", "/"):
-            raise ConfigError(f"{cls.scheme}:// takes no location, got {url.url!r}")
+            raise ConfigError(f"{cls.scheme}:// takes no location, got {url.shown!r}")
         return cls(**url.typed_options(cls.OPTIONS), context=context)
 
     # -- derived conveniences -----------------------------------------------------------
@@ -104,27 +104,59 @@ class TierURL:
     @classmethod
     def parse(cls, url: str) -> TierURL:
         if "://" not in url:
-            raise ConfigError(f"tier URL {url!r} has no scheme (e.g. cpu://?size=8GiB)")
+            raise ConfigError(f"tier URL {redact_url(url)!r} has no scheme (e.g. cpu://?size=8GiB)")
         parts = urlsplit(url)
         options: dict[str, str] = {}
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
             if name in options:
-                raise ConfigError(f"option {name!r} given twice in {url!r}")
+                raise ConfigError(f"option {name!r} given twice in {redact_url(url)!r}")
             options[name] = value
         return cls(parts.scheme.lower(), parts.netloc, parts.path, options, url)
+
+    @property
+    def shown(self) -> str:
+        """The URL fit for messages: secrets replaced (``redact_url``)."""
+        return redact_url(self.url)
 
     def typed_options(self, spec: dict[str, Callable[[str], Any]]) -> dict[str, Any]:
         unknown = sorted(set(self.options) - set(spec))
         if unknown:
             known = ", ".join(sorted(spec)) or "none"
-            raise ConfigError(f"unknown option(s) {', '.join(unknown)} in {self.url!r}; known: {known}")
+            raise ConfigError(f"unknown option(s) {', '.join(unknown)} in {self.shown!r}; known: {known}")
         typed = {}
         for name, value in self.options.items():
             try:
                 typed[name] = spec[name](value)
             except (ValueError, TypeError) as exc:
-                raise ConfigError(f"bad value for {name!r} in {self.url!r}: {exc}") from exc
+                raise ConfigError(f"bad value for {name!r} in {self.shown!r}: {exc}") from exc
         return typed
+
+
+# Options whose values are secrets (or name where one lies): never shown as written.
+SECRET_OPTIONS = frozenset({"password", "token", "tls_key"})
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit to show (errors, logs, Stats, the CLI): the password of its user info
+    and the values of ``SECRET_OPTIONS`` replaced by ``***``. Unparsable text is shown as
+    its scheme alone."""
+    if "://" not in url:  # not a URL: no query, no user info
+        return url.split("?", 1)[0].rsplit("@", 1)[-1]
+    try:
+        parts = urlsplit(url)
+        options = parse_qsl(parts.query, keep_blank_values=True)
+    except ValueError:
+        return url.split("://", 1)[0] + "://***" if "://" in url else "***"
+    netloc = parts.netloc
+    if "@" in netloc:
+        auth, host = netloc.rsplit("@", 1)
+        user, has_password, _ = auth.partition(":")
+        netloc = f"{user}:***@{host}" if has_password else f"***@{host}"
+    query = "&".join(
+        f"{quote(k, safe='')}={'***' if k.lower() in SECRET_OPTIONS else quote(v, safe='/:,.-_')}" for k, v in options
+    )
+    shown = f"{parts.scheme}://{netloc}{parts.path}"
+    return f"{shown}?{query}" if query else shown
 
 
 def parse_bool(text: str) -> bool:

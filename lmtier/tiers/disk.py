@@ -100,7 +100,7 @@ class DiskTier(Tier):
     @classmethod
     def from_url(cls, url: TierURL, context: TierContext) -> DiskTier:
         if url.netloc not in ("", "localhost") or not url.path.startswith("/"):
-            raise ConfigError(f"a disk tier URL names an absolute path: file:///path, got {url.url!r}")
+            raise ConfigError(f"a disk tier URL names an absolute path: file:///path, got {url.shown!r}")
         return cls(url.path, **url.typed_options(cls.OPTIONS), context=context)
 
     # -- primitives ---------------------------------------------------------------------

@@ -207,7 +207,7 @@ class GrpcTier(Tier):
     def from_url(cls, url: TierURL, context: TierContext) -> GrpcTier:
         options = url.typed_options(cls.OPTIONS)
         if not url.netloc or url.path not in ("", "/"):
-            raise ConfigError(f"a grpc tier URL names host:port: grpc://cache:50051, got {url.url!r}")
+            raise ConfigError(f"a grpc tier URL names host:port: grpc://cache:50051, got {url.shown!r}")
         netloc = url.netloc if url.netloc.rsplit(":", 1)[-1].isdigit() else f"{url.netloc}:{DEFAULT_PORT}"
         if url.scheme == "grpcs":
             options.setdefault("tls", True)

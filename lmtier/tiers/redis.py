@@ -400,7 +400,7 @@ class RedisTier(Tier):
             options.setdefault("password", unquote(password))
         if url.scheme == "unix":
             if not url.path:
-                raise ConfigError(f"a unix socket URL names a path: unix:///run/redis.sock, got {url.url!r}")
+                raise ConfigError(f"a unix socket URL names a path: unix:///run/redis.sock, got {url.shown!r}")
             return cls(unix_path=url.path, context=context, **options)
         nodes = []
         for item in netloc.split(","):
@@ -408,14 +408,14 @@ class RedisTier(Tier):
             try:
                 nodes.append((host.strip("[]") or "127.0.0.1", int(port)))
             except ValueError as exc:
-                raise ConfigError(f"bad host:port {item!r} in {url.url!r}") from exc
+                raise ConfigError(f"bad host:port {item!r} in {url.shown!r}") from exc
         cluster = url.scheme == "redis+cluster"
         if not cluster and len(nodes) != 1:
-            raise ConfigError(f"one host for redis://, several for redis+cluster://; got {url.url!r}")
+            raise ConfigError(f"one host for redis://, several for redis+cluster://; got {url.shown!r}")
         path = url.path.strip("/")
         if path:
             if "db" in options:
-                raise ConfigError(f"database given twice in {url.url!r}")
+                raise ConfigError(f"database given twice in {url.shown!r}")
             try:
                 options["db"] = int(path)
             except ValueError as exc:
