@@ -506,3 +506,34 @@ def test_no_output_surface_shows_a_planted_secret(tmp_path):
     shown.append(server.log())
     leaks = [text[max(0, text.find(secret) - 200) :][:400] for text in shown if secret in text]
     assert not leaks, leaks
+
+
+def test_tenants_are_kept_apart_by_a_128_bit_cryptographic_digest_of_their_names():
+    """A 64-bit non-cryptographic hash of a name could be made to collide with another
+    tenant's (and share its keys); a keyed-width BLAKE2b digest cannot."""
+    import hashlib
+
+    from lmtier.server.auth import TAG_BYTES
+
+    assert TAG_BYTES >= 16
+    names = ["alice", "bob", "alice ", "Alice", "", "a" * 1000, "tenant-\x00"]
+    tags = [tenant_tag(n) for n in names]
+    assert len(set(tags)) == len(names) and {len(t) for t in tags} == {TAG_BYTES}
+    assert tags[0] == hashlib.blake2b(b"alice", digest_size=TAG_BYTES, person=b"lmtier.tenant").digest()
+
+
+def test_stats_counts_a_tenants_chunks_up_to_a_bound(monkeypatch):
+    """Stats does not list a tenant's every key: it counts up to STATS_COUNT_LIMIT."""
+    from lmtier.server import service
+
+    monkeypatch.setattr(service, "STATS_COUNT_LIMIT", 4)
+    srv, address = two_tenant_server()
+    channel = grpc.insecure_channel(address)
+    try:
+        many = make_prompt(10, seed=90)
+        assert call(channel, "Put", puts(many), "alice-secret").stored == 10
+        assert call(channel, "Stats", cache_pb2.StatsRequest(), "alice-secret").tenant_chunks == 4
+        assert call(channel, "Stats", cache_pb2.StatsRequest(), "bob-secret").tenant_chunks == 0
+    finally:
+        channel.close()
+        srv.stop(0)

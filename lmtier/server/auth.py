@@ -7,17 +7,19 @@ lookup, get, list or delete of another's key finds nothing.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 import grpc
-import xxhash
 
-TAG_BYTES = 8
-PROBE_TAG = b"\xff" * TAG_BYTES  # readiness probes; no tenant name hashes to it in practice
+# A cryptographic digest, 128 bits: no tenant name can be found that collides with
+# another's (a collision would share keys), by design or by luck.
+TAG_BYTES = 16
+PROBE_TAG = b"\xff" * TAG_BYTES  # readiness probes; no tenant name digests to it
 
 
 def tenant_tag(tenant: str) -> bytes:
-    return xxhash.xxh3_64_digest(b"lmtier.tenant\x00" + tenant.encode())
+    return hashlib.blake2b(tenant.encode(), digest_size=TAG_BYTES, person=b"lmtier.tenant").digest()
 
 
 class Authenticator:

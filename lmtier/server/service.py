@@ -50,6 +50,7 @@ PIECE_BYTES = 4 * 1024 * 1024 - 4096  # under gRPC's default 4 MiB message limit
 PUT_BATCH = 16
 PUT_BATCH_BYTES = 16 * 1024 * 1024
 GET_BATCH = 8
+STATS_COUNT_LIMIT = 100_000  # Stats counts a tenant's chunks up to this many (a bounded listing)
 LIST_DEFAULT, LIST_MAX = 1000, 100_000
 
 
@@ -499,7 +500,9 @@ class CacheService:
                 )
             )
         return cache_pb2.StatsResponse(
-            tiers=tiers, tenant_chunks=len(self.tenant_keys(tag)), config_json=self._config_json
+            tiers=tiers,
+            tenant_chunks=len(self.tenant_keys(tag, STATS_COUNT_LIMIT)),
+            config_json=self._config_json,
         )
 
 
