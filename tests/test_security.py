@@ -20,6 +20,7 @@ from lmtier.chunk import release_all
 from lmtier.config import ServerConfig
 from lmtier.server import create_server
 from lmtier.server.auth import tenant_tag
+from lmtier.store import TieredStore
 from lmtier.tiers.base import open_tier
 from lmtier.v1 import cache_pb2
 from lmtier.wire import Region, pack, piece, unpack
@@ -335,10 +336,11 @@ def test_shared_memory_names_from_a_request_never_reach_outside_the_directory(tm
     os.link(outside, shm_dir / linked)  # a second name for a file that lives elsewhere
     good = "lmtier-" + "c" * 32
     (shm_dir / good).write_bytes(b"\x00" * 65536)  # a real segment, to show the path works
-    # Two tenants: the server writes what a Get serves into the regions the client names.
-    tokens = (("alice-secret", "alice"), ("bob-secret", "bob"))
+    # One tenant (a server with several maps no client memory), its memory tier private:
+    # the server writes what a Get serves into the regions the client names.
+    tokens = (("alice-secret", "alice"),)
     config = ServerConfig(port=0, tiers=("cpu://?size=16MiB&slot=64KiB",), shm_dir=str(shm_dir), tokens=tokens)
-    srv, port = create_server(config)
+    srv, port = create_server(config, TieredStore([open_tier("cpu://?size=16MiB&slot=64KiB")]))
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     key, frame = PROMPT.keys[0], codec.encode(PROMPT.chunks()[0])
     assert call(channel, "Put", [pack(piece(key, len(frame), data=[frame]))], "alice-secret").stored == 1
@@ -534,6 +536,62 @@ def test_stats_counts_a_tenants_chunks_up_to_a_bound(monkeypatch):
         assert call(channel, "Put", puts(many), "alice-secret").stored == 10
         assert call(channel, "Stats", cache_pb2.StatsRequest(), "alice-secret").tenant_chunks == 4
         assert call(channel, "Stats", cache_pb2.StatsRequest(), "bob-secret").tenant_chunks == 0
+    finally:
+        channel.close()
+        srv.stop(0)
+
+
+def test_no_tenant_can_have_the_server_read_or_write_another_tenants_shared_memory(tmp_path):
+    """Segment names are visible on the host. Alice names Bob's segment in every RPC that
+    takes a region (the descriptor says which): refused, and nothing moves. A server with
+    several tenants maps no client memory at all; Bob is served over plain gRPC."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    taking = {
+        m.name
+        for m in cache_pb2.DESCRIPTOR.services_by_name["CacheService"].methods
+        for message in (m.input_type, *(f.message_type for f in m.input_type.fields if f.message_type))
+        for f in message.fields
+        if f.type == FieldDescriptor.TYPE_MESSAGE and f.message_type.name == "SharedRegion"
+    }
+    assert taking == {"Get", "Put"}  # Put's Pieces carry regions; a new RPC with one must be added here
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    bobs = "lmtier-" + "b" * 32
+    secret = os.urandom(65536)
+    (shm_dir / bobs).write_bytes(secret)  # Bob's segment: his KV, his landing slots
+    tokens = (("alice-secret", "alice"), ("bob-secret", "bob"))
+    config = ServerConfig(port=0, tiers=("cpu://?size=16MiB&slot=64KiB",), shm_dir=str(shm_dir), tokens=tokens)
+    srv, port = create_server(config)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    key, frame = PROMPT.keys[0], codec.encode(PROMPT.chunks()[0])
+    try:
+        assert call(channel, "Put", [pack(piece(key, len(frame), data=[frame]))], "alice-secret").stored == 1
+        attacks = {
+            "Get": lambda: call(
+                channel,
+                "Get",
+                cache_pb2.GetRequest(keys=[key], landing=[cache_pb2.SharedRegion(segment=bobs, length=65536)]),
+                "alice-secret",
+            ),
+            "Put": lambda: call(
+                channel, "Put", [pack(piece(OTHER.keys[0], 4096, region=Region(bobs, 0, 4096)))], "alice-secret"
+            ),
+        }
+        for method in sorted(taking):
+            refused = code_of(attacks[method])
+            assert refused == S.FAILED_PRECONDITION, method
+        assert (shm_dir / bobs).read_bytes() == secret  # nothing written into Bob's slots
+        assert call(channel, "Lookup", cache_pb2.LookupRequest(keys=OTHER.keys[:1]), "alice-secret").hits == 0
+        assert srv.service.maps is None
+        # Bob's own client falls back to plain gRPC and is served.
+        bob = open_tier(f"grpc://127.0.0.1:{port}?token=bob-secret&shm_dir={shm_dir}")
+        bob.put(OTHER.chunks())
+        got = bob.get(OTHER.keys)
+        assert [c.tobytes() for c in got] == [c.tobytes() for c in OTHER.chunks()]
+        release_all(got)
+        assert bob.stats()["shm"] is None
+        bob.close()
     finally:
         channel.close()
         srv.stop(0)

@@ -132,7 +132,15 @@ class CacheService:
         self.store = store
         self.config = config
         self.auth = auth
-        self.maps = SegmentMaps(config.shm_dir) if config.shm_dir else None
+        # Requests name client segments, and every process on the host can see those names:
+        # a server with several tenants cannot tell whose a segment is, so it maps none (one
+        # tenant could otherwise have it read another's segment or write into its slots).
+        self.maps = SegmentMaps(config.shm_dir) if config.shm_dir and auth.single_tenant else None
+        self._no_shm = (
+            "this server has shared memory turned off"
+            if not config.shm_dir
+            else "shared memory is refused on a server with several tenants"
+        )
         self.buffers = BufferPool(max_free=32, max_free_bytes=128 << 20)
         first = store.tiers[0]
         self.shared = first if getattr(first, "shared_name", None) else None  # zero-copy reads
@@ -265,7 +273,7 @@ class CacheService:
         if len(landing) > len(keys):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "more landing regions than keys")
         if landing and self.maps is None:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "this server has shared memory turned off")
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, self._no_shm)
         index = 0
         segments: dict[str, memoryview] = {}  # mapped once per call
         lease = self.leases.open(tag, landing[0].segment) if landing and self.shared is not None else 0
@@ -340,7 +348,7 @@ class CacheService:
     def _segment(self, segment: str) -> memoryview:
         """A whole client segment (checked against its file once)."""
         if self.maps is None:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "this server has shared memory turned off")
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, self._no_shm)
         try:
             return self.maps.region(segment, 0, None)
         except SegmentUnavailable as exc:
@@ -350,7 +358,7 @@ class CacheService:
 
     def _region(self, segment: str, offset: int, length: int) -> memoryview:
         if self.maps is None:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "this server has shared memory turned off")
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, self._no_shm)
         try:
             return self.maps.region(segment, offset, length)
         except SegmentUnavailable as exc:
