@@ -169,18 +169,33 @@ def _shared_store(cfg: StoreConfig, chunk_bytes: int) -> TieredStore:
         return store
 
 
+_SWITCHES = ("load", "save")
+
+
 def _request_options(request: Any) -> dict[str, bool]:
     """A request's own switches, from its ``kv_transfer_params``:
-    ``{"lmtier": {"load": false, "save": false}}`` (both default to true). Unknown or
-    malformed values are ignored with a warning: a request is never refused for them."""
+    ``{"lmtier": {"load": false, "save": false}}`` (both default to true).
+
+    A request is never refused for them, but a typo must not store a private document:
+    when the ``lmtier`` entry is not a map, has keys other than these two, or values that
+    are not booleans, the request's KV is not saved (the safe side), with a warning."""
     params = getattr(request, "kv_transfer_params", None) or {}
     mine = params.get("lmtier") if isinstance(params, dict) else None
     if mine is None:
         return {}
-    if not isinstance(mine, dict) or not all(isinstance(mine.get(k, True), bool) for k in ("load", "save")):
-        log.warning("lmtier: ignoring kv_transfer_params %r (expected {'load': bool, 'save': bool})", mine)
-        return {}
-    return {k: mine[k] for k in ("load", "save") if k in mine}
+    if not isinstance(mine, dict):
+        log.warning("lmtier: kv_transfer_params['lmtier'] is %r, not a map: this request's KV is not saved", mine)
+        return {"save": False}
+    options = {k: mine[k] for k in _SWITCHES if isinstance(mine.get(k), bool)}
+    wrong = sorted(str(k) for k in mine if k not in _SWITCHES or not isinstance(mine[k], bool))
+    if wrong:
+        log.warning(
+            "lmtier: kv_transfer_params['lmtier'] has unknown keys or values that are not booleans (%s; known: "
+            "'load', 'save'): this request's KV is not saved",
+            ", ".join(wrong),
+        )
+        options["save"] = False
+    return options
 
 
 def _layer_index(name: str) -> int:

@@ -135,7 +135,10 @@ def test_a_whole_prompt_hit_leaves_the_last_token_to_the_engine(scheduler):
         ({"lmtier": {"save": False}}, 1, 0),
         ({"lmtier": {"load": False}}, 0, 1),
         ({"lmtier": {"load": False, "save": False}}, 0, 0),
-        ({"lmtier": {"save": "no"}}, 1, 1),  # malformed: ignored, never refused
+        ({"lmtier": {"save": "no"}}, 1, 0),  # malformed: never refused, never saved
+        ({"lmtier": {"safe": False}}, 1, 0),  # a typo must not store a private document
+        ({"lmtier": {"load": False, "extra": 1}}, 0, 0),
+        ({"lmtier": "off"}, 1, 0),
         ({"other_connector": 1}, 1, 1),
     ],
 )
