@@ -4,3 +4,36 @@ Each adapter is a thin layer over the engine-neutral core (``lmtier.store``,
 ``lmtier.keys``, ``lmtier.transfer``): it translates the engine's calls and block tables,
 and holds no caching policy of its own.
 """
+
+from __future__ import annotations
+
+import logging
+
+from lmtier.keys import Namespace
+from lmtier.tiers.base import redact_url
+
+
+def announce(engine: str, tiers: tuple[str, ...], namespace: Namespace, model_id: str) -> None:
+    """One line at start saying what an adapter chose (tiers with their secrets replaced,
+    chunk size, the model id in the keys, the namespace digest), so that two instances
+    that do not share hits can be compared by reading their logs.
+
+    Engines configure their own loggers, not lmtier's, so an INFO line would vanish: unless
+    the application configured logging itself, the ``lmtier`` logger gets a handler of its
+    own (stderr, INFO) the first time."""
+    root = logging.getLogger("lmtier")
+    if not root.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+    logging.getLogger(f"lmtier.{engine}").info(
+        "lmtier: %s connector: tiers %s; chunks of %d tokens; model id %r; namespace %s (tp rank %d of %d)",
+        engine,
+        ", ".join(redact_url(t) for t in tiers),
+        namespace.chunk_tokens,
+        model_id,
+        namespace.digest.hex(),
+        namespace.tp_rank,
+        namespace.tp_size,
+    )

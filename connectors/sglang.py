@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from lmtier.connectors import announce
 
 from lmtier import metrics
 from lmtier.chunk import Chunk, release_all
@@ -197,14 +198,8 @@ class LMTierStorage(HiCacheStorage):
         self.layout, self._shape, self.namespace = layout, shape, namespace
         if old is not None:
             old.close()
-        log.info(
-            "lmtier: SGLang L3 for %s (%s, pages of %d tokens, %s layout), tiers %s",
-            self.model_id,
-            layout.describe(),
-            namespace.chunk_tokens,
-            mem_pool_host.layout,
-            ", ".join(self.config.tiers),
-        )
+        announce("sglang", self.config.tiers, namespace, self.model_id)
+        log.info("lmtier: SGLang L3 over %s, host pool layout %s", layout.describe(), mem_pool_host.layout)
 
     def _ready(self) -> bool:
         if self.store is None:

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from lmtier.connectors import announce
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -237,6 +238,7 @@ class LMTierConnector(KVConnectorBase_V1):
             for r in range(self.tp_size)
         ]
         self.store = _shared_store(self.config, self.layout.chunk_bytes(self.chunk_tokens))
+        announce("vllm", self.config.tiers, self.namespaces[0], model_id)
         if hasattr(self._kv_transfer_config, "kv_load_failure_policy"):
             try:
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"

@@ -20,6 +20,7 @@ chunk whose layers are shifted, stored with valid checksums, must fail that comp
 from __future__ import annotations
 
 import itertools
+import re
 import shutil
 from pathlib import Path
 
@@ -153,6 +154,16 @@ def test_a_second_instance_hits_what_the_first_stored_and_answers_identically(si
         (out,), (a_out,) = b["results"][phase], a["results"][phase]
         assert out["cached"] == expected_hit(out["prompt_len"], out["prompt_len"] + len(a_out["tokens"]) - 1)
         assert a_out["cached"] == 0
+
+
+def test_each_instance_says_in_one_line_what_it_chose(single_process):
+    """Tiers, chunk size, model id and namespace, in vLLM's own log: two instances that
+    share hits print the same line."""
+    said = {k: re.findall(r"lmtier: vllm connector: (.*)", single_process[k]["log"]) for k in ("a", "b")}
+    assert said["a"] and set(said["a"]) == set(said["b"])
+    line = said["a"][0]
+    assert "chunks of 128 tokens" in line and re.search(r"namespace [0-9a-f]{32}", line)
+    assert f"file://{single_process['disk']}?size=1GiB" in line
 
 
 def test_wrong_kv_with_valid_checksums_fails_the_comparison(single_process, model):
