@@ -50,17 +50,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from lmtier.connectors import announce
 
 from lmtier import metrics
 from lmtier.chunk import Chunk, release_all
 from lmtier.config import StoreConfig, engine_config
+from lmtier.connectors import announce
 from lmtier.errors import ConfigError, LayoutError
 from lmtier.keys import Namespace, named_keys
 from lmtier.layout import KVLayout, canonical_dtype
@@ -143,6 +144,15 @@ def byte_view(canonical: torch.Tensor, layout: KVLayout) -> np.ndarray | None:
     return raw.numpy()
 
 
+METRIC_SAMPLES = 4096  # per list: SGLang collects them only with --enable-storage-metrics
+
+
+def _fresh_metrics() -> dict[str, deque]:
+    """SGLang's storage metrics since the last ``get_stats``: the latest samples only, so
+    that an engine that never asks for them does not grow them forever."""
+    return {name: deque(maxlen=METRIC_SAMPLES) for name in ("prefetch_pgs", "backup_pgs", "pbw", "bbw")}
+
+
 class LMTierStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
@@ -162,7 +172,7 @@ class LMTierStorage(HiCacheStorage):
         self._shape: PageShape | None = None
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(("exists_pages", "hit_pages", "loaded", "failed", "stored", "skipped"), 0)
-        self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [], "pbw": [], "bbw": []}
+        self._metrics = _fresh_metrics()
 
     # -- attach --------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -381,12 +391,12 @@ class LMTierStorage(HiCacheStorage):
         except ImportError:
             return None
         with self._lock:
-            m, self._metrics = self._metrics, {"prefetch_pgs": [], "backup_pgs": [], "pbw": [], "bbw": []}
+            m, self._metrics = self._metrics, _fresh_metrics()
         return StorageMetrics(
-            prefetch_pgs=m["prefetch_pgs"],
-            backup_pgs=m["backup_pgs"],
-            prefetch_bandwidth=m["pbw"],
-            backup_bandwidth=m["bbw"],
+            prefetch_pgs=list(m["prefetch_pgs"]),
+            backup_pgs=list(m["backup_pgs"]),
+            prefetch_bandwidth=list(m["pbw"]),
+            backup_bandwidth=list(m["bbw"]),
         )
 
     def stats(self) -> dict[str, Any]:

@@ -53,7 +53,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from lmtier.connectors import announce
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -63,6 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from lmtier import metrics
 from lmtier.chunk import Chunk, release_all
 from lmtier.config import StoreConfig, engine_config, resolve_chunk_tokens
+from lmtier.connectors import announce
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.store import TieredStore, deadline_after, load_batch

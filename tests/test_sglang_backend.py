@@ -338,8 +338,9 @@ def test_bad_configuration_is_refused_at_attach(tmp_path):
 
 
 def test_unregistered_backend_misses_and_stats(tmp_path):
-    from lmtier.connectors.sglang import LMTierStorage
     from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    from lmtier.connectors.sglang import LMTierStorage
 
     config = sglang_env.storage_config(mla=False, page_first=True, extra={"tiers": ["cpu://?size=1MiB"]})
     bare = LMTierStorage(config, {})
@@ -360,6 +361,22 @@ def test_unregistered_backend_misses_and_stats(tmp_path):
 
     storage.clear()
     assert storage.batch_exists(keys) == 0
+    storage.close()
+
+
+def test_storage_metrics_keep_the_latest_samples_when_sglang_never_asks(monkeypatch):
+    """Without --enable-storage-metrics SGLang never calls get_stats: the samples stay bounded."""
+    from lmtier.connectors import sglang as backend_module
+
+    monkeypatch.setattr(backend_module, "METRIC_SAMPLES", 5)
+    storage, pool = backend(["cpu://?size=16MiB"])
+    keys = page_keys(2, seed=12)
+    src, dst = alloc(pool, 2), alloc(pool, 2)
+    for _ in range(12):
+        assert all(storage.batch_set_v1(keys, src))
+        assert storage.batch_get_v1(keys, dst) == [True, True]
+    metrics = storage.get_stats()
+    assert len(metrics.backup_pgs) == len(metrics.prefetch_pgs) == 5
     storage.close()
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from lmtier.connectors.vllm import LMTierConnector, LMTierMetadata
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
@@ -19,6 +18,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from lmtier.chunk import Chunk
+from lmtier.connectors.vllm import LMTierConnector, LMTierMetadata
 from lmtier.tinymodel import build
 
 BLOCK, CHUNK, NUM_BLOCKS = 64, 128, 256
