@@ -34,6 +34,7 @@ node is skipped (its chunks are misses) for a backoff that doubles up to 30 s; t
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -255,11 +256,18 @@ class _Node:
 
     def __init__(self, tier: RedisTier, host: str = "", port: int = 0, path: str = "") -> None:
         self.tier, self.host, self.port, self.path = tier, host, port, path
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """An empty pool for this process. After ``fork`` the parent's connections are not
+        ours to use (their bytes would interleave with the parent's), and its locks may
+        have been held by a thread that does not exist here."""
         self._idle: list[_Conn] = []
         self._lock = threading.Lock()
-        self._permits = threading.BoundedSemaphore(tier.pool)
+        self._permits = threading.BoundedSemaphore(self.tier.pool)
         self._down_until = 0.0
         self._backoff = 0.0
+        self._pid = os.getpid()
 
     def __str__(self) -> str:
         return self.path or f"{self.host}:{self.port}"
@@ -270,6 +278,8 @@ class _Node:
     def run(self, work: Callable[[_Conn], Any]) -> Any:
         """Run ``work`` on a pooled connection; a broken connection is dropped, the node
         backs off, and ``_Closed`` propagates."""
+        if self._pid != os.getpid():
+            self._fresh()  # the parent's sockets are dropped here without a word to Redis
         if self.down():
             raise _Closed(f"{self} is backing off after a failure")
         if not self._permits.acquire(timeout=self.tier.timeout):
@@ -377,7 +387,8 @@ class RedisTier(Tier):
         self._buffers = BufferPool(max_free=256, max_free_bytes=256 << 20)
         self._counts = {"stored": 0, "oom": 0, "errors": 0, "corrupt": 0}
         self._counts_lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max(2, min(32, pool * max(1, len(nodes)))), thread_name_prefix=name)
+        self._threads = max(2, min(32, pool * max(1, len(nodes))))
+        self._executor_pid = -1  # the executor is made per process (threads do not survive fork)
         self._seeds = [_Node(self, h, p) for h, p in nodes] if not unix_path else [_Node(self, path=unix_path)]
         self._nodes: dict[str, _Node] = {str(n): n for n in self._seeds}
         self._slots: list[_Node] = []  # replaced whole on refresh: readers need no lock
@@ -423,6 +434,12 @@ class RedisTier(Tier):
         if url.scheme == "rediss":
             options.setdefault("tls", True)
         return cls(nodes, cluster=cluster, context=context, **options)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor_pid != os.getpid():
+            self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix=self.name)
+            self._executor_pid = os.getpid()
+        return self._executor
 
     # -- routing ------------------------------------------------------------------------
     def _rkey(self, key: bytes) -> bytes:
@@ -486,7 +503,7 @@ class RedisTier(Tier):
 
         if len(jobs) == 1:
             return [one(jobs[0])]
-        return list(self._executor.map(one, jobs))
+        return list(self._pool().map(one, jobs))
 
     def _raise_if_down(self, results: list[Any]) -> None:
         """Raise a call's failure when the tier as a whole is down: the one server, or
@@ -686,7 +703,9 @@ class RedisTier(Tier):
         self._raise_if_down(self._run_all(jobs))
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        if self._executor_pid == os.getpid():
+            self._executor.shutdown(wait=True)
+        self._executor_pid = -1
         for node in self._nodes.values():
             node.close()
 
