@@ -13,8 +13,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import socket
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -66,6 +66,17 @@ def counter(metric, **labels) -> float:
 # ------------------------------------------------------------------------------------------
 # Remote servers killed and restarted mid-workload
 # ------------------------------------------------------------------------------------------
+def stalled(port: int) -> bool:
+    """Whether Redis on ``port`` leaves a PING unanswered for 0.2 s (busy in DEBUG SLEEP)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+        sock.settimeout(0.2)
+        sock.sendall(b"PING\r\n")
+        try:
+            return not sock.recv(16)
+        except TimeoutError:
+            return True
+
+
 def test_redis_killed_mid_workload_is_misses_then_recovers(tmp_path):
     server = RedisServer(tmp_path)
     store = open_store([f"{server.url}?timeout=1&connect_timeout=1"], model="faults", layout=LAYOUT,
@@ -143,7 +154,7 @@ def test_a_slow_tier_costs_at_most_the_load_deadline_then_recovers(tmp_path):
 
         staller = threading.Thread(target=stall)
         staller.start()
-        time.sleep(0.3)
+        assert eventually(lambda: stalled(server.port))  # Redis is inside DEBUG SLEEP now
         out = torch.zeros(LAYOUT.tensor_shape(len(tokens)), dtype=torch.float16)
         got = store.get_into(tokens, out)
         assert not slept.is_set(), "the load waited for the slow tier instead of giving up at its deadline"
