@@ -48,6 +48,27 @@ SUITE: dict[str, tuple[str, list[str], list[str]]] = {
 }
 
 
+# What each benchmark needs beyond lmtier's core: (Python modules, programs, the extra or
+# package that brings them). The plots need matplotlib.
+NEEDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
+    "cpu": (("torch",), (), "the torch extra"),
+    "disk": ((), ("dd",), "coreutils' dd"),
+    "redis": (("redis",), ("redis-server", "redis-benchmark"), "the redis extra and redis-server / redis-tools"),
+    "grpc": (("grpc", "grpc_health"), ("redis-server",), "the server extra and redis-server"),
+    "vllm": (("vllm", "transformers", "tokenizers", "matplotlib"), ("dd",), "the vllm extra and matplotlib"),
+}
+
+
+def unmet(name: str) -> str | None:
+    """Why benchmark ``name`` cannot run here (one line), or None when it can."""
+    import importlib.util
+
+    modules, programs, hint = NEEDS[name]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    missing += [p for p in programs if shutil.which(p) is None]
+    return f"{name}: needs {', '.join(missing)} (install {hint})" if missing else None
+
+
 def run(
     out: Path,
     *,
@@ -61,6 +82,10 @@ def run(
     unknown = sorted(set(names) - set(SUITE))
     if unknown:
         raise LmtierError(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(SUITE)}")
+    skipped = {name: why for name in names if (why := unmet(name)) is not None}
+    names = [n for n in names if n not in skipped]
+    if not names:
+        raise LmtierError("no benchmark can run here: " + "; ".join(skipped.values()))
     out.mkdir(parents=True, exist_ok=True)
     reports: dict[str, Any] = {}
     seconds: dict[str, float] = {}
@@ -87,12 +112,16 @@ def run(
         "mode": "short" if short else "full",
         "machine": {"python": platform.python_version(), "processor": platform.machine(), "cpus": _cpus()},
         "seconds": seconds,
+        "skipped": skipped,
         "targets": targets(reports),
         "benchmarks": reports,
     }
     (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "results.md").write_text(markdown(summary, out))
-    throughput_plot(summary["targets"], out / "throughput.png")
+    try:
+        throughput_plot(summary["targets"], out / "throughput.png")
+    except ImportError:
+        summary["skipped"]["plots"] = "plots: need matplotlib (pip install matplotlib)"
     return summary
 
 

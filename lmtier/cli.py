@@ -286,6 +286,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     print((out / "results.md").read_text().rstrip())
+    for why in summary.get("skipped", {}).values():
+        print(f"skipped: {why}")
     print(f"\nreports, table and plots in {out}/")
     return 0
 

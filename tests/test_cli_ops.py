@@ -201,6 +201,31 @@ def test_bench_runs_a_benchmark_and_writes_its_report(tmp_path, capsys):
     assert (tmp_path / "throughput.png").stat().st_size > 1000
 
 
+def test_bench_without_the_engine_or_matplotlib_runs_what_it_can_and_says_what_it_skipped(
+    tmp_path, capsys, monkeypatch
+):
+    """A venv with the dev extra only: no vLLM, no matplotlib. Each missing part is one
+    line naming what to install; what can run, runs."""
+    import importlib.util
+    import sys
+
+    hidden = {"vllm", "matplotlib"}
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else find_spec(name, *a))
+    for name in [m for m in sys.modules if m.split(".")[0] in hidden]:
+        monkeypatch.delitem(sys.modules, name)
+    for name in hidden:
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    assert main(["bench", "--short", "--only", "cpu", "--only", "vllm", "--out", str(tmp_path), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "| cpu |" in out
+    assert "skipped: vllm: needs vllm, matplotlib (install the vllm extra and matplotlib)" in out
+    assert "skipped: plots: need matplotlib" in out
+    assert main(["bench", "--short", "--only", "vllm", "--out", str(tmp_path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no benchmark can run here: vllm: needs vllm" in err
+
+
 @pytest.mark.parametrize(
     "argv",
     [
