@@ -288,3 +288,38 @@ def test_a_cluster_that_does_not_answer_at_start_misses_and_is_opened_once_it_do
         tier.close()
     with pytest.raises(ConfigError):
         open_tier(cluster.url + "?timeout=-1", defer=True)
+
+
+@pytest.mark.parametrize(
+    ("reply", "opens"),
+    [
+        (b"-LOADING Redis is loading the dataset in memory", "deferred"),
+        (b"-CLUSTERDOWN The cluster is down", "deferred"),
+        (b"-ERR This instance has cluster support disabled", "config error"),
+        (b"-WRONGPASS invalid username-password pair or user is disabled.", "config error"),
+        (b"-NOAUTH Authentication required.", "config error"),
+    ],
+)
+def test_a_cluster_node_that_is_not_ready_yet_is_retried_and_a_misconfigured_one_refused(reply, opens):
+    """Fault injection: a node that answers every command with ``reply``."""
+    import socketserver
+
+    class Answer(socketserver.BaseRequestHandler):
+        def handle(self):
+            while self.request.recv(65536):
+                self.request.sendall(reply + b"\r\n")
+
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Answer) as fake:
+        fake.daemon_threads = True
+        threading.Thread(target=fake.serve_forever, daemon=True).start()
+        url = f"redis+cluster://127.0.0.1:{fake.server_address[1]}?timeout=1"
+        try:
+            if opens == "deferred":
+                tier = open_tier(url, defer=True)
+                assert isinstance(tier, DeferredTier) and tier.contains([b"k" * 16]) == 0
+                tier.close()
+            else:
+                with pytest.raises(ConfigError):
+                    open_tier(url, defer=True)
+        finally:
+            fake.shutdown()

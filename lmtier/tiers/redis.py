@@ -378,9 +378,12 @@ class RedisTier(Tier):
         self.chunk_bytes = (context.chunk_bytes if context else None) or (1 << 20)  # to size parallel reads
         self.tls: ssl.SSLContext | None = None
         if tls or tls_ca or tls_cert:
-            self.tls = ssl.create_default_context(cafile=tls_ca or None)
-            if tls_cert:
-                self.tls.load_cert_chain(tls_cert, tls_key or None)
+            try:  # files that cannot be read are a configuration error, not a server that is down
+                self.tls = ssl.create_default_context(cafile=tls_ca or None)
+                if tls_cert:
+                    self.tls.load_cert_chain(tls_cert, tls_key or None)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(f"cannot use the TLS files of redis tier {name!r}: {exc}") from exc
             if not tls_verify:
                 self.tls.check_hostname = False
                 self.tls.verify_mode = ssl.CERT_NONE
@@ -418,6 +421,8 @@ class RedisTier(Tier):
             host, _, port = item.rpartition(":") if ":" in item else (item, "", "6379")
             try:
                 nodes.append((host.strip("[]") or "127.0.0.1", int(port)))
+                if not 0 < nodes[-1][1] < 65536:
+                    raise ValueError("port out of range")
             except ValueError as exc:
                 raise ConfigError(f"bad host:port {item!r} in {url.shown!r}") from exc
         cluster = url.scheme == "redis+cluster"
@@ -462,7 +467,13 @@ class RedisTier(Tier):
                 last = exc
                 continue
             if isinstance(answer, ReplyError):
-                raise ConfigError(f"{node} is not a cluster node: {answer}")
+                text = str(answer)
+                if "cluster support disabled" in text or "unknown command" in text.lower():
+                    raise ConfigError(f"{node} is not a cluster node: {text}")
+                if text.startswith(("NOAUTH", "WRONGPASS")):
+                    raise ConfigError(f"{node} refused the credentials: {text}")
+                last = RetryableError(f"{node}: {text}")  # LOADING, BUSY, CLUSTERDOWN...: later
+                continue
             slots: list[_Node | None] = [None] * 16384
             for start, end, master, *_replicas in answer:
                 host, port = master[0].decode() or node.host, int(master[1])
