@@ -342,12 +342,33 @@ def test_many_processes_open_one_fresh_directory_at_the_same_instant(tmp_path):
     assert [p.returncode for p in openers] == [0] * processes
 
 
-def test_dead_writers_temporary_files_are_removed_on_open(tmp_path):
+def test_dead_writers_temporary_files_are_removed_on_open_and_live_ones_kept(tmp_path):
+    """A pid says nothing about a writer in another container: age decides."""
+    from lmtier.tiers.disk import STALE_TEMP_S
+
     new_tier(tmp_path).close()
-    stale = tmp_path / "tmp" / "999999999-1.tmp"
+    stale = tmp_path / "tmp" / "999999999-abc-1.tmp"
     stale.write_bytes(b"half a chunk")
+    old = time.time() - STALE_TEMP_S - 5
+    os.utime(stale, (old, old))
+    elsewhere = tmp_path / "tmp" / "999999999-def-1.tmp"  # a pid dead here, alive in its container
+    elsewhere.write_bytes(b"being written")
     new_tier(tmp_path).close()
-    assert not stale.exists()
+    assert not stale.exists() and elsewhere.exists()
+
+
+def test_writers_with_the_same_pid_in_two_containers_never_touch_each_others_files(tmp_path):
+    """Two PID namespaces on one directory: the same pid, other temporary names."""
+    a, b = new_tier(tmp_path), new_tier(tmp_path)
+    b._nonce_pid = -1  # as if b were another process with a's pid
+    assert a._nonce() != b._nonce()
+    first, second = make_prompt(3, seed=61), make_prompt(3, seed=62)
+    a.put(first.chunks())
+    b.put(second.chunks())
+    assert a.contains(first.keys) == 3 and a.contains(second.keys) == 3
+    assert list((tmp_path / "tmp").iterdir()) == []
+    a.close()
+    b.close()
 
 
 def test_files_that_are_not_chunks_are_removed_and_never_counted(tmp_path):

@@ -3,7 +3,7 @@
 One file per chunk, ``chunks/<first byte>/<hex key>.lmt``, holding one codec frame. The
 file name is the key's fixed hex encoding and nothing else, so no input can steer a path.
 
-Publishing is atomic: a chunk is written whole under ``tmp/<pid>-<n>.tmp`` (fsync'ed
+Publishing is atomic: a chunk is written whole under ``tmp/<pid>-<random>-<n>.tmp`` (fsync'ed
 first when ``fsync=true``), then, inside one index transaction, renamed into place and
 recorded. Readers open files by name, so they see a complete frame or nothing; a file
 evicted or replaced while being read stays readable through its open descriptor. After a
@@ -32,6 +32,7 @@ import errno
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -50,6 +51,7 @@ from lmtier.units import parse_size
 log = logging.getLogger(__name__)
 SUFFIX = ".lmt"
 MAX_FRAME = 1 << 31  # a file larger than this is not ours: refuse before allocating
+STALE_TEMP_S = 600.0  # a temporary file untouched this long belongs to no live writer
 
 
 def _parse_auto(text: str) -> bool | None:
@@ -91,6 +93,7 @@ class DiskTier(Tier):
         # read at once), bounded in bytes: fresh buffers cost page faults on every read.
         self._buffers = BufferPool(max_free=256, max_free_bytes=256 << 20)
         self._counter = itertools.count()
+        self._nonce_pid = -1
         self._counts = {"stored": 0, "dropped": 0, "evictions": 0, "corrupt": 0, "write_errors": 0}
         self._counts_lock = threading.Lock()
         self._pid = -1
@@ -228,8 +231,11 @@ class DiskTier(Tier):
         Returns ``(key, temporary path, size)``, or why not: ``"io"`` (disk full, directory
         gone, ...) or ``"corrupt"`` (the chunk failed verification on its way in).
         """
-        tmp = str(self._tmp / f"{os.getpid()}-{next(self._counter)}.tmp")
+        # Unique across processes, hosts and PID namespaces sharing the directory: a pid
+        # alone repeats in another container.
+        tmp = str(self._tmp / f"{os.getpid()}-{self._nonce()}-{next(self._counter)}.tmp")
         buf = None
+        created = False
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.o_direct else 0)
             if self.o_direct:
@@ -242,6 +248,7 @@ class DiskTier(Tier):
                 parts = codec.encode_parts(chunk)
                 size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
             fd = os.open(tmp, flags, 0o644)
+            created = True
             try:
                 _write_all(fd, parts)
                 if self.o_direct and size % ALIGN:  # drop the padding O_DIRECT wrote
@@ -262,7 +269,8 @@ class DiskTier(Tier):
         finally:
             if buf is not None:
                 self._buffers.release(buf)
-        _unlink(tmp)
+        if created:  # never a file of someone else's
+            _unlink(tmp)
         return outcome
 
     def _publish(self, ready: list[tuple[bytes, str, int]], present: set[bytes], order: dict[bytes, int]) -> None:
@@ -286,9 +294,15 @@ class DiskTier(Tier):
             while fresh and short > 0:  # the rest is held by others' unfinished work
                 size = fresh.pop()[2]
                 need, short = need - size, short - size
-            for key, tmp, _ in fresh:
+            for i, (key, tmp, _) in enumerate(fresh):
                 path = self._path(key)
-                os.rename(tmp, path)
+                try:
+                    os.rename(tmp, path)
+                except OSError as exc:  # our file is gone (a vanished directory): drop the rest
+                    log.warning("disk tier %s: cannot publish %s: %s", self.name, key.hex()[:16], exc)
+                    need -= sum(size for _, _, size in fresh[i:])
+                    fresh = fresh[:i]
+                    break
                 dirs.add(os.path.dirname(path))
             txn.add((key, size, now - order[key]) for key, _, size in fresh)
             txn.set_usage(txn.usage() + need)
@@ -427,10 +441,23 @@ class DiskTier(Tier):
             self._counts[what] += n
 
     def _remove_dead_temporaries(self) -> None:
+        """Temporary files a crashed writer left. A pid says nothing about a writer in
+        another container (PID namespace) or on another host, so age decides: a chunk is
+        written and published within seconds, and a file untouched for STALE_TEMP_S is no
+        live writer's."""
+        cutoff = time.time() - STALE_TEMP_S
         for entry in os.scandir(self._tmp):
-            pid_text = entry.name.split("-", 1)[0]
-            if not pid_text.isdigit() or not _alive(int(pid_text)):
-                _unlink(entry.path)
+            try:
+                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    _unlink(entry.path)
+            except FileNotFoundError:
+                pass
+
+    def _nonce(self) -> str:
+        """Random per process (made anew after fork)."""
+        if self._nonce_pid != os.getpid():
+            self._nonce_text, self._nonce_pid = secrets.token_hex(6), os.getpid()
+        return self._nonce_text
 
 
 def _check_key(key: bytes) -> bytes:
@@ -473,18 +500,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _supports_o_direct(directory: Path) -> bool:
