@@ -1,0 +1,125 @@
+"""vLLM's OpenAI-compatible HTTP server with lmtier, as the README runs it (`vllm serve`
+from the project's venv): two server processes, one after the other, over one disk tier,
+and a real HTTP client sending each the same long prompt.
+
+The second server loads the prompt's KV from lmtier (its `cached_tokens`, vLLM's
+`external_prefix_cache_hits` metric) and answers exactly as the first server did from
+its own prefix cache at the same number of cached tokens (bit for bit), and as the first
+server's full prefill by greedy tokens (up to a near tie; see lmtier.enginerun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lmtier.enginerun import compare_answers
+from lmtier.redisproc import free_port
+from lmtier.tinymodel import build
+
+CHUNK, BLOCK = 128, 64
+# 1060 tokens: lmtier holds 8 whole chunks (1024 tokens) of it, and vLLM's own prefix
+# cache hits the same 1024 (whole blocks before the last token): the same computation.
+PROMPT = [int(x) for x in np.random.default_rng(7).integers(5, 500, 1060)]
+
+
+class VllmServer:
+    def __init__(self, model: str, disk: Path, log: Path) -> None:
+        self.port = free_port()
+        transfer = {
+            "kv_connector": "LMTierConnector",
+            "kv_connector_module_path": "lmtier.connectors.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "tiers": ["cpu://?size=256MiB", f"file://{disk}?size=1GiB"],
+                "chunk_tokens": CHUNK,
+            },
+        }
+        cmd = [str(Path(sys.executable).parent / "vllm"), "serve", model, "--host", "127.0.0.1",
+               "--port", str(self.port), "--kv-transfer-config", json.dumps(transfer), "--dtype", "bfloat16",
+               "--block-size", str(BLOCK), "--max-model-len", "2048", "--max-num-seqs", "2", "--enforce-eager",
+               "--enable-prompt-tokens-details"]  # fmt: skip
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+        self.log = log
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 420
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"vllm serve did not come up:\n{log.read_text()[-4000:]}")
+            time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).status == 200
+        except OSError:
+            return False
+
+    def complete(self, model: str, prompt: list[int]) -> dict:
+        """One greedy completion; the output in lmtier.enginerun's form."""
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        answer = json.loads(urllib.request.urlopen(request, timeout=300).read())
+        (choice,) = answer["choices"]
+        logprobs = choice["logprobs"]
+        margins = []
+        for top in logprobs["top_logprobs"]:
+            best = sorted(top.values(), reverse=True)
+            margins.append(best[0] - best[1] if len(best) > 1 else float("inf"))
+        return {
+            "tokens": logprobs["tokens"],
+            "logprobs": logprobs["token_logprobs"],
+            "margins": margins,
+            "cached": (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            "prompt": "p",
+        }
+
+    def metric(self, name: str) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
+        return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.mark.timeout(1500)
+def test_two_vllm_http_servers_share_a_prompt_through_one_disk_tier(tmp_path):
+    model = str(build(tmp_path / "model"))
+    disk = tmp_path / "disk"
+    first = VllmServer(model, disk, tmp_path / "first.log")
+    try:
+        computed = first.complete(model, PROMPT)
+        own_hit = first.complete(model, PROMPT)  # vLLM's own prefix cache
+    finally:
+        first.stop()  # its saves are on disk once it has stopped
+    assert computed["cached"] == 0 and own_hit["cached"] == 1024
+    assert len(list(disk.glob("chunks/*/*.lmt"))) >= 8
+    second = VllmServer(model, disk, tmp_path / "second.log")
+    try:
+        loaded = second.complete(model, PROMPT)
+        external = second.metric("vllm:external_prefix_cache_hits_total")
+    finally:
+        second.stop()
+    assert loaded["cached"] == 1024 and external == 1024
+    problems, exact = compare_answers([loaded], [own_hit], [computed])
+    assert not problems and exact == 1, problems
+    assert "lmtier: vllm connector: tiers" in (tmp_path / "second.log").read_text()
