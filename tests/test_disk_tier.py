@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -407,3 +408,45 @@ def test_keys_lists_a_prefix_most_recent_first(tmp_path, tier_url):
         assert len(tier.keys()) == 6
     finally:
         tier.close()
+
+
+def test_a_damaged_index_is_moved_aside_and_rebuilt_from_the_files(tmp_path):
+    tier = new_tier(tmp_path)
+    prompt = make_prompt(4, seed=71)
+    tier.put(prompt.chunks())
+    tier.close()
+    for suffix in ("-wal", "-shm"):
+        (tmp_path / f"index.sqlite{suffix}").unlink(missing_ok=True)
+    (tmp_path / "index.sqlite").write_bytes(b"not a database, whatever it was" * 100)
+    again = new_tier(tmp_path)
+    assert again.contains(prompt.keys) == 4
+    got = again.get(prompt.keys)
+    assert [c.tobytes() for c in got] == [c.tobytes() for c in prompt.chunks()]
+    release_all(got)
+    assert again.stats()["used_bytes"] == sum(files_on_disk(tmp_path).values())
+    assert (tmp_path / "index.sqlite.damaged").exists()
+    again.close()
+
+
+def test_a_read_does_not_wait_for_another_processes_write_lock(tmp_path):
+    """Refreshing recency is best effort: a hit is served while another process holds
+    the index's write lock (a long eviction, a stalled writer)."""
+    import sqlite3
+
+    tier = new_tier(tmp_path)
+    prompt = make_prompt(3, seed=72)
+    tier.put(prompt.chunks())
+    locker = sqlite3.connect(tmp_path / "index.sqlite", isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")
+    try:
+        got = []
+        reader = threading.Thread(target=lambda: got.extend(tier.get(prompt.keys)))
+        reader.start()
+        reader.join(30)  # a hang detector: without the fix the read waits for the lock (60 s)
+        assert not reader.is_alive()
+        assert [c.tobytes() for c in got] == [c.tobytes() for c in prompt.chunks()]
+        release_all(got)
+    finally:
+        locker.execute("ROLLBACK")
+        locker.close()
+    tier.close()

@@ -33,6 +33,7 @@ import itertools
 import logging
 import os
 import secrets
+import sqlite3
 import threading
 import time
 from collections.abc import Sequence
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 SUFFIX = ".lmt"
 MAX_FRAME = 1 << 31  # a file larger than this is not ours: refuse before allocating
 STALE_TEMP_S = 600.0  # a temporary file untouched this long belongs to no live writer
+TOUCH_WAIT_S = 0.05  # how long a read waits for the index's write lock to refresh recency
 
 
 def _parse_auto(text: str) -> bool | None:
@@ -125,12 +127,17 @@ class DiskTier(Tier):
         misses = [k for k, c in zip(keys, chunks, strict=True) if c is None]
         vanished = [k for k in self.index.present(misses) if not os.path.exists(self._path(k))] if misses else []
         if hits or vanished:
-            with self.index.transaction() as txn:
-                txn.touch(hits)
-                if vanished:  # a crash between unlink and commit: heal the index
-                    sizes = txn.sizes(vanished)
-                    txn.remove(sizes)
-                    txn.set_usage(txn.usage() - sum(sizes.values()))
+            # Recency is best effort: a read never waits long on another process's write lock
+            # (the chunks are read already); a skipped refresh costs only eviction order.
+            try:
+                with self.index.transaction(wait_s=TOUCH_WAIT_S) as txn:
+                    txn.touch(hits)
+                    if vanished:  # a crash between unlink and commit: heal the index
+                        sizes = txn.sizes(vanished)
+                        txn.remove(sizes)
+                        txn.set_usage(txn.usage() - sum(sizes.values()))
+            except sqlite3.OperationalError as exc:
+                log.debug("disk tier %s: recency not refreshed: %s", self.name, exc)
         metrics.TIER_OPS.labels(self.name, "get", "hit").inc(len(hits))
         metrics.TIER_OPS.labels(self.name, "get", "miss").inc(len(keys) - len(hits))
         return chunks

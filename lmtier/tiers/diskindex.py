@@ -22,6 +22,7 @@ and rebuilds it from the files if the database is lost.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import random
 import sqlite3
@@ -38,12 +39,14 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta VALUES ('usage', 0);
 """
 _BATCH = 500  # SQLite's bound on host parameters is far above this
+log = logging.getLogger(__name__)
 
 
 class DiskIndex:
-    def __init__(self, path: str, busy_timeout_s: float = 60.0) -> None:
+    def __init__(self, path: str, busy_timeout_s: float = 60.0, open_timeout_s: float = 10.0) -> None:
         self.path = path
         self._busy_timeout_s = busy_timeout_s
+        self._open_timeout_s = open_timeout_s  # past it, an engine's tier opens later (deferred)
         self._pid = -1
         self._lock = threading.RLock()
 
@@ -62,18 +65,22 @@ class DiskIndex:
         when the database is not in WAL already, and retry what stays busy until the busy
         timeout has passed.
         """
-        deadline = time.monotonic() + self._busy_timeout_s
+        deadline = time.monotonic() + self._open_timeout_s
         delay = 0.005
         while True:
             conn = sqlite3.connect(
-                self.path, timeout=self._busy_timeout_s, isolation_level=None, check_same_thread=False
+                self.path, timeout=self._open_timeout_s, isolation_level=None, check_same_thread=False
             )
             try:
                 with _turn(self.path + ".lock", deadline):
-                    if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-                        conn.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
-                    conn.execute("PRAGMA synchronous=NORMAL")  # consistent after a crash; files are the truth
-                    conn.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} COMMIT;")
+                    try:
+                        self._set_up(conn)
+                    except sqlite3.DatabaseError as exc:
+                        if isinstance(exc, sqlite3.OperationalError):
+                            raise
+                        conn.close()  # not a database any more: the files are the truth
+                        conn = self._replace_damaged(exc)
+                conn.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_s * 1000)}")
                 return conn
             except sqlite3.OperationalError as exc:
                 conn.close()
@@ -84,6 +91,24 @@ class DiskIndex:
                 raise
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 0.5)
+
+    @staticmethod
+    def _set_up(conn: sqlite3.Connection) -> None:
+        if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+            conn.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+        conn.execute("PRAGMA synchronous=NORMAL")  # consistent after a crash; files are the truth
+        conn.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} COMMIT;")
+
+    def _replace_damaged(self, exc: sqlite3.DatabaseError) -> sqlite3.Connection:
+        """Move a damaged database aside (one copy kept, for a post-mortem) and start an
+        empty one, which the tier's ``reconcile`` fills from the files."""
+        log.warning("disk index %s is damaged (%s): moved aside, rebuilt from the chunk files", self.path, exc)
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(self.path + suffix):
+                os.replace(self.path + suffix, self.path + ".damaged" + suffix)
+        conn = sqlite3.connect(self.path, timeout=self._open_timeout_s, isolation_level=None, check_same_thread=False)
+        self._set_up(conn)
+        return conn
 
     def present(self, keys: Sequence[bytes]) -> set[bytes]:
         found: set[bytes] = set()
@@ -122,10 +147,18 @@ class DiskIndex:
             return {k: (s, a) for k, s, a in self._conn().execute("SELECT key, size, atime FROM chunks")}
 
     @contextmanager
-    def transaction(self) -> Iterator[Txn]:
+    def transaction(self, wait_s: float | None = None) -> Iterator[Txn]:
+        """A write transaction; ``wait_s``: how long to wait for the write lock (default
+        the busy timeout), then ``sqlite3.OperationalError``."""
         with self._lock:
             db = self._conn()
-            db.execute("BEGIN IMMEDIATE")
+            if wait_s is not None:
+                db.execute(f"PRAGMA busy_timeout={int(wait_s * 1000)}")
+            try:
+                db.execute("BEGIN IMMEDIATE")
+            finally:
+                if wait_s is not None:
+                    db.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_s * 1000)}")
             try:
                 yield Txn(db)
             except BaseException:
