@@ -1,6 +1,8 @@
-"""Two small objects for remote calls: a circuit breaker and a retry backoff.
+"""Small objects for remote calls: a circuit breaker, a retry backoff, a quiet warning.
 
 ``CircuitBreaker``: stop calling a tier that keeps failing, try again later.
+``QuietWarning``: a warning that repeats with every failing call is logged once per
+interval, with a count of the ones held back (a dead server must not flood the log).
 
 Closed: calls go through. After ``threshold`` consecutive failures it opens: calls are
 skipped (they become misses at once instead of waiting on a dead server) until
@@ -10,10 +12,30 @@ closes or re-opens the breaker.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
 from collections.abc import Callable
+
+
+class QuietWarning:
+    def __init__(self, logger: logging.Logger, every: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self._log, self.every, self._clock = logger, every, clock
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._held = 0
+
+    def warning(self, message: str, *args: object) -> None:
+        now = self._clock()
+        with self._lock:
+            if now < self._next:
+                self._held += 1
+                return
+            held, self._held, self._next = self._held, 0, now + self.every
+        if held:
+            message, args = message + " (and %d more like it since the last)", (*args, held)
+        self._log.warning(message, *args)
 
 
 class CircuitBreaker:

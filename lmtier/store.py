@@ -37,7 +37,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from lmtier import metrics
-from lmtier.breaker import CircuitBreaker
+from lmtier.breaker import CircuitBreaker, QuietWarning
 from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError
 from lmtier.tiers.base import Tier
@@ -80,6 +80,7 @@ class TieredStore:
                 raise ConfigError(f"write-back needs a first tier that reports evictions (cpu://), not {tiers[0]}")
             self.tiers[0].evict_hook = self._demote
         self._breakers = {id(t): breaker() for t in self.tiers}
+        self._warnings = {id(t): QuietWarning(log) for t in self.tiers}
         self._queue_size = write_queue
         self._pid = -1
         self._reader_pid = -1
@@ -311,7 +312,7 @@ class TieredStore:
             breaker.failure()
             metrics.BREAKER_OPEN.labels(tier.name).set(int(breaker.is_open))
             metrics.TIER_ERRORS.labels(tier.name, op).inc()
-            log.warning("tier %s failed on %s: %s", tier.name, op, exc)
+            self._warnings[id(tier)].warning("tier %s failed on %s: %s", tier.name, op, exc)
             return default
         finally:
             metrics.TIER_SECONDS.labels(tier.name, op).observe(time.perf_counter() - start)

@@ -196,3 +196,35 @@ def test_breaker_half_open_failure_reopens():
 def test_store_needs_a_tier():
     with pytest.raises(ValueError):
         TieredStore([])
+
+
+def test_a_dead_tier_is_one_warning_per_interval_not_one_per_call(caplog):
+    """A dead server used by every request must not flood the engine's log."""
+    import logging
+
+    from lmtier.redisproc import free_port
+    from lmtier.tiers.base import open_tier
+
+    dead = open_tier(f"grpc://127.0.0.1:{free_port()}?timeout=0.2&retries=0&shm=off")
+    store = TieredStore([open_tier("cpu://?size=4MiB"), dead])
+    prompt = make_prompt(2, seed=5)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(40):
+            assert store.lookup(prompt.keys) == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert 1 <= len(said) <= 4, said  # one from the store, one from the tier, per 30 s
+    store.close()
+
+
+def test_a_quiet_warning_counts_what_it_held_back(caplog):
+    import logging
+
+    from lmtier.breaker import QuietWarning
+
+    now = [0.0]
+    quiet = QuietWarning(logging.getLogger("lmtier.test"), every=10, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING):
+        for t in (0, 1, 2, 3, 11, 12):
+            now[0] = t
+            quiet.warning("down: %s", "x")
+    assert [r.getMessage() for r in caplog.records] == ["down: x", "down: x (and 3 more like it since the last)"]

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import grpc
 
 from lmtier import codec, metrics
-from lmtier.breaker import Backoff, CircuitBreaker
+from lmtier.breaker import Backoff, CircuitBreaker, QuietWarning
 from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError, IntegrityError, LmtierError
@@ -184,6 +184,7 @@ class GrpcTier(Tier):
         self.tls_server_name = tls_server_name
         self._backoff = Backoff(attempts=retries)
         self._breaker = CircuitBreaker(threshold=3, cooldown=1.0)
+        self._warning = QuietWarning(log)
         self._buffers = BufferPool(max_free=64, max_free_bytes=128 << 20)
         chunk_bytes = context.chunk_bytes if context else None
         self._frame_guess = (chunk_bytes or 1 << 20) + 4096
@@ -282,7 +283,7 @@ class GrpcTier(Tier):
         self._breaker.failure()
         self._count("errors")
         metrics.TIER_ERRORS.labels(self.name, op).inc()
-        log.warning("grpc tier %s: %s failed: %s", self.name, op, why)
+        self._warning.warning("grpc tier %s: %s failed: %s", self.name, op, why)
         return default
 
     def _deadline(self, nbytes: int) -> float:
