@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -209,10 +210,12 @@ def test_a_dead_tier_is_one_warning_per_interval_not_one_per_call(caplog):
     store = TieredStore([open_tier("cpu://?size=4MiB"), dead])
     prompt = make_prompt(2, seed=5)
     with caplog.at_level(logging.WARNING):
-        for _ in range(40):
+        end = time.monotonic() + 4  # several of the tier's breaker cooldowns (1 s): probes that fail
+        while time.monotonic() < end:
             assert store.lookup(prompt.keys) == 0
+            time.sleep(0.05)
     said = [r.getMessage() for r in caplog.records]
-    assert 1 <= len(said) <= 4, said  # one from the store, one from the tier, per 30 s
+    assert 1 <= len(said) <= 2, said  # once per 30 s, from the tier (and the store, were it to raise)
     store.close()
 
 
