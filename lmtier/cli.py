@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -69,8 +70,13 @@ def cmd_keys(args: argparse.Namespace) -> int:
     if not isinstance(tokens, list):
         raise LmtierError(f"{args.tokens_file}: expected a JSON list of token ids")
     size = _chunk_tokens(args, layout)
+    model = args.model
+    if not model:  # an engine names a model by the path it was given: the config's directory
+        model = str(Path(args.config).parent)
+        print(f"lmtier keys: model id {model!r} (an engine started with that model path uses it; "
+              "--model names another)", file=sys.stderr)  # fmt: skip
     ns = Namespace(
-        model=args.model or str(args.config),
+        model=model,
         layout=layout,
         chunk_tokens=size,
         revision=args.revision,
@@ -407,6 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # `lmtier stats | head`: the reader has all it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        return 0
     except (LmtierError, ValueError, OSError) as exc:
         print(f"lmtier {args.command}: error: {exc}", file=sys.stderr)
         return 2

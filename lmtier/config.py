@@ -131,7 +131,9 @@ class ServerConfig:
     max_streams_per_connection: int = 16
     # Prometheus /metrics, /healthz and /readyz on this port (None: off).
     metrics_port: int | None = None
-    metrics_host: str = "0.0.0.0"
+    # Its address; "" (the default): the gRPC address, ``host``. A sidecar whose gRPC
+    # stays on 127.0.0.1 sets 0.0.0.0 here for the kubelet's probes and Prometheus.
+    metrics_host: str = ""
     # Same-host shared-memory data plane: the directory segments live in ("" turns it off).
     shm_dir: str = "/dev/shm"
     # Seconds between readiness probes of the tiers.

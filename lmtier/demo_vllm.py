@@ -115,7 +115,7 @@ def run_vllm_demo(
         print(f"\nB's time to first token is {speedup:.1f}x shorter than a full prefill.")
     else:
         print(f"\nB's time to first token is {1 / speedup:.1f}x longer than a full prefill (a busy machine?).")
-    _plot(medians, out / "ttft.png")
+    _plot(medians, out / "ttft.png", hits[0]["prompt_len"], docs)
     (out / "ttft.json").write_text(json.dumps({k: v for k, v in medians.items()}, indent=2) + "\n")
     print(f"plot: {out / 'ttft.png'}")
     # B must have loaded every whole chunk of its document (lmtier's automatic chunk size for
@@ -130,19 +130,22 @@ def run_vllm_demo(
     return 0 if ok else 1
 
 
-def _plot(medians: dict[str, float], path: Path) -> None:
+def _plot(medians: dict[str, float], path: Path, prompt_tokens: int, docs: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = list(medians)
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    ax.barh(range(len(labels)), [medians[k] * 1000 for k in labels], color=["#999", "#bb8", "#c77", "#7a7", "#47c"])
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    values = [medians[k] * 1000 for k in labels]
+    bars = ax.barh(range(len(labels)), values, color=["#999", "#bb8", "#c77", "#7a7", "#47c"])
+    ax.bar_label(bars, labels=[f"{v:.0f} ms" for v in values], padding=3)
+    ax.set_xlim(0, max(values) * 1.18)
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("median time to first token (ms)")
-    ax.set_title("lmtier demo: vLLM (CPU build), small random Llama")
+    ax.set_title(f"lmtier demo: vLLM (CPU build), small random Llama\nprompts of {prompt_tokens} tokens, {docs} docs")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

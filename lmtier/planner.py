@@ -73,7 +73,8 @@ class Plan:
         for fit in self.tiers:
             lines.append(
                 f"tier {fit.name:<9} {format_bytes(fit.capacity_bytes)} holds {fit.tokens:,} tokens "
-                f"in {fit.chunks:,} chunks = {fit.contexts:,} full contexts of {self.tokens:,} tokens"
+                f"in {fit.chunks:,} chunks = {fit.contexts:,} full context{'' if fit.contexts == 1 else 's'} "
+                f"of {self.tokens:,} tokens"
             )
         return "\n".join(lines)
 

@@ -12,6 +12,15 @@ from lmtier.tiers.base import register_tier
 from lmtier.tiers.cpu import CpuTier
 
 
+def test_the_readme_example_runs_as_pasted():
+    """The README's embedded-API block, executed as it stands."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## The embedded API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(block, "README.md", "exec"), {})
+
+
 def test_the_readme_example():
     store = lmtier.open_store(
         ["cpu://?size=1GiB"],

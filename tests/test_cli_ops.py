@@ -257,3 +257,34 @@ def test_bad_arguments_give_one_line_and_a_non_zero_exit(argv):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("lmtier") and "error" in lines[0]
+
+
+def test_paper_cuts_of_a_first_session(tmp_path):
+    """`lmtier keys --config` names the model as an engine started on that directory does;
+    `lmtier ... | head` ends quietly; one context is "1 full context"."""
+    import subprocess
+    import sys
+
+    from lmtier.tinymodel import build
+
+    model = build(tmp_path / "tiny")
+    run = subprocess.run(
+        [sys.executable, "-m", "lmtier", "keys", "--config", str(model / "config.json"), "--tokens-file", "-",
+         "--block-size", "64", "--json"],
+        input=json.dumps(list(range(300))), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["namespace"]["model"] == str(model)
+    assert "an engine started with that model path uses it" in run.stderr
+    many = tmp_path / "tokens.json"
+    many.write_text(json.dumps(list(range(500_000))))  # ~2,000 lines of keys: more than a pipe holds
+    piped = subprocess.run(
+        f"{sys.executable} -m lmtier keys --model llama-3-8b --tokens-file {many} | head -n 1",
+        shell=True, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert piped.returncode == 0 and piped.stdout.strip() and "Error" not in piped.stderr, piped.stderr
+    one = subprocess.run(
+        [sys.executable, "-m", "lmtier", "size", "--model", "llama-3-8b", "--tokens", "8k", "--cpu", "1.1GiB"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "= 1 full context of" in one.stdout, one.stdout

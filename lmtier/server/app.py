@@ -108,17 +108,18 @@ class CacheServer:
         self.stopped = threading.Event()
         self._http: ThreadingHTTPServer | None = None
         self.metrics_port: int | None = None
+        self.metrics_host = config.metrics_host or config.host
         self._prober = threading.Thread(target=self._probe_loop, name="lmtier-probe", daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> CacheServer:
         if self.config.metrics_port is not None:  # before anything runs: a taken port stops the start cleanly
             try:
-                self._http = ThreadingHTTPServer((self.config.metrics_host, self.config.metrics_port), _handler(self))
+                self._http = ThreadingHTTPServer((self.metrics_host, self.config.metrics_port), _handler(self))
             except OSError as exc:
                 self.grpc.stop(None)
                 self.store.close()
-                where = f"{self.config.metrics_host}:{self.config.metrics_port}"
+                where = f"{self.metrics_host}:{self.config.metrics_port}"
                 raise OSError(f"cannot serve metrics on {where}: {exc}") from exc
             self.metrics_port = self._http.server_address[1]
         self._set_ready(self.probe())
@@ -261,7 +262,7 @@ def serve(config: ServerConfig) -> int:
     server, port = create_server(config)
     print(f"lmtier serve: listening on {config.host}:{port}", flush=True)
     if server.metrics_port is not None:
-        print(f"lmtier serve: metrics on http://{config.metrics_host}:{server.metrics_port}/metrics", flush=True)
+        print(f"lmtier serve: metrics on http://{server.metrics_host}:{server.metrics_port}/metrics", flush=True)
     while not asked.wait(0.5):
         pass
     server.stop()  # on the main thread: thread pools refuse work once it has returned
