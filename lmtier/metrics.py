@@ -72,6 +72,12 @@ WRITE_QUEUE_DROPS = Counter(
     ["tier"],
     registry=REGISTRY,
 )
+UNWRITTEN_CHUNKS = Counter(
+    "lmtier_unwritten_chunks_total",
+    "Chunks put into the first tier that never reached this lower tier (not kept, or the queue was full).",
+    ["tier"],
+    registry=REGISTRY,
+)
 PROMOTIONS = Counter(
     "lmtier_promotions_total",
     "Chunks copied up into a faster tier after a hit.",

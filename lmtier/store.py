@@ -86,6 +86,7 @@ class TieredStore:
         self._reader_pid = -1
         self._closed = False
         self.dropped_writes = 0
+        self.unwritten_chunks = 0  # chunks a put could not hand to the lower tiers
 
     # -- the hot path -------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -188,9 +189,26 @@ class TieredStore:
         self._call(first, "put", first.put, chunks, default=None)
         metrics.TIER_BYTES.labels(first.name, "put").inc(sum(c.nbytes for c in chunks))
         keys = [c.key for c in chunks]
-        if len(self.tiers) > 1 and not self.write_back:
+        if len(self.tiers) > 1 and not self.write_back and hasattr(first, "evict_hook"):
+            # The writer gets the chunks now, leased from the memory tier (which keeps them
+            # until written): read back later, a chunk evicted meanwhile would be lost
+            # without a trace. What the first tier did not keep is counted as unwritten.
+            held = self._call(first, "get", first.get, keys, default=None) or [None] * len(keys)
+            kept = next((i for i, c in enumerate(held) if c is None), len(held))
+            release_all(held[kept:])
+            self._unwritten(len(keys) - kept)
+            if kept and not self._enqueue(keys[:kept], self.tiers[1:], held[:kept]):
+                release_all(held[:kept])
+            return kept
+        if len(self.tiers) > 1 and not self.write_back:  # a first tier without leases: read back later
             self._enqueue(keys, self.tiers[1:])
         return self._call(first, "contains", first.contains, keys, default=0)
+
+    def _unwritten(self, n: int) -> None:
+        if n:
+            self.unwritten_chunks += n
+            for tier in self.tiers[1:]:
+                metrics.UNWRITTEN_CHUNKS.labels(tier.name).inc(n)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         for tier in self.tiers:
@@ -222,6 +240,8 @@ class TieredStore:
             self.dropped_writes += 1
             for tier in targets:
                 metrics.WRITE_QUEUE_DROPS.labels(tier.name).inc()
+            if chunks is not None and targets == self.tiers[1:]:
+                self._unwritten(len(chunks))
             return False
         return True
 
@@ -324,6 +344,7 @@ class TieredStore:
         return {
             "tiers": [self._call(t, "stats", t.stats, default={"tier": t.name, "error": True}) for t in self.tiers],
             "dropped_writes": self.dropped_writes,
+            "unwritten_chunks": self.unwritten_chunks,
         }
 
     def close(self, timeout: float = 10.0) -> None:

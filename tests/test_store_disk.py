@@ -188,3 +188,21 @@ def test_bytes_damaged_in_memory_never_reach_the_disk(tmp_path):
     assert slow.get([p.keys[2]]) == [None]
     assert slow.contains([p.keys[3]]) == 1  # written: an orphan without chunk 2, never served
     assert slow.stats()["corrupt"] == 1
+
+
+def test_write_through_hands_the_writer_its_chunks_so_eviction_cannot_lose_them(tmp_path):
+    """The disk is stuck while new prompts push the first ones out of memory: the writer
+    already holds them (leased), so they reach the disk; what memory could not keep is
+    counted as unwritten, never lost silently."""
+    disk = SlowDisk(tmp_path, size=FRAME_ROOM)
+    store = TieredStore([cpu(4), disk], write_queue=16)
+    first, later = make_prompt(2, seed=81), [make_prompt(2, seed=82 + i) for i in range(3)]
+    assert store.put(first.chunks()) == 2
+    kept = [store.put(p.chunks()) for p in later]  # memory is full of leased chunks
+    disk.gate.set()
+    assert store.flush()
+    assert disk.contains(first.keys) == 2
+    on_disk = sum(disk.contains(p.keys) for p in later)
+    assert on_disk == sum(kept)
+    assert store.unwritten_chunks == 2 * len(later) - sum(kept) > 0
+    store.close()
