@@ -162,3 +162,24 @@ def test_a_second_server_on_a_taken_port_is_a_clear_error_and_leaves_nothing_beh
     finally:
         first.stop()
     assert list(shm.iterdir()) == []
+
+
+def test_a_killed_servers_shared_memory_is_reclaimed_by_the_next_sweep(tmp_path):
+    """SIGKILL leaves the server's slab behind; nothing holds its lock any more, so the
+    sweep that every server runs removes it (and never a live server's)."""
+    from lmtier import shm
+
+    segments = tmp_path / "shm"
+    segments.mkdir()
+    dead = ServerProcess(tmp_path, "--shm-dir", str(segments))
+    left = set(segments.iterdir())
+    assert left
+    dead.kill()
+    alive = ServerProcess(tmp_path, "--shm-dir", str(segments))
+    try:
+        assert shm.sweep(str(segments), min_age=0) == len(left)
+        assert not left & set(segments.iterdir()) and list(segments.iterdir())  # the live one stays
+        assert alive.serving()
+    finally:
+        alive.stop()
+    assert list(segments.iterdir()) == []
