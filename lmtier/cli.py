@@ -185,12 +185,14 @@ def _server_stats(url: str, token: str | None, timeout: float) -> dict:
         }
         for t in response.tiers
     ]
+    # A chunk missed by one tier is asked of the next: reads are the hits of every tier
+    # plus the misses of the last one (the store's counts: probes and internal reads left out).
     hits = sum(t["counters"].get("hits", 0) for t in tiers)
-    misses = sum(t["counters"].get("misses", 0) for t in tiers)
+    misses = tiers[-1]["counters"].get("misses", 0) if tiers else 0
     return {
         "server": parsed.netloc,
         "tenant_chunks": response.tenant_chunks,
-        "chunks": sum(t["chunks"] for t in tiers),
+        "chunks": response.tenant_chunks,  # distinct: a chunk in memory and on disk is one
         "used_bytes": sum(t["used_bytes"] for t in tiers),
         "hit_ratio": hits / (hits + misses) if hits + misses else None,
         "tiers": tiers,

@@ -102,27 +102,30 @@ ENGINE_TOKENS = Counter(
     ["engine", "result"],
     registry=REGISTRY,
 )
+# The cache server's own figures live apart: an engine's exporter would otherwise show a
+# server gauge (lmtier_server_ready 0) that an alert would read as a server down.
+SERVER_REGISTRY = CollectorRegistry(auto_describe=True)
 SERVER_RPCS = Counter(
     "lmtier_server_rpcs_total",
     "Calls the cache server finished, per method and gRPC status code.",
     ["method", "code"],
-    registry=REGISTRY,
+    registry=SERVER_REGISTRY,
 )
 SERVER_BYTES = Counter(
     "lmtier_server_bytes_total",
     "Frame bytes the cache server received (put) and sent (get), per transport (grpc, shm).",
     ["direction", "transport"],
-    registry=REGISTRY,
+    registry=SERVER_REGISTRY,
 )
 SERVER_INFLIGHT = Gauge(
     "lmtier_server_inflight_rpcs",
     "Calls the cache server is serving now.",
-    registry=REGISTRY,
+    registry=SERVER_REGISTRY,
 )
 SERVER_READY = Gauge(
     "lmtier_server_ready",
     "1 when every tier of the cache server passed its last probe, else 0.",
-    registry=REGISTRY,
+    registry=SERVER_REGISTRY,
 )
 
 

@@ -81,6 +81,11 @@ class TieredStore:
             self.tiers[0].evict_hook = self._demote
         self._breakers = {id(t): breaker() for t in self.tiers}
         self._warnings = {id(t): QuietWarning(log) for t in self.tiers}
+        # Hits and misses of callers' reads, per tier: the store's, not the tiers' own
+        # counts, which also see the store's internal reads (write-through, promotion) and
+        # a server's readiness probes.
+        self._gets = {id(t): [0, 0] for t in self.tiers}
+        self._counts_lock = threading.Lock()
         self._queue_size = write_queue
         self._pid = -1
         self._reader_pid = -1
@@ -116,6 +121,10 @@ class TieredStore:
             metrics.TIER_OPS.labels(tier.name, "get", "hit").inc(hits)
             metrics.TIER_OPS.labels(tier.name, "get", "miss").inc(len(want) - hits)
             metrics.TIER_BYTES.labels(tier.name, "get").inc(nbytes)
+            with self._counts_lock:
+                counts = self._gets[id(tier)]
+                counts[0] += hits
+                counts[1] += len(want) - hits
         prefix = next((i for i, c in enumerate(found) if c is None), len(found))
         release_all(found[prefix:])
         chunks: list[Chunk] = found[:prefix]  # type: ignore[assignment]
@@ -187,7 +196,6 @@ class TieredStore:
             return 0
         first = self.tiers[0]
         self._call(first, "put", first.put, chunks, default=None)
-        metrics.TIER_BYTES.labels(first.name, "put").inc(sum(c.nbytes for c in chunks))
         keys = [c.key for c in chunks]
         if len(self.tiers) > 1 and not self.write_back and hasattr(first, "evict_hook"):
             # The writer gets the chunks now, leased from the memory tier (which keeps them
@@ -270,7 +278,6 @@ class TieredStore:
                 try:
                     for tier in targets:
                         self._call(tier, "put", tier.put, chunks, default=None)
-                        metrics.TIER_BYTES.labels(tier.name, "put").inc(sum(c.nbytes for c in chunks))
                 finally:
                     release_all(chunks)
             except Exception:  # the writer thread must survive anything
@@ -341,8 +348,14 @@ class TieredStore:
         return result
 
     def stats(self) -> dict[str, Any]:
+        tiers = []
+        for t in self.tiers:
+            stats = dict(self._call(t, "stats", t.stats, default={"tier": t.name, "error": True}))
+            with self._counts_lock:
+                stats["hits"], stats["misses"] = self._gets[id(t)]
+            tiers.append(stats)
         return {
-            "tiers": [self._call(t, "stats", t.stats, default={"tier": t.name, "error": True}) for t in self.tiers],
+            "tiers": tiers,
             "dropped_writes": self.dropped_writes,
             "unwritten_chunks": self.unwritten_chunks,
         }

@@ -47,10 +47,8 @@ def flip_a_stored_byte(server, tenant: str, key: bytes) -> None:
 
 
 def shm_bytes(direction: str) -> float:
-    return (
-        metrics.REGISTRY.get_sample_value("lmtier_server_bytes_total", {"direction": direction, "transport": "shm"})
-        or 0
-    )
+    labels = {"direction": direction, "transport": "shm"}
+    return metrics.SERVER_REGISTRY.get_sample_value("lmtier_server_bytes_total", labels) or 0
 
 
 class TestGrpcTier(EvictingTierContract):

@@ -206,3 +206,50 @@ def test_write_through_hands_the_writer_its_chunks_so_eviction_cannot_lose_them(
     assert on_disk == sum(kept)
     assert store.unwritten_chunks == 2 * len(later) - sum(kept) > 0
     store.close()
+
+
+def test_every_number_has_one_owner_and_the_exact_value(tmp_path):
+    """A scripted workload, then the exact counters: hits, misses and bytes read are the
+    store's (once per tier), what a tier stored and its bytes are the tier's."""
+    from lmtier import metrics
+
+    def value(name, **labels):
+        return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+    hot_name, disk_name = "m-hot", "m-disk"
+    hot = CpuTier(size=16 * CHUNK_BYTES, slot=CHUNK_BYTES, name=hot_name)
+    disk = DiskTier(tmp_path, size=FRAME_ROOM, name=disk_name)
+    names = [("get", "hit"), ("get", "miss"), ("put", "stored")]
+    before = {(t, o, r): value("lmtier_tier_ops_total", tier=t, op=o, result=r) for t in (hot_name, disk_name)
+              for o, r in names}  # fmt: skip
+    read_before = value("lmtier_tier_bytes_total", tier=hot_name, op="get")
+    put_before = value("lmtier_tier_bytes_total", tier=hot_name, op="put")
+    with TieredStore([hot, disk]) as store:
+        p, absent = make_prompt(4, seed=91), make_prompt(2, seed=92)
+        store.put(p.chunks())
+        assert store.flush()
+        release_all(store.get(p.keys))  # 4 hits in memory
+        assert store.get(absent.keys) == []  # 2 misses in memory, then 2 on disk
+        final = store.stats()
+
+    def delta(t, o, r):
+        return value("lmtier_tier_ops_total", tier=t, op=o, result=r) - before[(t, o, r)]
+
+    assert (delta(hot_name, "get", "hit"), delta(hot_name, "get", "miss")) == (4, 2)
+    assert (delta(disk_name, "get", "hit"), delta(disk_name, "get", "miss")) == (0, 2)
+    assert delta(hot_name, "put", "stored") == 4 and delta(disk_name, "put", "stored") == 4
+    assert value("lmtier_tier_bytes_total", tier=hot_name, op="get") - read_before == 4 * CHUNK_BYTES
+    assert value("lmtier_tier_bytes_total", tier=hot_name, op="put") - put_before == 4 * CHUNK_BYTES
+    stats = {t["tier"]: t for t in final["tiers"]}  # callers' reads only, not write-through's
+    assert (stats[hot_name]["hits"], stats[hot_name]["misses"]) == (4, 2)
+    assert (stats[disk_name]["hits"], stats[disk_name]["misses"]) == (0, 2)
+
+
+def test_an_engine_exports_no_server_figures():
+    """lmtier_server_ready 0 in an engine's /metrics would page someone for every engine."""
+    from prometheus_client import generate_latest
+
+    from lmtier import metrics
+
+    assert b"lmtier_server" not in generate_latest(metrics.REGISTRY)
+    assert b"lmtier_server_ready" in generate_latest(metrics.SERVER_REGISTRY)

@@ -216,7 +216,8 @@ def _handler(server: CacheServer) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                self._send(200, generate_latest(metrics.REGISTRY), CONTENT_TYPE_LATEST)
+                body = generate_latest(metrics.REGISTRY) + generate_latest(metrics.SERVER_REGISTRY)
+                self._send(200, body, CONTENT_TYPE_LATEST)
             elif path == "/healthz":
                 self._send(200, b"ok\n")
             elif path == "/readyz":

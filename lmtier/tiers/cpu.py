@@ -209,8 +209,6 @@ class CpuTier(Tier):
         with self._lock:
             self._counts["hits"] += hits
             self._counts["misses"] += len(keys) - hits
-        metrics.TIER_OPS.labels(self.name, "get", "hit").inc(hits)
-        metrics.TIER_OPS.labels(self.name, "get", "miss").inc(len(keys) - hits)
         return out
 
     def touch(self, keys: Sequence[bytes]) -> None:

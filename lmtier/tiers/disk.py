@@ -138,8 +138,6 @@ class DiskTier(Tier):
                         txn.set_usage(txn.usage() - sum(sizes.values()))
             except sqlite3.OperationalError as exc:
                 log.debug("disk tier %s: recency not refreshed: %s", self.name, exc)
-        metrics.TIER_OPS.labels(self.name, "get", "hit").inc(len(hits))
-        metrics.TIER_OPS.labels(self.name, "get", "miss").inc(len(keys) - len(hits))
         return chunks
 
     def put(self, chunks: Sequence[Chunk]) -> None:

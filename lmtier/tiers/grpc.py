@@ -427,7 +427,6 @@ class GrpcTier(Tier):
             log.warning("grpc tier %s: damaged chunk %s from the server: %s", self.name, want.hex()[:16], exc)
             self._drop_corrupt(want)
             return None
-        metrics.TIER_BYTES.labels(self.name, "get").inc(len(frame))
         return chunk
 
     def _drop_corrupt(self, key: bytes) -> None:

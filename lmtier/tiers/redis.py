@@ -630,7 +630,6 @@ class RedisTier(Tier):
             log.warning("redis tier %s: dropping damaged chunk %s: %s", self.name, key.hex()[:16], exc)
             self._drop_corrupt(key)
             return None
-        metrics.TIER_BYTES.labels(self.name, "get").inc(n)
         return chunk
 
     def _release_replies(self, replies: list[Any]) -> None:
