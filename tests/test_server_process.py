@@ -183,3 +183,37 @@ def test_a_killed_servers_shared_memory_is_reclaimed_by_the_next_sweep(tmp_path)
     finally:
         alive.stop()
     assert list(segments.iterdir()) == []
+
+
+def test_chained_servers_engine_sidecar_central_and_two_sidecars_share(tmp_path):
+    """The natural deployment: a per-node sidecar (memory) over a shared central server.
+    Sidecars become ready, what one sidecar's client stores reaches the central server,
+    and a client of a second sidecar is served it; the sidecars' tenants stay apart."""
+    central = ServerProcess(tmp_path, "--tier", "cpu://?size=64MiB&slot=64KiB", "--token", "node-secret=nodes")
+    up = f"grpc://{central.address}?token=node-secret&timeout=5"
+    tokens = ("--token", "alice-secret=alice", "--token", "bob-secret=bob")
+    sidecars = [
+        ServerProcess(tmp_path, "--tier", "cpu://?size=32MiB&slot=64KiB", "--tier", up, *tokens) for _ in range(2)
+    ]  # ServerProcess waits until each is ready: its probe went through the central server
+    clients = {
+        (n, who): open_tier(f"grpc://{s.address}?token={who}-secret&timeout=5&retries={RETRIES}")
+        for n, s in enumerate(sidecars)
+        for who in ("alice", "bob")
+    }
+    try:
+        prompt = make_prompt(4, seed=33)
+        clients[0, "alice"].put(prompt.chunks())
+        watcher = open_tier(up)
+        assert wait_until(lambda: watcher.stats()["chunks"] >= 4)  # the write-through reached central
+        watcher.close()
+        got = clients[1, "alice"].get(prompt.keys)  # another node: from central, through its sidecar
+        assert [c.tobytes() for c in got] == [c.tobytes() for c in prompt.chunks()]
+        release_all(got)
+        assert clients[1, "bob"].contains(prompt.keys) == 0  # alice's, even upstream
+        assert clients[0, "bob"].contains(prompt.keys) == 0
+    finally:
+        for c in clients.values():
+            c.close()
+        for s in sidecars:
+            s.stop()
+        central.stop()

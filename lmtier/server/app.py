@@ -35,9 +35,10 @@ from lmtier.chunk import Chunk, release_all
 from lmtier.config import ServerConfig
 from lmtier.layout import KVLayout
 from lmtier.server.auth import PROBE_TAG, Authenticator
+from lmtier.server.chain import UpstreamTier
 from lmtier.server.service import SERVICE, CacheService
 from lmtier.store import TieredStore
-from lmtier.tiers.base import TierContext, open_tier
+from lmtier.tiers.base import Tier, TierContext, TierURL, open_tier
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class CacheServer:
         self.zero_copy = bool(config.shm_dir) and self.auth.single_tenant
         context = TierContext(shared_dir=config.shm_dir if self.zero_copy else "")
         self.store = store or TieredStore(
-            [open_tier(url, context if i == 0 else TierContext(), defer=i > 0) for i, url in enumerate(config.tiers)],
+            [_server_tier(url, context if i == 0 else TierContext(), i > 0) for i, url in enumerate(config.tiers)],
             write_queue=config.write_queue,
         )
         try:
@@ -237,6 +238,15 @@ def _handler(server: CacheServer) -> type[BaseHTTPRequestHandler]:
             pass
 
     return Handler
+
+
+def _server_tier(url: str, context: TierContext, lower: bool) -> Tier:
+    """One of the server's tiers: lower tiers are opened later if unreachable now, and
+    another cache server (a sidecar's central server) gets keys re-tagged for its hop."""
+    tier = open_tier(url, context, defer=lower)
+    if TierURL.parse(url).scheme in ("grpc", "grpcs"):
+        return UpstreamTier(tier)
+    return tier
 
 
 def create_server(config: ServerConfig, store: TieredStore | None = None) -> tuple[CacheServer, int]:
