@@ -288,3 +288,31 @@ def test_paper_cuts_of_a_first_session(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert "= 1 full context of" in one.stdout, one.stdout
+
+
+def test_lmtier_stats_counts_callers_reads_and_distinct_chunks_exactly(tmp_path, capsys):
+    """A scripted workload against a server with memory and disk: 4 chunks stored (in
+    both tiers), 4 read back, 2 asked for that are not there. Its readiness probes, the
+    write-through's reads and the second copy on disk are not the caller's."""
+    server = ServerProcess(
+        tmp_path, "--tier", "cpu://?size=16MiB&slot=64KiB", "--tier", f"file://{tmp_path / 'disk'}?size=64MiB"
+    )
+    client = open_tier(f"grpc://{server.address}?shm=off")
+    try:
+        stored, absent = make_prompt(4, seed=3), make_prompt(2, seed=4)
+        client.put(stored.chunks())
+        assert client.contains(stored.keys) == 4
+        got = client.get(stored.keys)
+        assert len(got) == 4
+        for c in got:
+            c.release()
+        assert client.get(absent.keys) == [None, None]
+        assert main(["stats", "--server", f"grpc://{server.address}", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        memory, disk = out["tiers"]
+        assert (memory["counters"]["hits"], memory["counters"]["misses"]) == (4, 2)
+        assert (disk["counters"]["hits"], disk["counters"]["misses"]) == (0, 2)
+        assert out["chunks"] == 4 and out["hit_ratio"] == pytest.approx(4 / 6)
+    finally:
+        client.close()
+        server.stop()
