@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 from lmtier.config import resolve_chunk_tokens
 from lmtier.errors import LmtierError
@@ -147,6 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "max_calls_per_tenant": args.max_calls_per_tenant,
         "max_streams_per_connection": args.max_streams_per_connection,
         "metrics_port": args.metrics_port,
+        "metrics_host": args.metrics_host,
         "shm_dir": "" if args.no_shm else args.shm_dir,
         "grace": args.grace,
     }
@@ -165,14 +167,14 @@ def _server_stats(url: str, token: str | None, timeout: float) -> dict:
     parsed = TierURL.parse(url)
     if parsed.scheme not in ("grpc", "grpcs"):
         raise LmtierError(f"--server takes a grpc:// or grpcs:// URL, got {parsed.shown!r}")
-    if token:
-        url += ("&" if "?" in url else "?") + f"token={token}"
+    if token:  # encoded: a token may hold '+', '&' or '='
+        url += ("&" if "?" in url else "?") + "token=" + quote(token, safe="")
     url += ("&" if "?" in url else "?") + "shm=off"
     tier = GrpcTier.from_url(TierURL.parse(url), TierContext())
     try:
         response = tier._channel().stats(cache_pb2.StatsRequest(), timeout=timeout, metadata=tier._metadata)
     except grpc.RpcError as exc:
-        raise LmtierError(f"cannot get stats from {parsed.netloc}: {exc.code().name}: {exc.details()}") from exc
+        raise LmtierError(f"cannot get stats from {tier.target}: {exc.code().name}: {exc.details()}") from exc
     finally:
         tier.close()
     tiers = [
@@ -190,7 +192,7 @@ def _server_stats(url: str, token: str | None, timeout: float) -> dict:
     hits = sum(t["counters"].get("hits", 0) for t in tiers)
     misses = tiers[-1]["counters"].get("misses", 0) if tiers else 0
     return {
-        "server": parsed.netloc,
+        "server": tier.target,
         "tenant_chunks": response.tenant_chunks,
         "chunks": response.tenant_chunks,  # distinct: a chunk in memory and on disk is one
         "used_bytes": sum(t["used_bytes"] for t in tiers),
@@ -366,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", help="the certificate's private key (PEM)")
     p.add_argument("--tls-client-ca", help="CA that signs client certificates: turns mutual TLS on")
     p.add_argument("--metrics-port", type=int, help="serve /metrics, /healthz and /readyz on this port")
+    p.add_argument("--metrics-host", help="the metrics port's address (default: the gRPC address, --host)")
     p.add_argument("--max-chunk", help="largest chunk frame accepted (default 64MiB)")
     p.add_argument("--max-message", help="largest gRPC message accepted (default 80MiB)")
     p.add_argument("--max-keys", type=int, help="keys per request (default 4096)")

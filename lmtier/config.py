@@ -214,9 +214,15 @@ def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
             from lmtier.units import parse_size
 
             return parse_size(value)
-        if kind.startswith("tuple[tuple"):  # tokens: "SECRET=TENANT" strings
-            items = value.split() if isinstance(value, str) else list(value)
-            return tuple(parse_token(t) if isinstance(t, str) else tuple(t) for t in items)
+        if kind.startswith("tuple[tuple"):  # tokens: "SECRET=TENANT" strings, nothing else
+            if isinstance(value, (list, tuple)) and all(
+                isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in value
+            ):
+                return tuple(tuple(t) for t in value)  # (secret, tenant) pairs from code
+            items = value.split() if isinstance(value, str) else value
+            if not isinstance(items, (list, tuple)) or not all(isinstance(t, str) for t in items):
+                raise TypeError("expected SECRET=TENANT strings")  # a map would merge the tenants
+            return tuple(parse_token(t) for t in items)
         if kind.startswith("tuple"):
             items = value.split() if isinstance(value, str) else value
             if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
@@ -237,8 +243,23 @@ def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where} must be {_describe(kind)}, got {value!r}") from exc
+        raise ConfigError(f"{where} must be {_describe(kind)}, got {_shown(name, value)}") from exc
     raise ConfigError(f"{where}: unsupported setting type {kind}")  # a programming error
+
+
+def _shown(name: str, value: Any) -> str:
+    """A rejected value fit for an error message: tokens never, tier URLs redacted."""
+    if name in ("tokens", "token_file"):
+        return f"a {type(value).__name__} (values not shown)"
+    if name == "tiers" and isinstance(value, (list, tuple)):
+        from lmtier.tiers.base import redact_url
+
+        return repr([redact_url(v) if isinstance(v, str) else v for v in value])
+    if isinstance(value, str) and "://" in value:
+        from lmtier.tiers.base import redact_url
+
+        return repr(redact_url(value))
+    return repr(value)
 
 
 def _int(value: Any) -> int:
@@ -248,6 +269,8 @@ def _int(value: Any) -> int:
 
 
 def _describe(kind: str) -> str:
+    if kind.startswith("tuple[tuple"):
+        return "a list of SECRET=TENANT strings"
     return {"int": "an integer", "int | None": "an integer", "float": "a number", "str": "a string"}.get(
         kind, "a list of strings"
     )

@@ -165,5 +165,5 @@ def test_a_tier_unreachable_at_start_misses_and_a_misconfigured_one_is_an_error(
         assert torch.equal(store.get(range(64)), kv)
         shared = store.stats()["tiers"][1]
         assert shared["state"] == "unavailable" and "CLUSTER SLOTS" in shared["error"]
-    with pytest.raises(ConfigError, match="bad host:port"):
+    with pytest.raises(ConfigError, match="bad host:port in"):
         lmtier.open_store(["cpu://?size=8MiB", "redis+cluster://127.0.0.1:port"], model="m", layout=layout)

@@ -316,3 +316,13 @@ def test_lmtier_stats_counts_callers_reads_and_distinct_chunks_exactly(tmp_path,
     finally:
         client.close()
         server.stop()
+
+
+def test_lmtier_stats_passes_a_token_with_url_characters_as_it_is(tmp_path, capsys):
+    token = "a+b/c&d"  # '+' would read as a space, '&' would start another option
+    server = ServerProcess(tmp_path, "--tier", "cpu://?size=16MiB&slot=64KiB", "--token", f"{token}=team")
+    try:
+        assert main(["stats", "--server", f"grpc://{server.address}", "--token", token, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["config"]["tokens"] == ["team"]
+    finally:
+        server.stop()

@@ -159,9 +159,42 @@ def test_chunk_tokens_auto_follows_the_engine_block_and_the_kv_size():
         ("redis://cache?password=pw&token_env=LMTIER_TOKEN", "redis://cache?password=***&token_env=LMTIER_TOKEN"),
         ("file:///var/lib/lmtier?size=1GiB", "file:///var/lib/lmtier?size=1GiB"),
         ("cache:6379?password=pw", "cache:6379"),
+        ("redis://:PW2/SECRET@127.0.0.1:6399", "redis://:***@127.0.0.1:6399"),  # unencoded '/', '#', '?'
+        ("redis://:PW3#SECRET@h:1", "redis://:***@h:1"),
+        ("redis://:PW4?SECRET@h:1?timeout=1", "redis://:***@h:1?timeout=1"),
     ],
 )
 def test_urls_are_shown_without_their_secrets(url, shown):
     from lmtier.tiers.base import redact_url
 
     assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        '{"ALICETOK": "alice", "BOBTOK": "bob"}',  # a map: its keys alone would be one tenant
+        '[{"secret": "ALICETOK", "tenant": "alice"}]',  # "secret" itself would become a token
+        '["ALICETOK=alice", 12345]',
+    ],
+)
+def test_tokens_in_a_file_are_secret_equals_tenant_strings_or_a_clear_error(tmp_path, tokens):
+    from lmtier.config import load
+    from lmtier.errors import ConfigError
+
+    path = tmp_path / "lmtier.json"
+    path.write_text(f'{{"server": {{"tokens": {tokens}}}}}')
+    with pytest.raises(ConfigError) as info:
+        load(path, env={})
+    assert "SECRET=TENANT" in str(info.value) and "ALICETOK" not in str(info.value)
+
+
+def test_a_rejected_setting_never_shows_a_secret(tmp_path):
+    from lmtier.config import load
+    from lmtier.errors import ConfigError
+
+    path = tmp_path / "lmtier.json"
+    path.write_text('{"server": {"tiers": ["redis://:YAMLPW@127.0.0.1:6379", 5]}}')
+    with pytest.raises(ConfigError) as info:
+        load(path, env={})
+    assert "YAMLPW" not in str(info.value) and "redis://:***@127.0.0.1:6379" in str(info.value)

@@ -591,6 +591,7 @@ def test_no_tenant_can_have_the_server_read_or_write_another_tenants_shared_memo
         assert [c.tobytes() for c in got] == [c.tobytes() for c in OTHER.chunks()]
         release_all(got)
         assert bob.stats()["shm"] is None
+        assert [f.name for f in shm_dir.iterdir()] == [bobs]  # his client's own segment is gone already
         bob.close()
     finally:
         channel.close()

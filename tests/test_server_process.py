@@ -147,6 +147,7 @@ def test_a_second_server_on_a_taken_port_is_a_clear_error_and_leaves_nothing_beh
         assert held  # the first server's slab
         for flags, why in (
             (["--port", str(first.port)], "cannot listen on"),
+            (["--host", "localhost", "--port", str(first.port)], "cannot listen on"),  # 127.0.0.1 and ::1
             (["--port", "0", "--metrics-port", str(first.port)], "cannot serve metrics on"),
         ):
             second = subprocess.run(

@@ -94,6 +94,8 @@ class CacheServer:
                 root_certificates=Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None,
                 require_client_auth=bool(config.tls_client_ca),
             )
+        if config.port:
+            _check_free(config.host, config.port)
         try:
             self.port = (
                 self.grpc.add_secure_port(address, credentials)
@@ -238,6 +240,23 @@ def _handler(server: CacheServer) -> type[BaseHTTPRequestHandler]:
             pass
 
     return Handler
+
+
+def _check_free(host: str, port: int) -> None:
+    """Every address ``host`` names must be free on ``port``. gRPC binds what it can and
+    goes on ("localhost" is 127.0.0.1 and ::1): one address taken by another server would
+    split the clients between the two."""
+    import socket
+
+    for family, kind, proto, _, where in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as probe:
+            # As gRPC binds (SO_REUSEADDR: connections of a server that died are no obstacle),
+            # without SO_REUSEPORT: a socket listening there is.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(where)
+            except OSError as exc:
+                raise OSError(f"cannot listen on {where[0]}:{port}: {exc.strerror or exc}") from exc
 
 
 def _server_tier(url: str, context: TierContext, lower: bool) -> Tier:

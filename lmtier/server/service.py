@@ -407,6 +407,8 @@ class CacheService:
                         store()
             if assembler.pending:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended in the middle of a chunk")
+            if not context.is_active():  # the call failed under us (a message over the limit, a
+                return cache_pb2.PutResponse()  # cancel): its stream only looks ended; store nothing
             store()
         finally:
             assembler.abandon()

@@ -138,24 +138,26 @@ SECRET_OPTIONS = frozenset({"password", "token", "tls_key"})
 
 def redact_url(url: str) -> str:
     """``url`` fit to show (errors, logs, Stats, the CLI): the password of its user info
-    and the values of ``SECRET_OPTIONS`` replaced by ``***``. Unparsable text is shown as
-    its scheme alone."""
+    and the values of ``SECRET_OPTIONS`` replaced by ``***``. The user info is everything
+    before the last ``@``, whatever it holds (a password with an unencoded ``/``, ``?`` or
+    ``#`` too); unparsable text shows its scheme alone."""
     if "://" not in url:  # not a URL: no query, no user info
         return url.split("?", 1)[0].rsplit("@", 1)[-1]
+    scheme, rest = url.split("://", 1)
+    user = ""
+    if "@" in rest:
+        auth, rest = rest.rsplit("@", 1)
+        name, has_password, _ = auth.partition(":")
+        user = f"{name}:***@" if has_password and "/" not in name else "***@"
     try:
-        parts = urlsplit(url)
+        parts = urlsplit(f"{scheme}://{rest}")
         options = parse_qsl(parts.query, keep_blank_values=True)
     except ValueError:
-        return url.split("://", 1)[0] + "://***" if "://" in url else "***"
-    netloc = parts.netloc
-    if "@" in netloc:
-        auth, host = netloc.rsplit("@", 1)
-        user, has_password, _ = auth.partition(":")
-        netloc = f"{user}:***@{host}" if has_password else f"***@{host}"
+        return f"{scheme}://***"
     query = "&".join(
         f"{quote(k, safe='')}={'***' if k.lower() in SECRET_OPTIONS else quote(v, safe='/:,.-_')}" for k, v in options
     )
-    shown = f"{parts.scheme}://{netloc}{parts.path}"
+    shown = f"{parts.scheme}://{user}{parts.netloc}{parts.path}"
     return f"{shown}?{query}" if query else shown
 
 

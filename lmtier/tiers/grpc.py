@@ -242,9 +242,17 @@ class GrpcTier(Tier):
         return self._segment
 
     def _no_shm(self, detail: str) -> None:
+        self._count("shm_fallbacks")
+        if "turned off" in detail or "several tenants" in detail:  # by design: it never will
+            log.info("grpc tier %s: the server refuses shared memory (%s); plain gRPC", self.name, detail)
+            with self._lock:
+                self._shm_wanted = False
+                segment, self._segment = self._segment, None
+            if segment is not None:
+                segment.close()  # nothing of ours stays in the segment directory
+            return
         log.info("grpc tier %s: the server cannot use our shared memory (%s); plain gRPC for now", self.name, detail)
         self._shm_off_until = time.monotonic() + SHM_RETRY_S
-        self._count("shm_fallbacks")
 
     # -- calls ------------------------------------------------------------------------------
     def _call(self, op: str, fn: Callable[[], T], default: T) -> T:

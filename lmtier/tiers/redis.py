@@ -424,7 +424,9 @@ class RedisTier(Tier):
                 if not 0 < nodes[-1][1] < 65536:
                     raise ValueError("port out of range")
             except ValueError as exc:
-                raise ConfigError(f"bad host:port {item!r} in {url.shown!r}") from exc
+                raise ConfigError(  # the item is not shown: it may hold part of a password
+                    f"bad host:port in {url.shown!r} (percent-encode a password's '/', '?', '#' and '@')"
+                ) from exc
         cluster = url.scheme == "redis+cluster"
         if not cluster and len(nodes) != 1:
             raise ConfigError(f"one host for redis://, several for redis+cluster://; got {url.shown!r}")
