@@ -101,11 +101,11 @@ class Chunk:
             other._finalizer = weakref.finalize(other, self._lease.drop)
         return other
 
-    def view_as(self, key: bytes) -> Chunk:
+    def view_as(self, key: bytes, *, owning: bool = False) -> Chunk:
         """The same bytes under another key, with no lease of its own: valid while this
-        chunk is held. A verification failure through it drops this chunk's stored copy.
-        (The cache server stores chunks under tenant-scoped keys and serves them under the
-        caller's.)"""
+        chunk is held (``owning``: releasing the view releases this chunk). A verification
+        failure through it drops this chunk's stored copy. (The cache server stores chunks
+        under tenant-scoped keys and serves them under the caller's.)"""
         return Chunk(
             key,
             self.layout,
@@ -113,6 +113,7 @@ class Chunk:
             namespace=self.namespace,
             checksum=self.checksum,
             verified=self.verified,
+            on_release=self.release if owning else None,
             on_corrupt=self._corrupt,
         )
 

@@ -38,7 +38,7 @@ class UpstreamTier(Tier):
 
     def get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
         got = self.tier.get([upstream_key(k) for k in keys])
-        return [None if c is None else _rekeyed(c, k) for c, k in zip(got, keys, strict=True)]
+        return [None if c is None else c.view_as(k, owning=True) for c, k in zip(got, keys, strict=True)]
 
     def put(self, chunks: Sequence[Chunk]) -> None:
         self.tier.put([c.view_as(upstream_key(c.key)) for c in chunks])
@@ -51,17 +51,3 @@ class UpstreamTier(Tier):
 
     def stats(self) -> dict[str, Any]:
         return self.tier.stats()
-
-
-def _rekeyed(chunk: Chunk, key: bytes) -> Chunk:
-    """``chunk`` under ``key``, owning ``chunk``'s lease (released with it)."""
-    return Chunk(
-        key,
-        chunk.layout,
-        chunk.data,
-        namespace=chunk.namespace,
-        checksum=chunk.checksum,
-        verified=chunk.verified,
-        on_release=chunk.release,
-        on_corrupt=chunk._corrupt,
-    )
