@@ -29,7 +29,7 @@ test: lint wheel unit
 
 # Every benchmark against its same-run reference: benchmarks/results/results.{json,md}, plots.
 bench: venv system
-	$(PY) -m lmtier bench
+	$(PY) benchmarks/run.py
 
 # The fuzzing targets with a longer budget than CI's (FUZZ_EXAMPLES examples per target).
 FUZZ_EXAMPLES ?= 5000

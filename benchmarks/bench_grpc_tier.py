@@ -43,10 +43,10 @@ import numpy as np
 from lmtier import codec
 from lmtier.chunk import Chunk, release_all
 from lmtier.layout import KVLayout
-from lmtier.redisproc import RedisServer, free_port
-from lmtier.server.process import ServerProcess
+from lmtier.pieces import pack, piece
+from lmtier.testing.cache_server import ServerProcess
+from lmtier.testing.redis_server import RedisServer, free_port
 from lmtier.tiers.base import TierContext, open_tier
-from lmtier.wire import pack, piece
 
 MiB = 1 << 20
 LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")  # 64 KiB per token

@@ -36,7 +36,7 @@ import numpy as np
 from lmtier import codec
 from lmtier.chunk import Chunk, release_all
 from lmtier.layout import KVLayout
-from lmtier.redisproc import RedisServer
+from lmtier.testing.redis_server import RedisServer
 from lmtier.tiers.base import open_tier
 
 MiB = 1 << 20

@@ -19,7 +19,7 @@ engines, and for each prompt length:
 
 The disk hits' answers are checked against vLLM's own prefix-cache hits of the same
 prompts (bit for bit wherever both cached as many tokens) and against full prefills
-(greedy tokens, logprobs within ``lmtier.enginerun.LOGPROB_TOLERANCE``).
+(greedy tokens, logprobs within ``lmtier.testing.engine.LOGPROB_TOLERANCE``).
 
 Workloads: long documents (a document plus a question) and a multi-round chat (each
 round's prompt is the previous prompt, its answer and a new question; the last round is
@@ -45,9 +45,9 @@ from pathlib import Path
 import numpy as np
 
 from lmtier.config import resolve_chunk_tokens
-from lmtier.enginerun import compare_answers, run_engine
 from lmtier.layout import KVLayout
-from lmtier.tinymodel import build
+from lmtier.testing.engine import compare_answers, run_engine
+from lmtier.testing.tinymodel import build
 
 BLOCK, QUESTION = 64, 64
 

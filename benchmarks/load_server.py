@@ -66,9 +66,9 @@ def client(address: str, index: int, duration: float, shm: bool) -> dict:
     import grpc
 
     from lmtier.chunk import Chunk, release_all
+    from lmtier.pieces import pack, piece
     from lmtier.tiers.base import open_tier
     from lmtier.v1 import cache_pb2
-    from lmtier.wire import pack, piece
 
     ns = namespace()
     shape = ns.layout.byte_shape(ns.chunk_tokens)
@@ -166,7 +166,7 @@ def disk_bytes(path: Path) -> int:
 
 
 def run_load(clients: int = 8, duration: float = 60.0, workdir: Path | None = None) -> dict:
-    from lmtier.server.process import ServerProcess
+    from lmtier.testing.cache_server import ServerProcess
     from lmtier.tiers.base import open_tier
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="lmtier-load-"))

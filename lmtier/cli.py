@@ -1,6 +1,6 @@
-"""The ``lmtier`` command: ``serve``, ``stats``, ``inspect``, ``size``, ``keys``, ``bench``,
-``demo``. Errors are one line on stderr and a non-zero exit; ``--json`` where a program
-reads the output."""
+"""The ``lmtier`` command: ``serve``, ``stats``, ``inspect``, ``size``, ``keys``, ``demo``
+(and ``bench``, deprecated: it forwards to ``benchmarks/run.py``). Errors are one line on
+stderr and a non-zero exit; ``--json`` where a program reads the output."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from lmtier.config import resolve_chunk_tokens
 from lmtier.errors import LmtierError
 from lmtier.keys import HASHES, Namespace
 from lmtier.layout import PRESETS, KVLayout, from_hf_config, preset
-from lmtier.planner import plan
+from lmtier.sizing import plan
 from lmtier.units import format_bytes, parse_count, parse_size
 
 
@@ -116,10 +116,10 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.store_only:
-        from lmtier.demo import run_demo
+        from lmtier.demo.embedded import run_demo
 
         return run_demo(tiers=args.tier or None, directory=args.dir)
-    from lmtier.demo_vllm import run_vllm_demo
+    from lmtier.demo.vllm import run_vllm_demo
 
     return run_vllm_demo(out_dir=args.out, docs=args.docs, doc_tokens=args.doc_tokens, directory=args.dir)
 
@@ -286,20 +286,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lmtier import bench
+    """Deprecated: the benchmark runner lives beside the benchmarks, in a source checkout
+    (``python benchmarks/run.py``); this forwards to it with the same arguments."""
+    runner = next((p for p in _BENCH_RUNNERS if p.is_file()), None)
+    if runner is None:
+        raise LmtierError("the benchmarks live in a source checkout: run `python benchmarks/run.py` there")
+    print("lmtier bench is deprecated: run `python benchmarks/run.py` (or `make bench`)", file=sys.stderr)
+    import subprocess
 
-    out = Path(args.out)
-    summary = bench.run(
-        out, short=args.short, only=args.only, progress=lambda names: _progress(names, "benchmarks", not args.quiet)
-    )
-    if args.json:
-        print(json.dumps(summary, indent=2))
-        return 0
-    print((out / "results.md").read_text().rstrip())
-    for why in summary.get("skipped", {}).values():
-        print(f"skipped: {why}")
-    print(f"\nreports, table and plots in {out}/")
-    return 0
+    return subprocess.call([sys.executable, str(runner), *args.bench_args])
+
+
+# Where `lmtier bench` looks for the runner: the current directory's checkout, then the one
+# this package was installed from in editable mode.
+_BENCH_RUNNERS = (Path("benchmarks/run.py"), Path(__file__).resolve().parent.parent / "benchmarks" / "run.py")
 
 
 def _progress(items, what: str, enabled: bool):
@@ -403,19 +403,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("bench", help="every benchmark against its same-run reference: JSON, a table, plots")
-    p.add_argument("--short", action="store_true", help="small sizes: a few minutes in all")
-    p.add_argument("--only", action="append", help="one benchmark, repeatable (cpu, disk, redis, grpc, vllm)")
-    p.add_argument("--out", default="benchmarks/results", help="where the reports go (default benchmarks/results)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p = sub.add_parser("bench", help="deprecated: run `python benchmarks/run.py` in a source checkout")
     p.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":  # deprecated; everything after it is the runner's
+        args.bench_args = rest
+    elif rest:
+        parser.parse_args(argv)  # the usual one-line error for what was not recognized
     try:
         return args.func(args)
     except BrokenPipeError:  # `lmtier stats | head`: the reader has all it wanted

@@ -155,7 +155,7 @@ def test_the_core_runs_without_importing_torch():
 
 def test_a_tier_unreachable_at_start_misses_and_a_misconfigured_one_is_an_error():
     from lmtier.errors import ConfigError
-    from lmtier.redisproc import free_port
+    from lmtier.testing.redis_server import free_port
 
     layout = lmtier.KVLayout(2, 2, 16, "float32")
     down = f"redis+cluster://127.0.0.1:{free_port()}?connect_timeout=0.2&timeout=0.2"

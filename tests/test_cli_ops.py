@@ -15,8 +15,8 @@ import pytest
 
 from lmtier import metrics
 from lmtier.cli import main
-from lmtier.redisproc import free_port
-from lmtier.server.process import ServerProcess
+from lmtier.testing.cache_server import ServerProcess
+from lmtier.testing.redis_server import free_port
 from lmtier.tiers.base import open_tier
 
 from conftest import make_namespace, make_prompt
@@ -265,7 +265,7 @@ def test_paper_cuts_of_a_first_session(tmp_path):
     import subprocess
     import sys
 
-    from lmtier.tinymodel import build
+    from lmtier.testing.tinymodel import build
 
     model = build(tmp_path / "tiny")
     run = subprocess.run(

@@ -42,7 +42,7 @@ def suite(tmp_path_factory):
     """``lmtier bench --short``, as CI runs it: every benchmark, the table and the plots."""
     out = tmp_path_factory.mktemp("bench")
     run = subprocess.run(
-        [sys.executable, "-m", "lmtier", "bench", "--short", "--quiet", "--out", str(out)],
+        [sys.executable, "benchmarks/run.py", "--short", "--quiet", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=1500,

@@ -23,8 +23,8 @@ import torch
 from lmtier import metrics
 from lmtier.api import open_store
 from lmtier.layout import KVLayout
-from lmtier.redisproc import RedisServer, cli
-from lmtier.server.process import ServerProcess
+from lmtier.testing.cache_server import ServerProcess
+from lmtier.testing.redis_server import RedisServer, cli
 from lmtier.tiers import disk as disk_module
 
 from conftest import eventually

@@ -11,9 +11,9 @@ import traceback
 import pytest
 
 from lmtier.chunk import release_all
-from lmtier.redisproc import RedisCluster, RedisServer
-from lmtier.server.process import ServerProcess
 from lmtier.store import TieredStore
+from lmtier.testing.cache_server import ServerProcess
+from lmtier.testing.redis_server import RedisCluster, RedisServer
 from lmtier.tiers.base import open_tier
 
 from conftest import make_prompt

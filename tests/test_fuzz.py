@@ -26,10 +26,10 @@ from lmtier import codec, shm
 from lmtier.buffers import BufferPool
 from lmtier.errors import FormatError, LmtierError
 from lmtier.layout import KVLayout
-from lmtier.redisproc import free_port
-from lmtier.server.process import ServerProcess
+from lmtier.pieces import FrameAssembler, FrameTooLarge, Region, _unpack_large, _unpack_small, pack, piece, unpack
+from lmtier.testing.cache_server import ServerProcess
+from lmtier.testing.redis_server import free_port
 from lmtier.v1 import cache_pb2
-from lmtier.wire import FrameAssembler, FrameTooLarge, Region, _unpack_large, _unpack_small, pack, piece, unpack
 
 from conftest import fuzz, make_namespace, make_prompt
 

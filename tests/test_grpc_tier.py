@@ -19,14 +19,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from lmtier import codec, metrics, shm
-from lmtier.certs import make_certificates
 from lmtier.chunk import release_all
 from lmtier.config import ServerConfig
+from lmtier.pieces import Region, pack, piece
 from lmtier.server import create_server
 from lmtier.server.auth import tenant_tag
+from lmtier.testing.certs import make_certificates
 from lmtier.tiers.base import open_tier
 from lmtier.v1 import cache_pb2
-from lmtier.wire import Region, pack, piece
 
 from conftest import SMALL, make_namespace, make_prompt
 from tier_contract import EvictingTierContract
@@ -351,7 +351,7 @@ sys.path.insert(0, {tests!r})
 from conftest import make_prompt
 from lmtier import codec
 from lmtier.shm import Segment
-from lmtier.wire import Region, pack, piece
+from lmtier.pieces import Region, pack, piece
 import grpc
 segment = Segment({shm_dir!r}, 1 << 20, 256 << 10)
 chunk = make_prompt(1, seed=50).chunks()[0]

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from lmtier.certs import make_certificates
 from lmtier.chunk import release_all
 from lmtier.errors import ConfigError, TierError
-from lmtier.redisproc import RedisCluster, RedisServer
 from lmtier.store import TieredStore
+from lmtier.testing.certs import make_certificates
+from lmtier.testing.redis_server import RedisCluster, RedisServer
 from lmtier.tiers.base import open_tier
 from lmtier.tiers.deferred import DeferredTier
 from lmtier.tiers.redis import RedisTier

@@ -15,15 +15,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmtier import codec
-from lmtier.certs import make_certificates
 from lmtier.chunk import release_all
 from lmtier.config import ServerConfig
+from lmtier.pieces import Region, pack, piece, unpack
 from lmtier.server import create_server
 from lmtier.server.auth import tenant_tag
 from lmtier.store import TieredStore
+from lmtier.testing.certs import make_certificates
 from lmtier.tiers.base import open_tier
 from lmtier.v1 import cache_pb2
-from lmtier.wire import Region, pack, piece, unpack
 
 from conftest import eventually, make_prompt
 
@@ -456,8 +456,8 @@ def test_no_output_surface_shows_a_planted_secret(tmp_path):
     import urllib.request
 
     from lmtier.errors import ConfigError
-    from lmtier.redisproc import free_port
-    from lmtier.server.process import ServerProcess
+    from lmtier.testing.cache_server import ServerProcess
+    from lmtier.testing.redis_server import free_port
 
     secret = "planted-" + os.urandom(8).hex()
     tiers = [

@@ -6,8 +6,8 @@ import signal
 from pathlib import Path
 
 from lmtier.chunk import release_all
-from lmtier.server.process import ServerProcess
 from lmtier.store import TieredStore
+from lmtier.testing.cache_server import ServerProcess
 from lmtier.tiers.base import open_tier
 
 from conftest import eventually, make_prompt
@@ -112,7 +112,7 @@ def test_a_server_whose_shared_tier_is_down_at_start_runs_serves_its_memory_and_
     unreachable tier reported, retried in the background."""
     from grpc_health.v1 import health_pb2
 
-    from lmtier.redisproc import free_port
+    from lmtier.testing.redis_server import free_port
 
     down = f"redis+cluster://127.0.0.1:{free_port()}?connect_timeout=0.2&timeout=0.2"
     server = ServerProcess(tmp_path, "--tier", "cpu://?size=32MiB&slot=64KiB", "--tier", down, start=False)

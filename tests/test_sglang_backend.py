@@ -16,8 +16,8 @@ import torch
 
 from lmtier.config import ServerConfig
 from lmtier.errors import ConfigError
-from lmtier.redisproc import RedisCluster, RedisServer
 from lmtier.server import create_server
+from lmtier.testing.redis_server import RedisCluster, RedisServer
 
 import sglang_env
 

@@ -203,7 +203,7 @@ def test_a_dead_tier_is_one_warning_per_interval_not_one_per_call(caplog):
     """A dead server used by every request must not flood the engine's log."""
     import logging
 
-    from lmtier.redisproc import free_port
+    from lmtier.testing.redis_server import free_port
     from lmtier.tiers.base import open_tier
 
     dead = open_tier(f"grpc://127.0.0.1:{free_port()}?timeout=0.2&retries=0&shm=off")

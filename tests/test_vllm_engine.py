@@ -13,7 +13,7 @@ configured, every request opting out of it): an lmtier hit must equal vLLM's own
 the same prompt at the same number of cached tokens bit for bit (same KV bytes in, same
 computation; the prompts are chosen so that both hit the same number of tokens), and a
 run without any cache by greedy tokens, logprobs within ``LOGPROB_TOLERANCE`` (up to a near
-tie, where the low bits may pick either token: ``lmtier.enginerun.compare_answers``). A
+tie, where the low bits may pick either token: ``lmtier.testing.engine.compare_answers``). A
 chunk whose layers are shifted, stored with valid checksums, must fail that comparison.
 """
 
@@ -29,11 +29,11 @@ import pytest
 
 from lmtier import codec
 from lmtier.chunk import Chunk
-from lmtier.enginerun import compare_answers, prefill_problems, run_engine
-from lmtier.redisproc import RedisServer
-from lmtier.server.process import ServerProcess
+from lmtier.testing.cache_server import ServerProcess
+from lmtier.testing.engine import compare_answers, prefill_problems, run_engine
+from lmtier.testing.redis_server import RedisServer
+from lmtier.testing.tinymodel import build
 from lmtier.tiers.base import open_tier
-from lmtier.tinymodel import build
 
 CHUNK, BLOCK = 128, 64
 OFF = {"lmtier": {"load": False, "save": False}}

@@ -5,7 +5,7 @@ and a real HTTP client sending each the same long prompt.
 The second server loads the prompt's KV from lmtier (its `cached_tokens`, vLLM's
 `external_prefix_cache_hits` metric) and answers exactly as the first server did from
 its own prefix cache at the same number of cached tokens (bit for bit), and as the first
-server's full prefill by greedy tokens (up to a near tie; see lmtier.enginerun)."""
+server's full prefill by greedy tokens (up to a near tie; see lmtier.testing.engine)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmtier.enginerun import compare_answers
-from lmtier.redisproc import free_port
-from lmtier.tinymodel import build
+from lmtier.testing.engine import compare_answers
+from lmtier.testing.redis_server import free_port
+from lmtier.testing.tinymodel import build
 
 CHUNK, BLOCK = 128, 64
 # 1060 tokens: lmtier holds 8 whole chunks (1024 tokens) of it, and vLLM's own prefix
@@ -65,7 +65,7 @@ class VllmServer:
             return False
 
     def complete(self, model: str, prompt: list[int]) -> dict:
-        """One greedy completion; the output in lmtier.enginerun's form."""
+        """One greedy completion; the output in lmtier.testing.engine's form."""
         body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2}
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/completions",

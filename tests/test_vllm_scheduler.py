@@ -19,7 +19,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from lmtier.chunk import Chunk
 from lmtier.connectors.vllm import LMTierConnector, LMTierMetadata
-from lmtier.tinymodel import build
+from lmtier.testing.tinymodel import build
 
 BLOCK, CHUNK, NUM_BLOCKS = 64, 128, 256
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]

@@ -9,7 +9,7 @@ checks its input and answers a clear status for anything wrong (``INVALID_ARGUME
 malformed message or key, ``RESOURCE_EXHAUSTED`` for a frame over the limit, ``DATA_LOSS``
 for a damaged one, ``FAILED_PRECONDITION`` for a shared-memory segment not on this host).
 
-Bulk bytes skip protobuf (``lmtier.wire``): ``Put`` receives raw ``ChunkPiece`` bytes and
+Bulk bytes skip protobuf (``lmtier.pieces``): ``Put`` receives raw ``ChunkPiece`` bytes and
 ``Get`` sends them. A frame is checked as it is stored (``codec.decode``, then the first
 tier hashes the payload while copying it in) and as it is served (the chunk is verified
 while it is encoded), so the server never keeps or hands out a damaged chunk.
@@ -36,11 +36,11 @@ from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk, release_all
 from lmtier.config import Config, ServerConfig, public_view
 from lmtier.errors import IntegrityError, LayoutError, LmtierError
+from lmtier.pieces import FrameAssembler, FrameTooLarge, Region, pack, piece, split, unpack
 from lmtier.server.auth import Authenticator
 from lmtier.shm import SegmentMaps, SegmentUnavailable
 from lmtier.store import TieredStore
 from lmtier.v1 import cache_pb2
-from lmtier.wire import FrameAssembler, FrameTooLarge, Region, pack, piece, split, unpack
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +168,10 @@ class CacheService:
                 "Get": grpc.unary_stream_rpc_method_handler(
                     self._observed_stream("Get", self.Get, cache_pb2.GetRequest),
                     request_deserializer=None,
-                    response_serializer=None,  # ChunkPiece bytes from lmtier.wire
+                    response_serializer=None,  # ChunkPiece bytes from lmtier.pieces
                 ),
                 "Put": grpc.stream_unary_rpc_method_handler(
-                    self._observed("Put", self.Put, None),  # raw ChunkPiece bytes, parsed by lmtier.wire
+                    self._observed("Put", self.Put, None),  # raw ChunkPiece bytes, parsed by lmtier.pieces
                     request_deserializer=None,
                     response_serializer=cache_pb2.PutResponse.SerializeToString,
                 ),

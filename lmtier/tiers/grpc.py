@@ -45,11 +45,11 @@ from lmtier.breaker import Backoff, CircuitBreaker, QuietWarning
 from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError, IntegrityError, LmtierError
+from lmtier.pieces import FrameAssembler, Region, pack, piece, split, unpack
 from lmtier.shm import Segment, SegmentMaps, SegmentUnavailable
 from lmtier.tiers.base import Tier, TierContext, TierURL, parse_bool
 from lmtier.units import parse_size
 from lmtier.v1 import cache_pb2
-from lmtier.wire import FrameAssembler, Region, pack, piece, split, unpack
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

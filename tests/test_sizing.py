@@ -9,7 +9,7 @@ import pytest
 from lmtier.cli import main
 from lmtier.errors import ConfigError
 from lmtier.layout import KVLayout, from_hf_config, preset
-from lmtier.planner import plan
+from lmtier.sizing import plan
 from lmtier.units import parse_count, parse_size
 
 KiB, GiB = 1024, 1024**3

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lmtier.redisproc import die_with_parent, free_port
+from lmtier.testing.redis_server import die_with_parent, free_port
 
 
 class ServerProcess:

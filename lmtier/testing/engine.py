@@ -1,7 +1,7 @@
 """Runs one real vLLM engine over scripted phases, in its own process: the engine tests,
 the demo and the TTFT benchmark drive engines through it.
 
-    python -m lmtier.enginerun SPEC.json RESULT.json
+    python -m lmtier.testing.engine SPEC.json RESULT.json
 
 SPEC: {"model": dir, "lmtier": {extra config} | null, "multiprocess": bool, "tp": 1|2,
        "block_size": 64, "prefix_caching": false, "phases": [...]}
@@ -42,7 +42,7 @@ def run_engine(spec: dict, workdir: Path, name: str, timeout: float | None = Non
     spec_path, out = workdir / f"{name}.json", workdir / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     run = subprocess.run(
-        [sys.executable, "-m", "lmtier.enginerun", str(spec_path), str(out)],
+        [sys.executable, "-m", "lmtier.testing.engine", str(spec_path), str(out)],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from lmtier.config import resolve_chunk_tokens
-from lmtier.enginerun import LOGPROB_TOLERANCE, compare_answers, run_engine
 from lmtier.layout import KVLayout
-from lmtier.tinymodel import build
+from lmtier.testing.engine import LOGPROB_TOLERANCE, compare_answers, run_engine
+from lmtier.testing.tinymodel import build
 
 QUESTION = 64
 BLOCK = 64

@@ -21,7 +21,7 @@ import numpy as np
 
 from lmtier.api import open_store
 from lmtier.layout import KVLayout, preset
-from lmtier.planner import plan
+from lmtier.sizing import plan
 from lmtier.units import format_bytes
 
 # A small Llama-like layout, so the demo runs in seconds on a laptop.
@@ -74,7 +74,7 @@ def run_demo(tiers: list[str] | None = None, directory: str | None = None) -> in
     with tempfile.TemporaryDirectory(prefix="lmtier-demo-", dir=directory) as tmp:
         tiers = tiers or ["cpu://?size=1GiB", f"file://{tmp}?size=2GiB"]
         print(f"\n== instance A in another process, then instance B here; tiers {tiers} ==")
-        script = f"from lmtier.demo import instance_a; instance_a({tiers!r})"
+        script = f"from lmtier.demo.embedded import instance_a; instance_a({tiers!r})"
         subprocess.run([sys.executable, "-c", script], check=True)
 
         _, b = prompts()

@@ -53,7 +53,7 @@ def die_with_parent() -> None:
 
 
 class RedisServer:
-    """One ``redis-server``; with ``certificates`` (from ``lmtier.certs``) it speaks
+    """One ``redis-server``; with ``certificates`` (from ``lmtier.testing.certs``) it speaks
     TLS only, on its port."""
 
     def __init__(

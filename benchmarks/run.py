@@ -1,5 +1,8 @@
-"""``lmtier bench``: every benchmark of ``benchmarks/`` in one run, each against its same-run
-reference, summarized in one table of every ratio target (met or not) and two plots.
+"""The benchmark runner: every benchmark of ``benchmarks/`` in one run, each against its
+same-run reference, summarized in one table of every ratio target (met or not) and two plots.
+
+    python benchmarks/run.py [--short] [--only NAME ...] [--out DIR] [--json] [--quiet]
+    (``make bench`` runs it at full size)
 
     run(out, short=False, only=None)  -> summary dict; writes into ``out``:
         NAME.json, NAME.txt     each benchmark's own report and printed tables
@@ -9,12 +12,14 @@ reference, summarized in one table of every ratio target (met or not) and two pl
         ttft.png                TTFT against prompt length, with and without lmtier
 
 ``short`` runs small sizes (a few minutes in all: what CI runs); the full mode is what
-the README's results page comes from. The benchmark scripts live in the source checkout's
-``benchmarks/`` directory; they are not part of the installed package.
+the README's results page comes from. The runner and the benchmark scripts live in the
+source checkout's ``benchmarks/`` directory, not in the installed package (the
+``lmtier bench`` command of earlier releases forwards here).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import shutil
@@ -27,7 +32,7 @@ from typing import Any
 
 from lmtier.errors import LmtierError
 
-ROOT = Path(__file__).resolve().parent.parent / "benchmarks"
+ROOT = Path(__file__).resolve().parent
 
 # name -> (script, short-mode arguments, full-mode arguments). Every script but vllm takes
 # --json-out; vllm writes ttft.json and ttft.png into --out.
@@ -76,8 +81,6 @@ def run(
     only: Iterable[str] | None = None,
     progress: Callable[[Iterable[str]], Iterable[str]] = lambda names: names,
 ) -> dict[str, Any]:
-    if not ROOT.is_dir():
-        raise LmtierError(f"no benchmarks/ next to the package ({ROOT}): run from a source checkout")
     names = list(only or SUITE)
     unknown = sorted(set(names) - set(SUITE))
     if unknown:
@@ -258,3 +261,40 @@ def throughput_plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/run.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--short", action="store_true", help="small sizes: a few minutes in all")
+    parser.add_argument("--only", action="append", help="one benchmark, repeatable (cpu, disk, redis, grpc, vllm)")
+    parser.add_argument("--out", default="benchmarks/results", help="where the reports go (default benchmarks/results)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    try:
+        summary = run(out, short=args.short, only=args.only, progress=lambda names: _progress(names, not args.quiet))
+    except LmtierError as exc:
+        print(f"benchmarks: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print((out / "results.md").read_text().rstrip())
+    for why in summary.get("skipped", {}).values():
+        print(f"skipped: {why}")
+    print(f"\nreports, table and plots in {out}/")
+    return 0
+
+
+def _progress(names: Iterable[str], enabled: bool) -> Iterable[str]:
+    """A progress bar on stderr (tqdm) when ``enabled`` and stderr is read by a person."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # an optional nicety
+        return names
+    return tqdm(names, desc="benchmarks", unit="", file=sys.stderr, leave=False, disable=None if enabled else True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
