@@ -194,7 +194,7 @@ class LMTierStorage(HiCacheStorage):
         )
         if self.store is not None and namespace == self.namespace:
             return
-        context = TierContext(chunk_bytes=namespace.chunk_bytes, namespace=namespace.digest)
+        context = TierContext(chunk_bytes=namespace.chunk_bytes)
         opened = []
         try:
             for url in self.config.tiers:
@@ -365,11 +365,10 @@ class LMTierStorage(HiCacheStorage):
         if self.store is None:
             return
         for tier in self.store.tiers:
-            keys_of = getattr(tier, "keys", None)
-            if keys_of is None:
+            if not tier.capabilities.listing:
                 continue
             try:
-                listed = keys_of(b"")
+                listed = tier.keys(b"")
                 for i in range(0, len(listed), 64):
                     batch = listed[i : i + 64]
                     mine = []

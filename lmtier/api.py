@@ -190,7 +190,7 @@ def open_store(
         salt=cfg.salt,
         hash=cfg.hash,
     )
-    context = TierContext(chunk_bytes=namespace.chunk_bytes, namespace=namespace.digest)
+    context = TierContext(chunk_bytes=namespace.chunk_bytes)
     opened = []
     try:
         for url in cfg.tiers:

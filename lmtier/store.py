@@ -76,7 +76,7 @@ class TieredStore:
         self.tiers = list(tiers)
         self.write_back = write_mode == "back" and len(self.tiers) > 1
         if self.write_back:
-            if not hasattr(self.tiers[0], "evict_hook"):
+            if not self.tiers[0].capabilities.leases:
                 raise ConfigError(f"write-back needs a first tier that reports evictions (cpu://), not {tiers[0]}")
             self.tiers[0].evict_hook = self._demote
         self._breakers = {id(t): breaker() for t in self.tiers}
@@ -187,9 +187,8 @@ class TieredStore:
         """Mark a prompt's keys used, head most recent: read batch by batch, the later
         batches would otherwise look more recent than the head and be kept longer."""
         for tier in self.tiers:
-            touch = getattr(tier, "touch", None)
-            if touch is not None and keys:
-                self._call(tier, "touch", touch, keys, default=None)
+            if tier.capabilities.touch and keys:
+                self._call(tier, "touch", tier.touch, keys, default=None)
 
     def put(self, chunks: Sequence[Chunk]) -> int:
         if not chunks or self._closed:
@@ -197,7 +196,7 @@ class TieredStore:
         first = self.tiers[0]
         self._call(first, "put", first.put, chunks, default=None)
         keys = [c.key for c in chunks]
-        if len(self.tiers) > 1 and not self.write_back and hasattr(first, "evict_hook"):
+        if len(self.tiers) > 1 and not self.write_back and first.capabilities.leases:
             # The writer gets the chunks now, leased from the memory tier (which keeps them
             # until written): read back later, a chunk evicted meanwhile would be lost
             # without a trace. What the first tier did not keep is counted as unwritten.
@@ -302,7 +301,7 @@ class TieredStore:
         """Write-back mode, closing: write what only the first tier holds to the second."""
         first, second = self.tiers[0], self.tiers[1]
         deadline = time.monotonic() + timeout
-        keys = self._call(first, "keys", first.keys, default=[])
+        keys = self._call(first, "keys", first.keys, default=[]) if first.capabilities.listing else []
         for start in range(0, len(keys), 16):
             if time.monotonic() > deadline:
                 log.warning("write-back flush of %s stopped at its deadline", first.name)

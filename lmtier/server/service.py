@@ -143,9 +143,8 @@ class CacheService:
         )
         self.buffers = BufferPool(max_free=32, max_free_bytes=128 << 20)
         first = store.tiers[0]
-        self.shared = first if getattr(first, "shared_name", None) else None  # zero-copy reads
-        capacity = getattr(first, "capacity", 0)
-        self.leases = _Leases(capacity // 4, config.shm_dir)
+        self.shared = first if first.capabilities.shared_memory else None  # zero-copy reads
+        self.leases = _Leases(first.capacity // 4, config.shm_dir)
         self._calls: dict[bytes, int] = {}  # tenant tag -> calls in flight
         self._calls_lock = threading.Lock()
 
@@ -482,10 +481,9 @@ class CacheService:
         """Distinct keys of one tenant across the tiers that can list (fastest first)."""
         seen: dict[bytes, None] = {}
         for tier in self.store.tiers:
-            lister = getattr(tier, "keys", None)
-            if lister is None:
+            if not tier.capabilities.listing:
                 continue
-            for key in lister(tag, limit):
+            for key in tier.keys(tag, limit):
                 seen.setdefault(key, None)
             if limit is not None and len(seen) >= limit:
                 break

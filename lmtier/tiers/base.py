@@ -8,6 +8,15 @@ A tier implements five batch primitives; everything else is derived here, once:
     delete(keys) -> None              forgets keys (absent keys are fine)
     close() -> None                   releases memory, files and sockets
 
+What a tier can do beyond them it declares in ``capabilities`` (one small record, read by
+the store and the server, never probed for):
+
+    listing         keys(prefix, limit) -> list[bytes]   every key held (Stats, List, clear)
+    touch           touch(keys) -> None     refresh recency without reading (batched loads)
+    leases          get() pins memory until released, and evictions go to ``evict_hook``:
+                    write-through hands the writer leased chunks; write-back needs it
+    shared_memory   its slab is a named segment that same-host readers map (``shared_name``)
+
 Batches are in prompt order: ``keys[i]`` extends ``keys[i - 1]``. Tiers are thread-safe
 and synchronous; the ``TieredStore`` adds background work and failure handling on top.
 A tier may hand out unverified chunks that check their checksum when read (see
@@ -33,11 +42,20 @@ from lmtier.errors import ConfigError, MissingDependency
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a tier can do beyond the five primitives (see the module docstring)."""
+
+    listing: bool = False
+    touch: bool = False
+    leases: bool = False
+    shared_memory: bool = False
+
+
+@dataclass(frozen=True)
 class TierContext:
     """What a tier may want to know about the chunks it will hold (all optional)."""
 
     chunk_bytes: int | None = None  # payload size of one full chunk
-    namespace: bytes = b""  # namespace digest, for tiers that keep it in key prefixes
     # A shared-memory directory for a memory tier to keep its slab in, so that same-host
     # readers can map it (the cache server's zero-copy path); "" keeps it private.
     shared_dir: str = ""
@@ -51,6 +69,8 @@ class Tier(ABC):
     OPTIONS: ClassVar[dict[str, Callable[[str], Any]]] = {}
 
     name: str = ""
+    capabilities: Capabilities = Capabilities()
+    capacity: int = 0  # bytes it may hold; 0 when it does not know (a remote server's own bound)
 
     @abstractmethod
     def contains(self, keys: Sequence[bytes]) -> int: ...
@@ -73,6 +93,14 @@ class Tier(ABC):
         if url.netloc or url.path not in ("", "/"):
             raise ConfigError(f"{cls.scheme}:// takes no location, got {url.shown!r}")
         return cls(**url.typed_options(cls.OPTIONS), context=context)
+
+    # -- optional, as ``capabilities`` declares -------------------------------------------
+    def keys(self, prefix: bytes = b"", limit: int | None = None) -> list[bytes]:
+        """Keys held that start with ``prefix`` (up to ``limit``); with ``listing`` only."""
+        raise NotImplementedError(f"tier {self.name} cannot list its keys")
+
+    def touch(self, keys: Sequence[bytes]) -> None:  # noqa: B027 (a no-op unless ``touch``)
+        """Mark ``keys`` used, the first most recent; with ``touch`` only."""
 
     # -- derived conveniences -----------------------------------------------------------
     def has(self, key: bytes) -> bool:

@@ -39,7 +39,7 @@ from lmtier.chunk import Chunk, checksum, iter_segments
 from lmtier.errors import ConfigError, IntegrityError
 from lmtier.layout import KVLayout
 from lmtier.shm import Segment
-from lmtier.tiers.base import Tier, TierContext, parse_bool
+from lmtier.tiers.base import Capabilities, Tier, TierContext, parse_bool
 from lmtier.units import parse_size
 
 DEFAULT_SIZE = 1024**3
@@ -82,6 +82,7 @@ class CpuTier(Tier):
         self.name = name
         self._pin = pin
         self._shared_dir = context.shared_dir if context else ""
+        self.capabilities = Capabilities(listing=True, touch=True, leases=True, shared_memory=bool(self._shared_dir))
         self._segment: Segment | None = None
         self._closed = False
         # Called with each evicted chunk (a leased view); returns whether it took it. Set by

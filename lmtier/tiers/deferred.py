@@ -39,6 +39,7 @@ class DeferredTier(Tier):
         self._cls, self._url, self._context = cls, url, context
         self.name = url.options.get("name") or _default_name(cls)
         self.scheme = cls.scheme
+        self.capabilities = cls.capabilities  # what the real tier will do, once open
         self._tier: Tier | None = None
         self._error = f"{type(error).__name__}: {error}"
         self._lock = threading.Lock()
@@ -110,6 +111,15 @@ class DeferredTier(Tier):
         if tier is not None:
             tier.delete(keys)
 
+    def keys(self, prefix: bytes = b"", limit: int | None = None) -> list[bytes]:
+        tier = self.opened
+        return tier.keys(prefix, limit) if tier is not None else []
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        tier = self.opened
+        if tier is not None:
+            tier.touch(keys)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -135,7 +145,7 @@ class DeferredTier(Tier):
         }
 
     def __getattr__(self, name: str) -> Any:
-        """Other methods (``touch``, ``keys``, ...) exist once the real tier is open."""
+        """A tier's own extras (``masters``, ``counts``, ...) exist once the real tier is open."""
         if name.startswith("_"):
             raise AttributeError(name)
         tier = self.__dict__.get("_tier")

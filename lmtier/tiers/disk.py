@@ -45,7 +45,7 @@ from lmtier import codec, metrics
 from lmtier.buffers import ALIGN, BufferPool, round_up
 from lmtier.chunk import Chunk
 from lmtier.errors import ConfigError, IntegrityError, TierError
-from lmtier.tiers.base import Tier, TierContext, TierURL, parse_bool
+from lmtier.tiers.base import Capabilities, Tier, TierContext, TierURL, parse_bool
 from lmtier.tiers.diskindex import DiskIndex
 from lmtier.units import parse_size
 
@@ -63,6 +63,7 @@ def _parse_auto(text: str) -> bool | None:
 class DiskTier(Tier):
     scheme = "file"
     OPTIONS = {"size": parse_size, "o_direct": _parse_auto, "fsync": parse_bool, "threads": int, "name": str}
+    capabilities = Capabilities(listing=True, touch=True)
 
     def __init__(
         self,

@@ -47,7 +47,7 @@ from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError, IntegrityError, LmtierError
 from lmtier.pieces import FrameAssembler, Region, pack, piece, split, unpack
 from lmtier.shm import Segment, SegmentMaps, SegmentUnavailable
-from lmtier.tiers.base import Tier, TierContext, TierURL, parse_bool
+from lmtier.tiers.base import Capabilities, Tier, TierContext, TierURL, parse_bool
 from lmtier.units import parse_size
 from lmtier.v1 import cache_pb2
 
@@ -124,6 +124,7 @@ class _Channel:
 
 class GrpcTier(Tier):
     scheme = "grpc"
+    capabilities = Capabilities(listing=True)
     OPTIONS = {
         "token": str,
         "token_env": str,
