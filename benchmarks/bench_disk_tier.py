@@ -83,7 +83,7 @@ def throughput(root: Path, working_set_mib: int, rounds: int, batch: int) -> dic
     def drop_cache() -> None:
         if not tier.o_direct:  # through the page cache: drop it first so reads are cold
             for key in keys:
-                fd = os.open(tier._path(key), os.O_RDONLY)
+                fd = os.open(tier.files.path(key), os.O_RDONLY)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 os.close(fd)
 
@@ -165,7 +165,7 @@ def rebuild(root: Path, chunks: int) -> dict:
     for i in range(chunks):
         key = i.to_bytes(16, "little")
         frame = codec.encode(Chunk(key, layout, data, namespace=b"rebuild"))
-        with open(tier._path(key), "wb") as f:
+        with open(tier.files.path(key), "wb") as f:
             f.write(frame)
     t0 = time.perf_counter()
     lost = DiskTier(root, size=1 << 40)

@@ -1,16 +1,11 @@
-"""The disk tier: the contract, persistence, crash safety, sharing, damage."""
+"""The disk tier: the contract, options, persistence, damage, a full disk, the index
+(processes sharing a directory and crashes: test_disk_shared.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
-import signal
-import subprocess
-import sys
-import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -29,6 +24,8 @@ from tier_contract import CHUNK_BYTES, EvictingTierContract
 
 ROOT = Path(__file__).resolve().parents[1]
 # A frame is the chunk plus its preamble and header.
+
+
 FRAME = codec.encoded_size(make_prompt(1).chunks()[0])
 
 
@@ -48,7 +45,7 @@ class TestDiskTier(EvictingTierContract):
         return open_tier(url)
 
     def corrupt(self, tier, key):
-        path = tier._path(key)
+        path = tier.files.path(key)
         with open(path, "r+b") as f:
             f.seek(os.path.getsize(path) - 100)
             byte = f.read(1)
@@ -72,7 +69,8 @@ def files_on_disk(root: Path) -> dict[str, int]:
 
 def test_url_options_are_typed_and_checked(tmp_path):
     tier = open_tier(f"file://{tmp_path}/t?size=1MiB&o_direct=false&fsync=true&threads=2&name=nvme")
-    assert (tier.capacity, tier.o_direct, tier.fsync, tier.threads, tier.name) == (1 << 20, False, True, 2, "nvme")
+    settings = (tier.capacity, tier.o_direct, tier.files.fsync, tier.threads, tier.name)
+    assert settings == (1 << 20, False, True, 2, "nvme")
     tier.close()
     with pytest.raises(ConfigError, match="needs a size"):
         open_tier(f"file://{tmp_path}/t")
@@ -94,32 +92,6 @@ def test_file_names_are_the_hex_key_and_nothing_else(tmp_path):
     with pytest.raises(ValueError):
         tier.contains(["not bytes"])
     tier.close()
-
-
-def test_a_second_tier_and_a_second_process_see_the_first_ones_chunks(tmp_path):
-    tier = new_tier(tmp_path)
-    p = make_prompt(6)
-    tier.put(p.chunks())
-    tier.close()
-    again = new_tier(tmp_path)
-    assert again.contains(p.keys) == 6
-    assert again.stats()["used_bytes"] == sum(files_on_disk(tmp_path).values())
-    again.close()
-    script = textwrap.dedent(f"""
-        import json, sys
-        from lmtier.tiers.disk import DiskTier
-        tier = DiskTier({str(tmp_path)!r}, size={64 * FRAME})
-        keys = [bytes.fromhex(k) for k in json.loads(sys.argv[1])]
-        print(json.dumps([c.tobytes().hex() for c in tier.get(keys)]))
-    """)
-    run = subprocess.run(
-        [sys.executable, "-c", script, json.dumps([k.hex() for k in p.keys])],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert json.loads(run.stdout) == [p.chunk_bytes(i).hex() for i in range(6)]
 
 
 def test_a_lost_index_is_rebuilt_from_the_files(tmp_path):
@@ -152,7 +124,7 @@ def test_damaged_files_are_misses_never_data(tmp_path, damage):
     tier = new_tier(tmp_path)
     p = make_prompt(4)
     tier.put(p.chunks())
-    path = Path(tier._path(p.keys[1]))
+    path = Path(tier.files.path(p.keys[1]))
     data = bytearray(path.read_bytes())
     rng = random.Random(damage)
     if damage == "flip":
@@ -167,7 +139,7 @@ def test_damaged_files_are_misses_never_data(tmp_path, damage):
         ns = make_namespace(layout=KVLayout(2, 1, 64, "float16"))  # same bytes per chunk, other shape
         data = bytearray(codec.encode(make_prompt(1, namespace=ns).chunks()[0]))
     elif damage == "other-key":
-        data = bytearray(Path(tier._path(p.keys[2])).read_bytes())
+        data = bytearray(Path(tier.files.path(p.keys[2])).read_bytes())
     else:
         data = bytearray(os.urandom(len(data)))
     path.write_bytes(bytes(data))
@@ -206,170 +178,6 @@ def test_a_full_disk_is_a_dropped_write_not_a_crash(tmp_path, monkeypatch):
     tier.put(p.chunks())  # space is back
     assert tier.contains(p.keys) == 3
     tier.close()
-
-
-WRITER = textwrap.dedent("""
-    import sys, numpy as np
-    from lmtier.chunk import Chunk
-    from lmtier.layout import KVLayout
-    from lmtier.tiers.disk import DiskTier
-    path, size, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    layout = KVLayout(2, 2, 32, "float16")
-    tier = DiskTier(path, size=size, threads=2)
-    rng = np.random.default_rng(seed)
-    print("ready", flush=True)
-    for step in range(100000):
-        batch = []
-        for _ in range(int(rng.integers(1, 6))):
-            data = rng.integers(0, 256, layout.byte_shape(16), dtype=np.uint8)
-            batch.append(Chunk(rng.bytes(16), layout, data, namespace=b"crash"))
-        tier.put(batch)
-        if step % 3 == 0:  # read back our own chunks and, through the listing, anyone's
-            listed = [p.name for p in tier._chunks.glob("*/*.lmt")][:8]
-            keys = [c.key for c in batch] + [bytes.fromhex(n.removesuffix(".lmt")) for n in listed]
-            for chunk in tier.get(keys):
-                if chunk is not None:
-                    chunk.tobytes()  # raises if the bytes do not verify
-                    chunk.release()
-""")
-
-
-def check_directory(path: Path, size: int) -> int:
-    """Open afresh: every chunk verifies, nothing partial is visible, accounting matches."""
-    tier = DiskTier(path, size=size)
-    on_disk = files_on_disk(path)
-    assert tier.stats()["used_bytes"] == sum(on_disk.values()) <= size
-    assert tier.stats()["chunks"] == len(on_disk)
-    keys = [bytes.fromhex(name.removesuffix(".lmt")) for name in on_disk]
-    for chunk in tier.get(keys):
-        assert chunk is not None  # published files are complete: none is damaged
-        chunk.tobytes()  # verifies
-        chunk.release()
-    assert tier.stats()["corrupt"] == 0
-    tier.close()
-    return len(keys)
-
-
-def test_writers_killed_at_random_moments_leave_a_consistent_directory(tmp_path):
-    size = 40 * FRAME  # small: kills land during evictions too
-    rng = random.Random(1)
-    seen = 0
-    for round_ in range(32):
-        writer = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(tmp_path), str(size), str(round_)], stdout=subprocess.PIPE, text=True
-        )
-        assert writer.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.0, 0.25))
-        writer.send_signal(signal.SIGKILL)
-        writer.wait(timeout=30)
-        seen = max(seen, check_directory(tmp_path, size))
-    assert seen > 10  # the writers really wrote
-
-
-def test_two_processes_sharing_a_directory_stay_consistent_and_bounded(tmp_path):
-    size = 30 * FRAME
-    script = WRITER.replace("range(100000)", "range(int(sys.argv[4]))")
-    writers = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, str(tmp_path), str(size), str(seed), "400"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for seed in (1, 2)
-    ]
-    for w in writers:
-        assert w.stdout.readline().strip() == "ready"
-    for w in writers:
-        _, err = w.communicate(timeout=240)
-        assert w.returncode == 0, err
-    assert check_directory(tmp_path, size) > 10
-
-
-OPENER = textwrap.dedent("""
-    import sys, numpy as np
-    from lmtier.chunk import Chunk
-    from lmtier.layout import KVLayout
-    from lmtier.tiers.disk import DiskTier
-    root, me = sys.argv[1], int(sys.argv[2])
-    layout = KVLayout(2, 2, 32, "float16")
-    print("ready", flush=True)
-    for line in sys.stdin:  # one fresh directory per line, opened by every process at once
-        tier = DiskTier(f"{root}/{line.strip()}", size=1 << 20, threads=1)
-        data = np.full(layout.byte_shape(16), me, dtype=np.uint8)
-        tier.put([Chunk(bytes([me]) * 16, layout, data, namespace=b"race")])
-        (chunk,) = tier.get([bytes([me]) * 16])
-        assert chunk is not None and chunk.tobytes() == data.tobytes()
-        chunk.release()
-        tier.close()
-        print("ok", flush=True)
-""")
-
-
-def test_many_processes_open_one_fresh_directory_at_the_same_instant(tmp_path):
-    """Engine ranks, instances and a server start together on a new directory: every one
-    of them opens it, every round, and all their chunks are there afterwards."""
-    processes, rounds = 8, 20
-    openers = [
-        subprocess.Popen(
-            [sys.executable, "-c", OPENER, str(tmp_path), str(i)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(processes)
-    ]
-    try:
-        for p in openers:
-            assert p.stdout.readline().strip() == "ready", p.stderr.read()
-        for r in range(rounds):
-            for p in openers:  # as close to one instant as the pipes allow
-                p.stdin.write(f"round{r}\n")
-                p.stdin.flush()
-            for p in openers:
-                line = p.stdout.readline().strip()
-                if line != "ok":
-                    p.kill()
-                    pytest.fail(f"round {r}: an opener said {line!r}:\n{p.communicate()[1][-3000:]}")
-            tier = DiskTier(tmp_path / f"round{r}", size=1 << 20)
-            assert tier.contains([bytes([i]) * 16 for i in range(processes)]) == processes
-            tier.close()
-    finally:
-        for p in openers:
-            p.stdin.close()
-        for p in openers:
-            p.wait(timeout=60)
-    assert [p.returncode for p in openers] == [0] * processes
-
-
-def test_dead_writers_temporary_files_are_removed_on_open_and_live_ones_kept(tmp_path):
-    """A pid says nothing about a writer in another container: age decides."""
-    from lmtier.tiers.disk import STALE_TEMP_S
-
-    new_tier(tmp_path).close()
-    stale = tmp_path / "tmp" / "999999999-abc-1.tmp"
-    stale.write_bytes(b"half a chunk")
-    old = time.time() - STALE_TEMP_S - 5
-    os.utime(stale, (old, old))
-    elsewhere = tmp_path / "tmp" / "999999999-def-1.tmp"  # a pid dead here, alive in its container
-    elsewhere.write_bytes(b"being written")
-    new_tier(tmp_path).close()
-    assert not stale.exists() and elsewhere.exists()
-
-
-def test_writers_with_the_same_pid_in_two_containers_never_touch_each_others_files(tmp_path):
-    """Two PID namespaces on one directory: the same pid, other temporary names."""
-    a, b = new_tier(tmp_path), new_tier(tmp_path)
-    b._nonce_pid = -1  # as if b were another process with a's pid
-    assert a._nonce() != b._nonce()
-    first, second = make_prompt(3, seed=61), make_prompt(3, seed=62)
-    a.put(first.chunks())
-    b.put(second.chunks())
-    assert a.contains(first.keys) == 3 and a.contains(second.keys) == 3
-    assert list((tmp_path / "tmp").iterdir()) == []
-    a.close()
-    b.close()
 
 
 def test_files_that_are_not_chunks_are_removed_and_never_counted(tmp_path):
@@ -426,27 +234,3 @@ def test_a_damaged_index_is_moved_aside_and_rebuilt_from_the_files(tmp_path):
     assert again.stats()["used_bytes"] == sum(files_on_disk(tmp_path).values())
     assert (tmp_path / "index.sqlite.damaged").exists()
     again.close()
-
-
-def test_a_read_does_not_wait_for_another_processes_write_lock(tmp_path):
-    """Refreshing recency is best effort: a hit is served while another process holds
-    the index's write lock (a long eviction, a stalled writer)."""
-    import sqlite3
-
-    tier = new_tier(tmp_path)
-    prompt = make_prompt(3, seed=72)
-    tier.put(prompt.chunks())
-    locker = sqlite3.connect(tmp_path / "index.sqlite", isolation_level=None)
-    locker.execute("BEGIN EXCLUSIVE")
-    try:
-        got = []
-        reader = threading.Thread(target=lambda: got.extend(tier.get(prompt.keys)))
-        reader.start()
-        reader.join(30)  # a hang detector: without the fix the read waits for the lock (60 s)
-        assert not reader.is_alive()
-        assert [c.tobytes() for c in got] == [c.tobytes() for c in prompt.chunks()]
-        release_all(got)
-    finally:
-        locker.execute("ROLLBACK")
-        locker.close()
-    tier.close()

@@ -239,7 +239,7 @@ def test_a_vanished_disk_directory_is_misses_then_recreated(tmp_path):
 # Damaged bytes in every tier
 # ------------------------------------------------------------------------------------------
 def damage_file(store, key: bytes) -> None:
-    path = store.store.tiers[0]._path(key)
+    path = store.store.tiers[0].files.path(key)
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) - 50)
         byte = f.read(1)

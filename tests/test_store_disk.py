@@ -142,7 +142,7 @@ def test_a_damaged_disk_chunk_ends_the_prefix_served(tmp_path):
     disk = DiskTier(tmp_path, size=FRAME_ROOM)
     p = make_prompt(4)
     disk.put(p.chunks())
-    path = Path(disk._path(p.keys[2]))
+    path = Path(disk.files.path(p.keys[2]))
     data = bytearray(path.read_bytes())
     data[-10] ^= 0xFF
     path.write_bytes(bytes(data))

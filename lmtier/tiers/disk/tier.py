@@ -1,38 +1,15 @@
-"""``file:///mnt/nvme/lmtier?size=500GiB``: chunks as files on a local disk.
+"""``DiskTier``: the policy of a disk directory (what is stored, within which bound, what is
+evicted) over its files (``files``) and its index (``index``). See the package docstring.
 
-One file per chunk, ``chunks/<first byte>/<hex key>.lmt``, holding one codec frame. The
-file name is the key's fixed hex encoding and nothing else, so no input can steer a path.
-
-Publishing is atomic: a chunk is written whole under ``tmp/<pid>-<random>-<n>.tmp`` (fsync'ed
-first when ``fsync=true``), then, inside one index transaction, renamed into place and
-recorded. Readers open files by name, so they see a complete frame or nothing; a file
-evicted or replaced while being read stays readable through its open descriptor. After a
-crash a frame is still verified by its checksums when read, so a torn file can only ever
-be a miss.
-
-The index (``lmtier.tiers.diskindex``, SQLite in the same directory) holds sizes and
-recency and is shared by every process that opens the directory: the size bound is
-enforced under its write lock, counting each file once however many processes write.
-Opening the tier reconciles the index with the files (adopting complete files a crash
-left unrecorded, forgetting records whose files are gone, removing dead writers'
-temporary files), and rebuilds it from the files when the database is missing.
-
-Eviction is LRU over the index's recency with the CPU tier's twist: within a batch the
-first chunk of the prompt is made the most recent, so a prompt loses its tail first.
-
-I/O: large sequential reads and writes in reused page-aligned buffers, with O_DIRECT when
-the filesystem supports it (``o_direct=auto``), so cold reads measure the disk, not the
-page cache, and the cache keeps room for the engine. A small thread pool
-(``threads=16``: small chunks need a deep queue) overlaps the I/O of a batch's chunks.
+    contains / get / put / delete / close    the Tier primitives
+    keys(prefix, limit), touch(keys)         listing and recency (capabilities)
+    reconcile() -> seconds                   bring the index in line with the files
 """
 
 from __future__ import annotations
 
-import errno
-import itertools
 import logging
 import os
-import secrets
 import sqlite3
 import threading
 import time
@@ -41,18 +18,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lmtier import codec, metrics
-from lmtier.buffers import ALIGN, BufferPool, round_up
+from lmtier import metrics
 from lmtier.chunk import Chunk
 from lmtier.errors import ConfigError, IntegrityError, TierError
 from lmtier.tiers.base import Capabilities, Tier, TierContext, TierURL, parse_bool
-from lmtier.tiers.diskindex import DiskIndex
+from lmtier.tiers.disk.files import ChunkFiles, fsync_dir
+from lmtier.tiers.disk.index import DiskIndex
 from lmtier.units import parse_size
 
 log = logging.getLogger(__name__)
-SUFFIX = ".lmt"
-MAX_FRAME = 1 << 31  # a file larger than this is not ours: refuse before allocating
-STALE_TEMP_S = 600.0  # a temporary file untouched this long belongs to no live writer
 TOUCH_WAIT_S = 0.05  # how long a read waits for the index's write lock to refresh recency
 
 
@@ -81,22 +55,13 @@ class DiskTier(Tier):
             raise ConfigError("threads must be at least 1")
         self.root = Path(path)
         self.capacity = size
-        self.fsync = fsync
         self.threads = threads
         self.name = name
-        self._chunks = self.root / "chunks"
-        self._tmp = self.root / "tmp"
         try:
-            self._make_dirs()
+            self.files = ChunkFiles(self.root, o_direct, fsync)
         except OSError as exc:
             raise ConfigError(f"cannot use {self.root} as a disk tier: {exc}") from exc
-        self.o_direct = _supports_o_direct(self._tmp) if o_direct is None else o_direct
         self.index = DiskIndex(str(self.root / "index.sqlite"))
-        # Enough idle buffers for a few batched reads in flight (a prompt's worth of chunks
-        # read at once), bounded in bytes: fresh buffers cost page faults on every read.
-        self._buffers = BufferPool(max_free=256, max_free_bytes=256 << 20)
-        self._counter = itertools.count()
-        self._nonce_pid = -1
         self._counts = {"stored": 0, "dropped": 0, "evictions": 0, "corrupt": 0, "write_errors": 0}
         self._counts_lock = threading.Lock()
         self._pid = -1
@@ -126,7 +91,7 @@ class DiskTier(Tier):
         now = time.time_ns()
         hits = [(k, now - i) for i, (k, c) in enumerate(zip(keys, chunks, strict=True)) if c is not None]
         misses = [k for k, c in zip(keys, chunks, strict=True) if c is None]
-        vanished = [k for k in self.index.present(misses) if not os.path.exists(self._path(k))] if misses else []
+        vanished = [k for k in self.index.present(misses) if not os.path.exists(self.files.path(k))] if misses else []
         if hits or vanished:
             # Recency is best effort: a read never waits long on another process's write lock
             # (the chunks are read already); a skipped refresh costs only eviction order.
@@ -155,7 +120,7 @@ class DiskTier(Tier):
             written = [self._write_temp(c) for c in todo]
         self._publish([w for w in written if isinstance(w, tuple)], present, order)
         if todo and all(w == "io" for w in written):
-            if not self._tmp.is_dir():
+            if not self.files.tmp.is_dir():
                 self._rebuild()
             raise TierError(f"disk tier {self.name}: no chunk could be written (see the log)")
 
@@ -164,7 +129,7 @@ class DiskTier(Tier):
         with self.index.transaction() as txn:
             sizes = txn.sizes(keys)
             for key in sizes:
-                _unlink(self._path(key))
+                Path(self.files.path(key)).unlink(missing_ok=True)
             txn.remove(sizes)
             txn.set_usage(txn.usage() - sum(sizes.values()))
 
@@ -178,6 +143,10 @@ class DiskTier(Tier):
     def keys(self, prefix: bytes = b"", limit: int | None = None) -> list[bytes]:
         """Keys held that start with ``prefix``, most recently used first."""
         return self.index.keys(prefix, limit)
+
+    @property
+    def o_direct(self) -> bool:
+        return self.files.o_direct
 
     @property
     def used_bytes(self) -> int:
@@ -202,17 +171,7 @@ class DiskTier(Tier):
         start = time.perf_counter()
         with self.index.transaction() as txn:
             rows = self.index.rows()
-            on_disk: dict[bytes, tuple[int, int]] = {}
-            for sub in os.scandir(self._chunks):
-                if not sub.is_dir(follow_symlinks=False):
-                    continue
-                for entry in os.scandir(sub.path):
-                    key = _key_of(entry.name)
-                    if key is None or not entry.is_file(follow_symlinks=False):
-                        _unlink(entry.path)  # not ours: nothing else lives here
-                        continue
-                    st = entry.stat(follow_symlinks=False)
-                    on_disk[key] = (st.st_size, st.st_mtime_ns)
+            on_disk = self.files.scan()
             gone = [k for k in rows if k not in on_disk]
             txn.remove(gone)
             changed = [
@@ -223,7 +182,7 @@ class DiskTier(Tier):
             txn.add(changed)  # files a crash left unrecorded; their recency is their mtime
             usage = sum(size for size, _ in on_disk.values())
             txn.set_usage(usage)
-            self._remove_dead_temporaries()
+            self.files.remove_dead_temporaries()
             if usage > self.capacity:  # reopened with a smaller size
                 self._evict(txn, usage - self.capacity, set())
         if changed or gone:
@@ -237,47 +196,17 @@ class DiskTier(Tier):
         Returns ``(key, temporary path, size)``, or why not: ``"io"`` (disk full, directory
         gone, ...) or ``"corrupt"`` (the chunk failed verification on its way in).
         """
-        # Unique across processes, hosts and PID namespaces sharing the directory: a pid
-        # alone repeats in another container.
-        tmp = str(self._tmp / f"{os.getpid()}-{self._nonce()}-{next(self._counter)}.tmp")
-        buf = None
-        created = False
         try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.o_direct else 0)
-            if self.o_direct:
-                buf = self._buffers.acquire(round_up(codec.encoded_size(chunk)))
-                size = codec.encode_into(chunk, buf)
-                padded = round_up(size)
-                buf[size:padded] = bytes(padded - size)
-                parts = [memoryview(buf)[:padded]]
-            else:
-                parts = codec.encode_parts(chunk)
-                size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
-            fd = os.open(tmp, flags, 0o644)
-            created = True
-            try:
-                _write_all(fd, parts)
-                if self.o_direct and size % ALIGN:  # drop the padding O_DIRECT wrote
-                    os.ftruncate(fd, size)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            return chunk.key, tmp, size
+            tmp, size = self.files.write_temp(chunk)
         except IntegrityError:
             self._count("corrupt")  # a damaged chunk from an upper tier is not stored
-            outcome = "corrupt"
+            return "corrupt"
         except OSError as exc:
             self._count("write_errors")
             metrics.TIER_ERRORS.labels(self.name, "put").inc()
             log.warning("disk tier %s: cannot write %s: %s", self.name, chunk.key.hex()[:16], exc)
-            outcome = "io"
-        finally:
-            if buf is not None:
-                self._buffers.release(buf)
-        if created:  # never a file of someone else's
-            _unlink(tmp)
-        return outcome
+            return "io"
+        return chunk.key, tmp, size
 
     def _publish(self, ready: list[tuple[bytes, str, int]], present: set[bytes], order: dict[bytes, int]) -> None:
         """Make written chunks visible within the size bound, in one transaction.
@@ -301,7 +230,7 @@ class DiskTier(Tier):
                 size = fresh.pop()[2]
                 need, short = need - size, short - size
             for i, (key, tmp, _) in enumerate(fresh):
-                path = self._path(key)
+                path = self.files.path(key)
                 try:
                     os.rename(tmp, path)
                 except OSError as exc:  # our file is gone (a vanished directory): drop the rest
@@ -315,10 +244,10 @@ class DiskTier(Tier):
         published = {key for key, _, _ in fresh}
         for key, tmp, _ in ready:
             if key not in published:
-                _unlink(tmp)
-        if self.fsync:
+                Path(tmp).unlink(missing_ok=True)
+        if self.files.fsync:
             for d in dirs:
-                _fsync_dir(d)
+                fsync_dir(d)
         dropped = len(ready) - len(already) - len(fresh)
         self._count("stored", len(fresh))
         self._count("dropped", dropped)
@@ -341,7 +270,7 @@ class DiskTier(Tier):
             for key, size in victims:
                 if freed >= excess:
                     break
-                _unlink(self._path(key))
+                Path(self.files.path(key)).unlink(missing_ok=True)
                 freed += size
                 taken.append(key)
             txn.remove(taken)
@@ -353,88 +282,46 @@ class DiskTier(Tier):
 
     # -- reading ------------------------------------------------------------------------
     def _read(self, key: bytes) -> Chunk | None:
-        path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.o_direct else 0))
-        except FileNotFoundError:
-            return None
-        buf = None
-        try:
-            st = os.fstat(fd)
-            if not codec.PREAMBLE.size <= st.st_size <= MAX_FRAME:
-                raise IntegrityError(f"file of {st.st_size} bytes cannot be a chunk")
-            buf = self._buffers.acquire(round_up(st.st_size))
-            view = memoryview(buf)
-            got = 0
-            while got < st.st_size:  # O_DIRECT reads whole blocks; the tail comes back short
-                n = os.preadv(fd, [view[got : round_up(st.st_size)]], got)
-                if n <= 0:
-                    break
-                got += n
-            if got != st.st_size:
-                raise IntegrityError("file shorter than it said")
-            inode = st.st_ino
-            # Verified here, in the I/O thread: hashing releases the GIL, so it runs beside
-            # the other reads instead of adding a pass to the reader's copy.
-            chunk = codec.decode(
-                view[: st.st_size],
-                key=key,
-                on_release=lambda b=buf: self._buffers.release(b),
-                on_corrupt=lambda: self._discard(key, inode),
-            )
-            buf = None  # the chunk owns it now
-            return chunk
+            return self.files.read(key, on_corrupt=lambda inode: self._discard(key, inode))
         except IntegrityError as exc:
             log.warning("disk tier %s: dropping damaged chunk %s: %s", self.name, key.hex()[:16], exc)
-            self._discard(key, os.fstat(fd).st_ino)
+            self._discard(key, exc.inode)  # type: ignore[attr-defined]
             return None
         except OSError as exc:
             metrics.TIER_ERRORS.labels(self.name, "get").inc()
             log.warning("disk tier %s: cannot read %s: %s", self.name, key.hex()[:16], exc)
             return None
-        finally:
-            os.close(fd)
-            if buf is not None:
-                self._buffers.release(buf)
 
     def _discard(self, key: bytes, inode: int) -> None:
         """Remove a damaged file, unless another writer has replaced it meanwhile."""
         self._count("corrupt")
         metrics.INTEGRITY_FAILURES.labels(self.name).inc()
-        path = self._path(key)
+        path = Path(self.files.path(key))
         with self.index.transaction() as txn:
             try:
-                if os.stat(path).st_ino != inode:
+                if path.stat().st_ino != inode:
                     return
             except FileNotFoundError:
                 pass
-            _unlink(path)
+            path.unlink(missing_ok=True)
             sizes = txn.sizes([key])
             txn.remove(sizes)
             txn.set_usage(txn.usage() - sum(sizes.values()))
 
     # -- helpers ------------------------------------------------------------------------
-    def _make_dirs(self) -> None:
-        for i in range(256):
-            (self._chunks / f"{i:02x}").mkdir(parents=True, exist_ok=True)
-        self._tmp.mkdir(exist_ok=True)
-
     def _rebuild(self) -> None:
         """The directory vanished under us (unmounted, deleted): start it again, empty, with
         a fresh index, so that writes work once the path is usable. What was in it is gone;
         reads of it were already misses."""
         log.warning("disk tier %s: %s vanished; starting it again, empty", self.name, self.root)
         try:
-            self._make_dirs()
+            self.files.make_dirs()
             old, self.index = self.index, DiskIndex(str(self.root / "index.sqlite"))
             old.close()
             self.reconcile()
         except OSError as exc:
             log.warning("disk tier %s: cannot start %s again yet: %s", self.name, self.root, exc)
-
-    def _path(self, key: bytes) -> str:
-        name = key.hex()
-        return f"{self._chunks}/{name[:2]}/{name}{SUFFIX}"
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._pid != os.getpid():
@@ -446,79 +333,11 @@ class DiskTier(Tier):
         with self._counts_lock:
             self._counts[what] += n
 
-    def _remove_dead_temporaries(self) -> None:
-        """Temporary files a crashed writer left. A pid says nothing about a writer in
-        another container (PID namespace) or on another host, so age decides: a chunk is
-        written and published within seconds, and a file untouched for STALE_TEMP_S is no
-        live writer's."""
-        cutoff = time.time() - STALE_TEMP_S
-        for entry in os.scandir(self._tmp):
-            try:
-                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                    _unlink(entry.path)
-            except FileNotFoundError:
-                pass
-
-    def _nonce(self) -> str:
-        """Random per process (made anew after fork)."""
-        if self._nonce_pid != os.getpid():
-            self._nonce_text, self._nonce_pid = secrets.token_hex(6), os.getpid()
-        return self._nonce_text
-
 
 def _check_key(key: bytes) -> bytes:
     if not isinstance(key, bytes) or not 1 <= len(key) <= 64:
         raise ValueError(f"a chunk key is 1 to 64 bytes, got {key!r:.40}")
     return key
-
-
-def _key_of(name: str) -> bytes | None:
-    stem = name.removesuffix(SUFFIX)
-    if stem == name or len(stem) % 2:
-        return None
-    try:
-        return bytes.fromhex(stem)
-    except ValueError:
-        return None
-
-
-def _write_all(fd: int, parts: list) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _supports_o_direct(directory: Path) -> bool:
-    probe = directory / f"{os.getpid()}-odirect-probe.tmp"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-    except OSError as exc:
-        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-            return False
-        raise
-    os.close(fd)
-    _unlink(str(probe))
-    return True
 
 
 __all__ = ["DiskTier"]
