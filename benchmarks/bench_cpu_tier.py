@@ -18,10 +18,8 @@ and as a Markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
-import time
 
 import numpy as np
 
@@ -32,6 +30,8 @@ from lmtier.layout import KVLayout
 from lmtier.tiers.base import TierContext
 from lmtier.tiers.cpu import CpuTier
 
+from common import best, emit
+
 MiB = 1024**2
 
 
@@ -41,15 +41,6 @@ def _layout_for(chunk_bytes: int) -> tuple[KVLayout, int]:
     if tokens * layout.bytes_per_token != chunk_bytes:
         raise SystemExit(f"chunk size must be a multiple of {layout.bytes_per_token} bytes")
     return layout, tokens
-
-
-def _best(fn, rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def run(chunk_mib: float = 2, working_set_mib: int = 512, rounds: int = 5, batch: int = 8) -> dict:
@@ -127,7 +118,7 @@ def run(chunk_mib: float = 2, working_set_mib: int = 512, rounds: int = 5, batch
         ("embedded_api", lmtier_api),
     )
     for name, fn in paths:
-        seconds = _best(fn, rounds)
+        seconds = best(fn, rounds)
         results[name] = {"seconds": seconds, "gb_per_s": 2 * total / seconds / 1e9}
     lmtier_tier()
     lmtier_api()
@@ -178,13 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-out", help="also write the JSON report here")
     args = parser.parse_args(argv)
     report = run(args.chunk_mib, args.working_set_mib, args.rounds, args.batch)
-    text = json.dumps(report, indent=2)
-    print(text)
-    print()
-    print(table(report))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text + "\n")
+    emit(report, table(report), args.json_out)
     return 0
 
 

@@ -20,7 +20,6 @@ Prints JSON and a Markdown table with GB/s of each side and the ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -36,6 +35,8 @@ from lmtier import codec
 from lmtier.chunk import Chunk, release_all
 from lmtier.layout import KVLayout
 from lmtier.tiers.disk import DiskTier
+
+from common import emit
 
 MiB = 1024**2
 
@@ -226,12 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    text = json.dumps(report, indent=2)
-    print(text)
-    print()
-    print(table(report))
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    emit(report, table(report), args.json_out)
     return 0
 
 

@@ -77,6 +77,18 @@ def prompt() -> Prompt:
     return make_prompt(8)
 
 
+def assert_served_then_promoted(store, hot, p: Prompt) -> None:
+    """``store.get`` hands back every chunk of ``p`` as it was stored, and the background
+    promotion then puts them all in ``hot``, the faster tier."""
+    from lmtier.chunk import release_all
+
+    chunks = store.get(p.keys)
+    assert [c.tobytes() for c in chunks] == [p.chunk_bytes(i) for i in range(len(p.keys))]
+    release_all(chunks)
+    assert store.flush()  # promotion runs in the background
+    assert hot.contains(p.keys) == len(p.keys)
+
+
 def eventually(condition, seconds: float = 30.0) -> bool:
     """Whether ``condition()`` turns true within ``seconds`` (polled every 0.1 s)."""
     deadline = time.monotonic() + seconds

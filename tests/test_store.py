@@ -13,7 +13,7 @@ from lmtier.chunk import release_all
 from lmtier.store import TieredStore
 from lmtier.tiers.cpu import CpuTier
 
-from conftest import make_prompt
+from conftest import assert_served_then_promoted, make_prompt
 from tier_contract import CHUNK_BYTES
 
 
@@ -66,11 +66,7 @@ def test_lookup_finds_a_prefix_spread_over_tiers_and_get_promotes_it():
         cold.put(p.chunks(2, 6))
         hot.put(p.chunks(0, 2))
         assert store.lookup(p.keys) == 6
-        chunks = store.get(p.keys)
-        assert [c.tobytes() for c in chunks] == [p.chunk_bytes(i) for i in range(6)]
-        release_all(chunks)
-        assert store.flush()  # promotion runs in the background
-        assert hot.contains(p.keys) == 6  # promoted
+        assert_served_then_promoted(store, hot, p)
 
 
 def test_get_returns_only_the_leading_run():

@@ -18,7 +18,7 @@ from lmtier.store import TieredStore
 from lmtier.tiers.cpu import CpuTier
 from lmtier.tiers.disk import DiskTier
 
-from conftest import make_prompt
+from conftest import assert_served_then_promoted, make_prompt
 from tier_contract import CHUNK_BYTES
 
 FRAME_ROOM = 64 * (CHUNK_BYTES + 4096)
@@ -56,11 +56,7 @@ def test_write_through_survives_a_restart_and_promotes_on_the_way_back(tmp_path)
     with TieredStore([hot, DiskTier(tmp_path, size=FRAME_ROOM)]) as store:  # a new process, in effect
         assert hot.contains(p.keys) == 0
         assert store.lookup(p.keys) == 6
-        chunks = store.get(p.keys)
-        assert [c.tobytes() for c in chunks] == [p.chunk_bytes(i) for i in range(6)]
-        release_all(chunks)
-        assert store.flush()  # promotion runs in the background
-        assert hot.contains(p.keys) == 6  # promoted
+        assert_served_then_promoted(store, hot, p)
 
 
 def test_background_promotion_holds_its_own_lease_on_the_read_buffers(tmp_path):

@@ -238,6 +238,16 @@ def test_the_default_multiprocess_mode(model, tmp_path):
     two_instances(tmp_path, model, multiprocess=True)
 
 
+def assert_b_hit_what_a_stored(a, b, ref) -> None:
+    """A answered as vLLM's first pass, B as vLLM's own prefix-cache hit, and B's documents
+    hit everything A stored of them (whole chunks of the prompt and A's answer)."""
+    assert_answers(a, ref["first"], ref["full"])
+    assert_answers(b, ref["hit"], ref["full"])
+    for phase in DOCS:
+        (out,), (a_out,) = b["results"][phase], a["results"][phase]
+        assert out["cached"] == expected_hit(out["prompt_len"], out["prompt_len"] + len(a_out["tokens"]) - 1)
+
+
 def test_two_instances_share_through_redis_alone(model, single_process, tmp_path):
     server = RedisServer(tmp_path)
     try:
@@ -246,12 +256,7 @@ def test_two_instances_share_through_redis_alone(model, single_process, tmp_path
         b = engine(tmp_path, model, "b", None, shared=server.url)
     finally:
         server.stop()
-    ref = single_process["reference"]
-    assert_answers(a, ref["first"], ref["full"])
-    assert_answers(b, ref["hit"], ref["full"])
-    for phase in DOCS:
-        (out,), (a_out,) = b["results"][phase], a["results"][phase]
-        assert out["cached"] == expected_hit(out["prompt_len"], out["prompt_len"] + len(a_out["tokens"]) - 1)
+    assert_b_hit_what_a_stored(a, b, single_process["reference"])
     for r, a_r in zip(b["results"]["chat"], a["results"]["chat"], strict=True):  # A stored every round
         assert r["cached"] == expected_hit(r["prompt_len"], a_r["prompt_len"] + len(a_r["tokens"]) - 1)
     assert not (tmp_path / "disk").exists()
@@ -268,12 +273,7 @@ def test_two_instances_share_through_the_cache_server_alone(model, single_proces
         b = engine(tmp_path, model, "b", None, shared=url)
     finally:
         server.stop()
-    ref = single_process["reference"]
-    assert_answers(a, ref["first"], ref["full"])
-    assert_answers(b, ref["hit"], ref["full"])
-    for phase in DOCS:
-        (out,), (a_out,) = b["results"][phase], a["results"][phase]
-        assert out["cached"] == expected_hit(out["prompt_len"], out["prompt_len"] + len(a_out["tokens"]) - 1)
+    assert_b_hit_what_a_stored(a, b, single_process["reference"])
     remote = b["stats"]["tiers"][1]
     assert remote["errors"] == 0 and remote["shm"] is not None  # same host: bytes through shared memory
 
