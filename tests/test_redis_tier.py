@@ -86,6 +86,47 @@ def test_chunks_spread_over_every_master(cluster):
         tier.close()
 
 
+def test_a_stale_slot_map_is_learnt_again_from_the_first_moved(cluster):
+    """Slots move between masters (a reshard, a failover). Told MOVED, every operation
+    learns the slot map again; a lookup asks again at once, a read or a write counts the
+    moved keys as misses or drops, and the next call goes to the right masters."""
+    cluster.flush()
+    tier = open_tier(cluster.url)
+    try:
+        prompt, later = make_prompt(12, seed=5), make_prompt(12, seed=6)
+        tier.put(prompt.chunks())
+        right = tier.router._slots
+        one = right[0]
+        at_one = [str(tier._node_for(tier._rkey(k))) == str(one) for k in prompt.keys]
+        assert 0 < sum(at_one) < 12
+
+        def stale() -> None:  # every slot on one master, as before a reshard
+            tier.router._slots = [one] * len(right)
+
+        stale()
+        assert tier.contains(prompt.keys) == 12  # MOVED, the map learnt again, asked again
+        assert tier.router._slots == right
+
+        stale()
+        got = tier.get(prompt.keys)
+        assert [c is not None for c in got] == at_one  # the moved keys are misses this time
+        release_all([c for c in got if c is not None])
+        assert tier.router._slots == right
+
+        stale()
+        tier.put(later.chunks())  # the moved keys are dropped this time
+        assert tier.router._slots == right
+        stored = [tier.contains([k]) == 1 for k in later.keys]
+        assert stored == [str(tier._node_for(tier._rkey(k))) == str(one) for k in later.keys]
+
+        stale()
+        tier.delete(prompt.keys)  # MOVED: nothing deleted on the other masters, the map learnt again
+        assert tier.router._slots == right
+        assert [tier.contains([k]) == 1 for k in prompt.keys] == [not here for here in at_one]
+    finally:
+        tier.close()
+
+
 def test_urls_and_options(server):
     tier = open_tier(f"{server.url}/3?prefix=t1:&ttl=60&pool=2&timeout=1.5")
     try:
