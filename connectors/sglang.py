@@ -12,6 +12,9 @@
 ``batch_get_v1`` / ``batch_set_v1``, and lmtier copies straight between its tiers and
 SGLang's host pool. Both work.
 
+Longer than 400 lines: SGLang's backend is one class answering both interfaces (v1 and
+legacy), beside the mapping of its host layouts onto the canonical chunk.
+
 Extra-config keys of lmtier's own (all optional): ``tiers``, ``hash``, ``salt`` (tenant:
 stores with different salts never share), ``write_queue``, ``write_mode``,
 ``metrics_port`` (Prometheus ``/metrics``, TP rank r on ``port + r``),
@@ -66,7 +69,7 @@ from lmtier.errors import ConfigError, LayoutError
 from lmtier.keys import Namespace, named_keys
 from lmtier.layout import KVLayout, canonical_dtype
 from lmtier.store import TieredStore, deadline_after, load_batch
-from lmtier.tiers.base import TierContext, open_tier
+from lmtier.tiers.base import TierContext
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
@@ -194,17 +197,14 @@ class LMTierStorage(HiCacheStorage):
         )
         if self.store is not None and namespace == self.namespace:
             return
-        context = TierContext(chunk_bytes=namespace.chunk_bytes)
-        opened = []
-        try:
-            for url in self.config.tiers:
-                opened.append(open_tier(url, context, defer=True))
-        except BaseException:
-            for tier in opened:
-                tier.close()
-            raise
         old = self.store
-        self.store = TieredStore(opened, write_queue=self.config.write_queue, write_mode=self.config.write_mode)
+        self.store = TieredStore.open(
+            self.config.tiers,
+            TierContext(chunk_bytes=namespace.chunk_bytes),
+            defer=True,
+            write_queue=self.config.write_queue,
+            write_mode=self.config.write_mode,
+        )
         self.layout, self._shape, self.namespace = layout, shape, namespace
         if old is not None:
             old.close()

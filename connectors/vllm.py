@@ -6,6 +6,9 @@
                            "kv_connector_extra_config": {"tiers": ["cpu://?size=4GiB",
                                                                    "file:///var/lib/lmtier?size=100GiB"]}}'
 
+Longer than 400 lines: vLLM's connector is one class that plays both roles (scheduler and
+worker), and the plans and save buffers that only it uses are kept beside it.
+
 Extra-config keys (all optional): ``tiers``, ``chunk_tokens``, ``hash``, ``salt``,
 ``write_queue``, ``write_mode``, ``metrics_port`` (Prometheus ``/metrics`` from the
 engine's processes: the scheduler on this port, worker rank r on ``port + 1 + r``),
@@ -66,7 +69,7 @@ from lmtier.connectors import announce
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.store import TieredStore, deadline_after, load_batch
-from lmtier.tiers.base import TierContext, open_tier
+from lmtier.tiers.base import TierContext
 from lmtier.transfer import CopyEngine, check_chunk_size
 
 if TYPE_CHECKING:
@@ -163,10 +166,13 @@ def _shared_store(cfg: StoreConfig, chunk_bytes: int) -> TieredStore:
     with _STORES_LOCK:
         store = _STORES.get(key)
         if store is None:
-            context = TierContext(chunk_bytes=chunk_bytes)
-            tiers = [open_tier(url, context, defer=True) for url in cfg.tiers]
-            store = TieredStore(tiers, write_queue=cfg.write_queue, write_mode=cfg.write_mode)
-            _STORES[key] = store
+            store = _STORES[key] = TieredStore.open(
+                cfg.tiers,
+                TierContext(chunk_bytes=chunk_bytes),
+                defer=True,
+                write_queue=cfg.write_queue,
+                write_mode=cfg.write_mode,
+            )
         return store
 
 
@@ -252,8 +258,6 @@ class LMTierConnector(KVConnectorBase_V1):
         self._failed_blocks: set[int] = set()
         self._save_buffers: _SaveBuffers | None = None
         self._saves: queue.Queue | None = None
-        self._saver: threading.Thread | None = None
-        self._dropped_saves = 0
         self._saver_pid = -1
         _CONNECTORS.add(self)
 
@@ -443,7 +447,6 @@ class LMTierConnector(KVConnectorBase_V1):
                 for i in range(len(keys)):
                     buf = self._save_buffers.acquire()
                     if buf is None:  # every buffer is on its way to the store: a future miss
-                        self._dropped_saves += len(keys) - i
                         break
                     taken.append(buf)
                     blocks = plan.block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk]
@@ -459,13 +462,11 @@ class LMTierConnector(KVConnectorBase_V1):
     def _enqueue_save(self, keys: list[bytes], bufs: list[torch.Tensor]) -> bool:
         if self._saves is None or self._saver_pid != os.getpid():
             self._saves = queue.Queue(maxsize=max(1, self.config.write_queue))
-            self._saver = threading.Thread(target=self._save_loop, name="lmtier-save", daemon=True)
             self._saver_pid = os.getpid()
-            self._saver.start()
+            threading.Thread(target=self._save_loop, name="lmtier-save", daemon=True).start()
         try:
             self._saves.put_nowait((keys, bufs))
-        except queue.Full:
-            self._dropped_saves += len(keys)  # a future miss, never a stall
+        except queue.Full:  # a future miss, never a stall
             return False
         return True
 

@@ -25,7 +25,7 @@ from lmtier.errors import IntegrityError, LayoutError, MissingDependency
 from lmtier.keys import Namespace, as_token_array
 from lmtier.layout import KVLayout, canonical_dtype, preset
 from lmtier.store import TieredStore, deadline_after, load_batch
-from lmtier.tiers.base import TierContext, open_tier
+from lmtier.tiers.base import TierContext
 
 
 class KVStore:
@@ -190,16 +190,13 @@ def open_store(
         salt=cfg.salt,
         hash=cfg.hash,
     )
-    context = TierContext(chunk_bytes=namespace.chunk_bytes)
-    opened = []
-    try:
-        for url in cfg.tiers:
-            opened.append(open_tier(url, context, defer=True))
-    except BaseException:
-        for tier in opened:
-            tier.close()
-        raise
-    store = TieredStore(opened, write_queue=cfg.write_queue, write_mode=cfg.write_mode)
+    store = TieredStore.open(
+        cfg.tiers,
+        TierContext(chunk_bytes=namespace.chunk_bytes),
+        defer=True,
+        write_queue=cfg.write_queue,
+        write_mode=cfg.write_mode,
+    )
     return KVStore(store, namespace, load_deadline=cfg.load_deadline)
 
 

@@ -10,20 +10,26 @@
     28      8     header checksum: xxh3-64 of bytes [0, 28) + the H header bytes
     36      4     zero padding (the preamble is 40 bytes)
     40      H     header: msgpack map {v, ns, key, layout, tokens, codec, raw_len}
-    40+H    P     payload: the canonical chunk bytes, as stored by the codec
+    40+H    P     payload: the canonical chunk bytes
 
 Two checksums, so that the payload's can be known before the frame is built (it is the
-chunk's own checksum for ``raw``) and checked late: the header checksum covers every
-preamble field, the payload checksum and the header, so any flipped byte outside the
-payload is caught at once, and any flipped payload byte by the payload checksum.
-``decode`` checks both, then the layout, the namespace and the key, and raises a typed
-``IntegrityError``; callers treat that as a miss. ``decode(..., lazy=True)`` leaves the
-payload check of a ``raw`` frame to the chunk, which does it while the reader copies the
-bytes out (one pass over memory instead of two).
+chunk's own checksum) and checked late: the header checksum covers every preamble field,
+the payload checksum and the header, so any flipped byte outside the payload is caught at
+once, and any flipped payload byte by the payload checksum. ``decode`` checks both, then
+the layout, the namespace and the key, and raises a typed ``IntegrityError``; callers
+treat that as a miss. ``decode(..., lazy=True)`` leaves the payload check to the chunk,
+which does it while the reader copies the bytes out (one pass over memory instead of two).
 
-Codecs: ``raw`` (the payload is the canonical bytes; encoding copies nothing) and
-``lz4``. KV values compress poorly as they are; splitting 16-bit values into a plane of
-high bytes and a plane of low bytes first exposes the redundant exponent bytes to lz4.
+One codec, ``raw``: the payload is the canonical bytes, so encoding copies nothing. The
+header names its codec so that a frame claiming another one is a ``FormatError`` (a miss),
+never misread. There is no compression, on the evidence: lz4 after splitting 16-bit
+values into byte planes, on 2 MiB chunks of random K/V drawn like activations and on the
+tiny Llama's real KV, made bf16 KV 10-19% smaller, fp16 0-3% and fp8 nothing, at 0.6-0.8
+GB/s per core each way: slower than the links it would spare (Redis over loopback moved
+2.3-2.5 GB/s of raw frames on the same machine; NVMe and 25-100 GbE move more). It pays
+only on links under ~0.5 Gb/s (~4 Gb/s were compressing and sending perfectly
+overlapped), and it would cost the copy-free paths (views, verifying while copying,
+relaying stored frames unchanged).
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import lz4.block
 import msgpack
 import numpy as np
 import xxhash
@@ -40,7 +45,6 @@ import xxhash
 from lmtier.chunk import Chunk, iter_segments
 from lmtier.errors import (
     ChecksumError,
-    ConfigError,
     FormatError,
     LayoutMismatch,
     NamespaceMismatch,
@@ -52,7 +56,7 @@ FRAME_VERSION = 1
 PREAMBLE = struct.Struct("<4sHHIQQQ4x")  # 40 bytes
 CHECKED = 28  # preamble bytes covered by the header checksum
 MAX_HEADER = 64 * 1024
-CODECS = ("raw", "lz4")
+CODEC = "raw"  # the one payload encoding (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -61,14 +65,10 @@ class Header:
     key: bytes
     layout: KVLayout
     num_tokens: int
-    codec: str
-    raw_len: int
     payload_sum: int
 
 
-def _header_bytes(chunk: Chunk, codec: str) -> bytes:
-    if codec not in CODECS:
-        raise ConfigError(f"unknown codec {codec!r}; choose one of {CODECS}")
+def _header_bytes(chunk: Chunk) -> bytes:
     return msgpack.packb(
         {
             "v": FRAME_VERSION,
@@ -76,7 +76,7 @@ def _header_bytes(chunk: Chunk, codec: str) -> bytes:
             "key": chunk.key,
             "layout": chunk.layout.to_dict(),
             "tokens": chunk.num_tokens,
-            "codec": codec,
+            "codec": CODEC,
             "raw_len": chunk.nbytes,
         },
         use_bin_type=True,
@@ -93,49 +93,44 @@ def _relayed(chunk: Chunk, relay: bool) -> bool:
     return relay and chunk.checksum is not None
 
 
-def encode_parts(chunk: Chunk, codec: str = "raw", *, relay: bool = False) -> list:
+def encode_parts(chunk: Chunk, *, relay: bool = False) -> list:
     """The frame as a list of buffers (preamble+header, then payload runs), for writev.
 
-    With ``raw`` the payload runs are views of the chunk: nothing is copied, and a chunk
-    whose checksum is known is not even hashed again. An unverified chunk is verified
-    (``IntegrityError`` if it fails), so a damaged chunk is never re-encoded as good.
-    ``relay``: pass an unverified ``raw`` chunk on unchecked, under the checksum recorded
-    when it was stored, for a relay whose reader checks every frame (the cache server).
+    The payload runs are views of the chunk: nothing is copied, and a chunk whose checksum
+    is known is not even hashed again. An unverified chunk is verified (``IntegrityError``
+    if it fails), so a damaged chunk is never re-encoded as good. ``relay``: pass an
+    unverified chunk on unchecked, under the checksum recorded when it was stored, for a
+    relay whose reader checks every frame (the cache server).
     """
-    header = _header_bytes(chunk, codec)
-    if not (codec == "raw" and _relayed(chunk, relay)) and not chunk.verify():
+    header = _header_bytes(chunk)
+    relayed = _relayed(chunk, relay)
+    if not relayed and not chunk.verify():
         raise ChecksumError("chunk failed its checksum")
-    if codec == "raw":
-        if chunk.checksum is None:
-            chunk.checksum = chunk.compute_checksum()
-        payload = list(iter_segments(chunk.data) if _relayed(chunk, relay) else chunk.segments())
-        payload_sum = chunk.checksum
-    else:
-        payload = [_lz4_compress(chunk)]
-        payload_sum = xxhash.xxh3_64_intdigest(payload[0])
-    payload_len = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in payload)
-    return [_preamble(header, payload_len, payload_sum) + header, *payload]
+    if chunk.checksum is None:
+        chunk.checksum = chunk.compute_checksum()
+    payload = list(iter_segments(chunk.data) if relayed else chunk.segments())
+    return [_preamble(header, chunk.nbytes, chunk.checksum) + header, *payload]
 
 
-def encode(chunk: Chunk, codec: str = "raw") -> bytes:
+def encode(chunk: Chunk) -> bytes:
     """The frame as one ``bytes`` object."""
-    return b"".join(p if isinstance(p, bytes) else p.tobytes() for p in encode_parts(chunk, codec))
+    return b"".join(p if isinstance(p, bytes) else p.tobytes() for p in encode_parts(chunk))
 
 
-def encoded_size(chunk: Chunk, codec: str = "raw") -> int:
-    """Frame size of a ``raw`` chunk, known without encoding (an upper bound for lz4's)."""
-    return PREAMBLE.size + len(_header_bytes(chunk, codec)) + chunk.nbytes
+def encoded_size(chunk: Chunk) -> int:
+    """Frame size of a chunk, known without encoding."""
+    return PREAMBLE.size + len(_header_bytes(chunk)) + chunk.nbytes
 
 
 def encode_into(chunk: Chunk, buf: memoryview | np.ndarray, *, relay: bool = False) -> int:
-    """Write the ``raw`` frame of ``chunk`` into ``buf``; returns the frame length.
+    """Write the frame of ``chunk`` into ``buf``; returns the frame length.
 
     The payload is copied with ``Chunk.copy_to``, which hashes it block by block as it
     lands (and verifies an unverified chunk on the way): one pass over memory builds the
     frame and its checksum. For writers that need the frame in their own buffer (O_DIRECT).
     ``relay``: as for ``encode_parts``, a plain copy under the recorded checksum.
     """
-    header = _header_bytes(chunk, "raw")
+    header = _header_bytes(chunk)
     start = PREAMBLE.size + len(header)
     end = start + chunk.nbytes
     out = np.frombuffer(buf, dtype=np.uint8, count=end)
@@ -185,18 +180,17 @@ def read_header(frame, payload=None) -> tuple[Header, memoryview]:
             key=bytes(raw["key"]),
             layout=KVLayout.from_dict(raw["layout"]),
             num_tokens=int(raw["tokens"]),
-            codec=str(raw["codec"]),
-            raw_len=int(raw["raw_len"]),
             payload_sum=payload_sum,
         )
+        codec, raw_len = raw["codec"], int(raw["raw_len"])
     except Exception as exc:  # any malformed header, whatever msgpack raises
         raise FormatError(f"malformed chunk header: {exc}") from exc
-    if raw.get("v") != FRAME_VERSION or header.codec not in CODECS:
-        raise FormatError(f"unsupported header version or codec {header.codec!r}")
-    if header.num_tokens < 0 or header.raw_len != header.layout.chunk_bytes(header.num_tokens):
+    if raw.get("v") != FRAME_VERSION or codec != CODEC:
+        raise FormatError(f"unsupported header version or codec {codec!r}")
+    if header.num_tokens < 0 or raw_len != header.layout.chunk_bytes(header.num_tokens):
         raise FormatError("header length disagrees with its layout")
-    if header.codec == "raw" and payload_len != header.raw_len:
-        raise FormatError("raw payload length disagrees with its layout")
+    if payload_len != raw_len:
+        raise FormatError("payload length disagrees with its layout")
     return header, payload if payload is not None else view[PREAMBLE.size + header_len :]
 
 
@@ -238,13 +232,13 @@ def decode(
     on_release: Callable[[], None] | None = None,
     on_corrupt: Callable[[], None] | None = None,
 ) -> Chunk:
-    """Verify and decode a frame. A ``raw`` chunk is a view of ``frame`` (no copy).
+    """Verify and decode a frame. The chunk is a view of ``frame`` (no copy).
 
     ``payload``: the payload lies apart (a view of it; ``frame`` is then only the preamble
     and the header), for a reader that has the payload where it lies in another's memory.
 
     ``layout``, ``namespace`` and ``key``, when given, must match the header. With
-    ``lazy`` a ``raw`` payload is verified when the returned chunk is read, not here.
+    ``lazy`` the payload is verified when the returned chunk is read, not here.
     ``payload_checksum``: the payload's xxh3-64 as a reader computed it while the bytes
     arrived; it stands for the payload pass (a mismatch is a ``ChecksumError``).
     ``on_release`` and ``on_corrupt`` are handed to the chunk (see ``lmtier.chunk``).
@@ -260,48 +254,16 @@ def decode(
         raise NamespaceMismatch("chunk belongs to another namespace")
     if key is not None and header.key != key:
         raise NamespaceMismatch("chunk is stored under another key")
-    if header.codec == "raw" and lazy:
-        data, verified = payload, False
-    else:
-        if payload_checksum is None and xxhash.xxh3_64_intdigest(payload) != header.payload_sum:
-            raise ChecksumError("chunk payload checksum mismatch")
-        data, verified = payload, True
-        if header.codec == "lz4":
-            data = _lz4_decompress(payload, header)
-    checksum = header.payload_sum if header.codec == "raw" else None
+    if not lazy and payload_checksum is None and xxhash.xxh3_64_intdigest(payload) != header.payload_sum:
+        raise ChecksumError("chunk payload checksum mismatch")
     return Chunk.from_buffer(
         header.key,
         header.layout,
         header.num_tokens,
-        data,
+        payload,
         namespace=header.namespace,
-        checksum=checksum,
-        verified=verified,
+        checksum=header.payload_sum,
+        verified=not lazy,
         on_release=on_release,
         on_corrupt=on_corrupt,
     )
-
-
-def _lz4_compress(chunk: Chunk) -> bytes:
-    raw = np.ascontiguousarray(chunk.data).reshape(-1)  # verified by the caller
-    item = chunk.layout.itemsize
-    if item > 1:
-        # [n, item] -> [item, n]: byte planes, so exponent bytes sit together.
-        raw = np.ascontiguousarray(raw.reshape(-1, item).T)
-    return lz4.block.compress(raw, store_size=False)
-
-
-def _lz4_decompress(payload: memoryview, header: Header) -> np.ndarray:
-    try:
-        planes = lz4.block.decompress(payload, uncompressed_size=header.raw_len)
-    except lz4.block.LZ4BlockError as exc:
-        raise FormatError(f"lz4 payload does not decompress: {exc}") from exc
-    if len(planes) != header.raw_len:
-        raise FormatError("lz4 payload decompressed to the wrong length")
-    item = header.layout.itemsize
-    flat = np.frombuffer(planes, dtype=np.uint8)
-    if item == 1:
-        return flat
-    out = np.empty(header.raw_len, dtype=np.uint8)
-    out.reshape(-1, item)[...] = flat.reshape(item, -1).T  # [item, n] -> [n, item]
-    return out

@@ -15,6 +15,9 @@ serve``). Precedence, lowest to highest:
 
 Every key is checked: an unknown key (in a file or as an ``LMTIER_*`` variable) or a bad
 value is a ``ConfigError`` naming the key and where it came from.
+
+Longer than 400 lines: configuration has one home, and every key of both sides is here
+with its comment, its default and its parser, beside the one loader.
 """
 
 from __future__ import annotations
@@ -22,40 +25,112 @@ from __future__ import annotations
 import json
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from lmtier.errors import ConfigError
 from lmtier.keys import HASHES
+from lmtier.units import parse_size
+
+
+# -- how each key is parsed -----------------------------------------------------------------
+# A value from a file, an ``LMTIER_*`` variable or a flag becomes its field's through the
+# parser named beside the field (``setting(default, PARSER)``), as a tier URL's options
+# do through ``Tier.OPTIONS``. A parser raises TypeError / ValueError for a value of the
+# wrong kind (the error then says what the key expects) or ConfigError in its own words.
+@dataclass(frozen=True)
+class Parser:
+    parse: Callable[[Any], Any]
+    expects: str  # in "port (environment) must be an integer, got 'many'"
+    secret: bool = False  # a rejected value is not shown (tokens)
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, (bool, float)):
+        raise TypeError("expected an integer")
+    return int(value)
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value in (None, "", "none", "off") else _int(value)
+
+
+def _chunk_tokens(value: Any) -> int:
+    return 0 if value == "auto" else _int(value)
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise TypeError("expected a number")
+    return float(value)
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError("expected a string")
+    return value
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    """A list of strings, or one whitespace-separated string (an environment variable)."""
+    items = value.split() if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+        raise TypeError("expected a list of strings")
+    return tuple(items)
+
+
+def _tokens(value: Any) -> tuple[tuple[str, str], ...]:
+    """``SECRET=TENANT`` strings (a map would merge every tenant into one), or (secret,
+    tenant) pairs from code."""
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in value
+    ):
+        return tuple(tuple(t) for t in value)
+    return tuple(parse_token(t) for t in _strings(value))
+
+
+INTEGER = Parser(_int, "an integer")
+OPTIONAL_INTEGER = Parser(_optional_int, "an integer")  # none, off or "": None
+CHUNK_TOKENS = Parser(_chunk_tokens, "an integer")  # "auto": 0
+NUMBER = Parser(_float, "a number")
+STRING = Parser(_str, "a string")
+STRINGS = Parser(_strings, "a list of strings")
+SIZE = Parser(parse_size, "a size such as 8MiB")  # bytes, or a number and a unit
+TOKENS = Parser(_tokens, "a list of SECRET=TENANT strings", secret=True)
+
+
+def setting(default: Any, parser: Parser) -> Any:
+    """A configuration field: its default and its parser."""
+    return field(default=default, metadata={"parser": parser})
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     # Tier URLs, fastest first. The first is written synchronously, the rest in the
     # background. Default: 1 GiB of host memory and nothing else.
-    tiers: tuple[str, ...] = ("cpu://?size=1GiB",)
+    tiers: tuple[str, ...] = setting(("cpu://?size=1GiB",), STRINGS)
     # Tokens per chunk: the unit of caching, a multiple of the engine's block size.
     # 0 ("auto"): an engine adapter picks the smallest multiple of its block size that
     # holds at least 256 KiB (at most 256 tokens); elsewhere 256.
-    chunk_tokens: int = 0
+    chunk_tokens: int = setting(0, CHUNK_TOKENS)
     # Key hash: "xxh3" (fast) or "sha256" (cryptographic).
-    hash: str = "xxh3"
+    hash: str = setting("xxh3", STRING)
     # Tenant / cache salt: stores with different salts never share chunks.
-    salt: str = ""
+    salt: str = setting("", STRING)
     # Bound on queued background writes; beyond it writes are dropped and counted.
-    write_queue: int = 64
+    write_queue: int = setting(64, INTEGER)
     # "through": every put reaches every tier (in the background below the first).
     # "back": lower tiers receive what the first tier evicts, and what it holds at close.
-    write_mode: str = "through"
+    write_mode: str = setting("through", STRING)
     # Prometheus /metrics from inside the engine on this port (0: off). Each process of
     # the engine binds its own: the scheduler (or the single process) this port, worker
     # rank r ``port + 1 + r``.
-    metrics_port: int = 0
+    metrics_port: int = setting(0, INTEGER)
     # Seconds a load may take before the engine recomputes what has not arrived (0: no
     # deadline). Bounds what a slow tier costs a request.
-    load_deadline: float = 0.0
+    load_deadline: float = setting(0.0, NUMBER)
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, str):
@@ -104,43 +179,43 @@ class ServerConfig:
 
     # Where to listen. 127.0.0.1 serves the sidecar case (clients in the same pod);
     # 0.0.0.0 or [::] serves other hosts (use tokens and TLS then).
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0: any free port (tests)
+    host: str = setting("127.0.0.1", STRING)
+    port: int = setting(50051, INTEGER)  # 0: any free port (tests)
     # The server's own tiers, fastest first: host memory (256 KiB slots: chunks of many
     # sizes share it without waste), then local disk under the user's cache directory.
-    tiers: tuple[str, ...] = field(default_factory=lambda: default_server_tiers())
+    tiers: tuple[str, ...] = field(default_factory=lambda: default_server_tiers(), metadata={"parser": STRINGS})
     # Bearer tokens: token -> tenant. Empty (and no mutual TLS): one open, shared tenant.
-    tokens: tuple[tuple[str, str], ...] = ()
+    tokens: tuple[tuple[str, str], ...] = setting((), TOKENS)
     # TLS: certificate and key of the server; with client_ca, clients must present a
     # certificate signed by it (mutual TLS), and its common name is the tenant when no
     # tokens are configured.
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
+    tls_cert: str = setting("", STRING)
+    tls_key: str = setting("", STRING)
+    tls_client_ca: str = setting("", STRING)
     # Limits: one frame, one gRPC message, keys per request, RPCs served at once.
-    max_chunk_bytes: int = 64 * 1024**2
-    max_message_bytes: int = 80 * 1024**2
-    max_keys: int = 4096
-    workers: int = 16
-    max_concurrent_rpcs: int = 64
+    max_chunk_bytes: int = setting(64 * 1024**2, SIZE)
+    max_message_bytes: int = setting(80 * 1024**2, SIZE)
+    max_keys: int = setting(4096, INTEGER)
+    workers: int = setting(16, INTEGER)
+    max_concurrent_rpcs: int = setting(64, INTEGER)
     # Fairness between clients: calls one tenant may have in flight (more get
     # RESOURCE_EXHAUSTED, which the grpc tier retries with backoff), and streams one
     # connection may have open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: more wait in the
     # client until one ends).
-    max_calls_per_tenant: int = 32
-    max_streams_per_connection: int = 16
+    max_calls_per_tenant: int = setting(32, INTEGER)
+    max_streams_per_connection: int = setting(16, INTEGER)
     # Prometheus /metrics, /healthz and /readyz on this port (None: off).
-    metrics_port: int | None = None
+    metrics_port: int | None = setting(None, OPTIONAL_INTEGER)
     # Its address; "" (the default): the gRPC address, ``host``. A sidecar whose gRPC
     # stays on 127.0.0.1 sets 0.0.0.0 here for the kubelet's probes and Prometheus.
-    metrics_host: str = ""
+    metrics_host: str = setting("", STRING)
     # Same-host shared-memory data plane: the directory segments live in ("" turns it off).
-    shm_dir: str = "/dev/shm"
+    shm_dir: str = setting("/dev/shm", STRING)
     # Seconds between readiness probes of the tiers.
-    probe_interval: float = 5.0
+    probe_interval: float = setting(5.0, NUMBER)
     # Seconds in-flight calls get to finish on shutdown.
-    grace: float = 10.0
-    write_queue: int = 64
+    grace: float = setting(10.0, NUMBER)
+    write_queue: int = setting(64, INTEGER)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiers", tuple(self.tiers))
@@ -192,7 +267,6 @@ SERVER_ENV_PREFIX = "LMTIER_SERVER_"
 OTHER_ENV = frozenset({"LMTIER_CONFIG", "LMTIER_TOKEN"})
 # Server keys a file or the environment may give beyond ServerConfig's fields.
 SERVER_EXTRA_KEYS = frozenset({"token_file"})
-_SIZE_FIELDS = frozenset({"max_chunk_bytes", "max_message_bytes"})
 
 
 @dataclass(frozen=True)
@@ -203,85 +277,37 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
-def _coerce(cls: type, name: str, value: Any, source: str) -> Any:
-    """``value`` (from a file, a variable or a flag) as the type of ``cls.name``."""
-    kind = {f.name: str(f.type) for f in fields(cls)}[name]
+def _parsed(parser: Parser, name: str, value: Any, source: str) -> Any:
+    """``value`` (from a file, a variable or a flag) through the parser of key ``name``."""
     where = f"{name} ({source})"
     try:
-        if name == "chunk_tokens" and value == "auto":
-            return 0
-        if name in _SIZE_FIELDS:
-            from lmtier.units import parse_size
-
-            return parse_size(value)
-        if kind.startswith("tuple[tuple"):  # tokens: "SECRET=TENANT" strings, nothing else
-            if isinstance(value, (list, tuple)) and all(
-                isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in value
-            ):
-                return tuple(tuple(t) for t in value)  # (secret, tenant) pairs from code
-            items = value.split() if isinstance(value, str) else value
-            if not isinstance(items, (list, tuple)) or not all(isinstance(t, str) for t in items):
-                raise TypeError("expected SECRET=TENANT strings")  # a map would merge the tenants
-            return tuple(parse_token(t) for t in items)
-        if kind.startswith("tuple"):
-            items = value.split() if isinstance(value, str) else value
-            if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
-                raise TypeError("expected a list of strings")
-            return tuple(items)
-        if kind == "int | None":
-            return None if value in (None, "", "none", "off") else _int(value)
-        if kind == "int":
-            return _int(value)
-        if kind == "float":
-            if isinstance(value, bool):
-                raise TypeError("expected a number")
-            return float(value)
-        if kind == "str":
-            if not isinstance(value, str):
-                raise TypeError("expected a string")
-            return value
+        return parser.parse(value)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where} must be {_describe(kind)}, got {_shown(name, value)}") from exc
-    raise ConfigError(f"{where}: unsupported setting type {kind}")  # a programming error
+        raise ConfigError(f"{where} must be {parser.expects}, got {_shown(value, parser)}") from exc
 
 
-def _shown(name: str, value: Any) -> str:
-    """A rejected value fit for an error message: tokens never, tier URLs redacted."""
-    if name in ("tokens", "token_file"):
+def _shown(value: Any, parser: Parser) -> str:
+    """A rejected value fit for an error message: secrets never, URLs redacted."""
+    from lmtier.tiers.base import redact_url
+
+    if parser.secret:
         return f"a {type(value).__name__} (values not shown)"
-    if name == "tiers" and isinstance(value, (list, tuple)):
-        from lmtier.tiers.base import redact_url
-
+    if isinstance(value, (list, tuple)) and any(isinstance(v, str) and "://" in v for v in value):
         return repr([redact_url(v) if isinstance(v, str) else v for v in value])
     if isinstance(value, str) and "://" in value:
-        from lmtier.tiers.base import redact_url
-
         return repr(redact_url(value))
     return repr(value)
 
 
-def _int(value: Any) -> int:
-    if isinstance(value, (bool, float)):
-        raise TypeError("expected an integer")
-    return int(value)
-
-
-def _describe(kind: str) -> str:
-    if kind.startswith("tuple[tuple"):
-        return "a list of SECRET=TENANT strings"
-    return {"int": "an integer", "int | None": "an integer", "float": "a number", "str": "a string"}.get(
-        kind, "a list of strings"
-    )
-
-
 def _section(cls: type, data: Mapping[str, Any], source: str, extra: frozenset[str] = frozenset()) -> dict[str, Any]:
-    known = {f.name for f in fields(cls)} | extra
+    parsers = {f.name: f.metadata["parser"] for f in fields(cls)}
+    known = set(parsers) | extra
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)} in {source}; known: {', '.join(sorted(known))}")
-    return {k: (v if k in extra else _coerce(cls, k, v, source)) for k, v in data.items() if v is not None}
+    return {k: (v if k in extra else _parsed(parsers[k], k, v, source)) for k, v in data.items() if v is not None}
 
 
 def read_file(path: str | Path) -> dict[str, Any]:

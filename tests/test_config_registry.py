@@ -1,14 +1,32 @@
-"""Configuration precedence, and the tier URL registry."""
+"""Configuration precedence, the tier URL registry, and opening a configured list of tiers."""
 
 from __future__ import annotations
 
+import ast
+import gc
 import json
+import os
+from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
-from lmtier.config import Config, StoreConfig, load, load_config, load_server_config, public_view, resolve_chunk_tokens
-from lmtier.errors import ConfigError, MissingDependency
-from lmtier.tiers.base import TierURL, known_schemes, open_tier, register_tier
+from lmtier.config import (
+    Config,
+    Parser,
+    ServerConfig,
+    StoreConfig,
+    load,
+    load_config,
+    load_server_config,
+    public_view,
+    resolve_chunk_tokens,
+)
+from lmtier.errors import ConfigError, MissingDependency, TierError
+from lmtier.store import TieredStore
+from lmtier.testing.redis_server import free_port
+from lmtier.tiers.base import TierContext, TierURL, known_schemes, open_tier, register_tier
+from lmtier.tiers.deferred import DeferredTier
 
 
 def test_defaults_are_one_gib_of_host_memory():
@@ -29,7 +47,7 @@ def test_precedence_file_then_environment_then_arguments(tmp_path):
 
 def test_json_files_and_whitespace_separated_tier_lists(tmp_path):
     path = tmp_path / "c.json"
-    path.write_text(json.dumps({"tiers": ["cpu://?size=1MiB"], "write_queue": 3}))
+    path.write_text(json.dumps({"tiers": ["cpu://?size=4MiB"], "write_queue": 3}))
     assert load_config(path, env={}).write_queue == 3
     cfg = load_config(env={"LMTIER_TIERS": "cpu://?size=1MiB  file:///tmp/x?size=1GiB"})
     assert cfg.tiers == ("cpu://?size=1MiB", "file:///tmp/x?size=1GiB")
@@ -189,6 +207,13 @@ def test_tokens_in_a_file_are_secret_equals_tenant_strings_or_a_clear_error(tmp_
     assert "SECRET=TENANT" in str(info.value) and "ALICETOK" not in str(info.value)
 
 
+def test_every_setting_names_its_parser():
+    """How a key is parsed is declared beside its default, for every key."""
+    for cls in (StoreConfig, ServerConfig):
+        for f in fields(cls):
+            assert isinstance(f.metadata.get("parser"), Parser), f"{cls.__name__}.{f.name} names no parser"
+
+
 def test_a_rejected_setting_never_shows_a_secret(tmp_path):
     from lmtier.config import load
     from lmtier.errors import ConfigError
@@ -198,3 +223,85 @@ def test_a_rejected_setting_never_shows_a_secret(tmp_path):
     with pytest.raises(ConfigError) as info:
         load(path, env={})
     assert "YAMLPW" not in str(info.value) and "redis://:***@127.0.0.1:6379" in str(info.value)
+
+    with pytest.raises(ConfigError, match="host") as info:  # a URL list under any key
+        load(env={}, server={"host": ["redis://:ARGPW@127.0.0.1:6379"]})
+    assert "ARGPW" not in str(info.value)
+
+
+# -- TieredStore.open: a configured list of tiers, opened whole or not at all -------------------
+def held(root: Path) -> list[str]:
+    """Files under ``root`` that this process holds open."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed meanwhile
+            pass
+    return [t for t in targets if t.startswith(f"{root}/")]
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ("cpu://?sise=1MiB", r"unknown option\(s\) sise"),
+        ("file://relative/path?size=1MiB", "absolute path"),
+        ("ftp://somewhere", "unknown tier scheme 'ftp'"),
+    ],
+)
+def test_a_bad_url_leaves_no_tier_open(tmp_path, bad, says):
+    """A memory tier with its slab in shared memory, a disk tier, then a URL that cannot
+    work: the start fails with that URL's own error, and the two tiers opened before it
+    are closed: the slab's segment removed and unlocked, the disk index's files let go.
+    (Garbage collection alone would do neither: the segment's lock is a bare descriptor.)"""
+    shm, disk = tmp_path / "shm", tmp_path / "disk"
+    shm.mkdir()
+    opened = []
+
+    def opening(tier):
+        if tier.scheme == "cpu":
+            assert tier.shared_name  # the slab, made now, as a server's first probe makes it
+        opened.append(tier.scheme)
+        assert held(tmp_path), f"{tier.name} holds no file: the check below would prove nothing"
+        return tier
+
+    urls = ["cpu://?size=1MiB&slot=64KiB", f"file://{disk}?size=1MiB", bad]
+    with pytest.raises(ConfigError, match=says):
+        TieredStore.open(urls, first=TierContext(shared_dir=str(shm)), wrap=opening)
+    gc.collect()  # the slab's mapping lives as long as its tier object (leased views may use it)
+    assert opened == ["cpu", "file"]
+    assert held(tmp_path) == [] and os.listdir(shm) == []
+
+
+def test_tiers_the_store_refuses_are_closed_too(tmp_path):
+    disk = tmp_path / "disk"
+    with pytest.raises(ConfigError, match="write-back needs a first tier"):
+        TieredStore.open([f"file://{disk}?size=1MiB", "cpu://?size=4MiB"], write_mode="back")
+    assert held(tmp_path) == []
+    with TieredStore.open([f"file://{disk}?size=1MiB", "cpu://?size=4MiB"]) as store:
+        assert held(tmp_path) and [t.name for t in store.tiers] == ["disk", "cpu"]
+
+
+def test_unreachable_tiers_are_deferred_where_asked():
+    """An engine defers every tier; a server all but the first, which it serves from."""
+    down = f"redis+cluster://127.0.0.1:{free_port()}?connect_timeout=0.2&timeout=0.2"
+    with TieredStore.open(["cpu://?size=4MiB", down], defer="lower") as store:
+        assert isinstance(store.tiers[1], DeferredTier)
+    with TieredStore.open([down, "cpu://?size=4MiB"], defer=True) as store:
+        assert isinstance(store.tiers[0], DeferredTier)
+    for defer in (False, "lower"):
+        with pytest.raises(TierError, match="CLUSTER SLOTS"):
+            TieredStore.open([down, "cpu://?size=4MiB"], defer=defer)
+    with pytest.raises(ValueError, match="defer"):
+        TieredStore.open(["cpu://?size=4MiB"], defer="all")
+
+
+def test_the_product_opens_configured_tiers_in_one_place():
+    """``open_tier`` stays public; inside lmtier only ``TieredStore.open`` calls it."""
+    root = Path(__file__).resolve().parents[1]
+    callers = set()
+    for path in [*(root / "lmtier").rglob("*.py"), *(root / "connectors").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "open_tier":
+                callers.add(str(path.relative_to(root)))
+    assert callers == {"lmtier/store.py"}

@@ -280,7 +280,7 @@ def test_corrupted_or_missing_chunks_are_misses(tmp_path):
     # a fresh backend, so nothing is in memory: every read comes from the files
     storage, _ = backend([f"file://{root}?size=64MiB"], pool=pool)
     disk = storage.store.tiers[0]
-    third = disk._path(storage._keys([keys[2]])[0])
+    third = disk.files.path(storage._keys([keys[2]])[0])
     with open(third, "r+b") as f:  # flip one payload byte
         f.seek(os.path.getsize(third) - 100)
         byte = f.read(1)
@@ -296,7 +296,7 @@ def test_corrupted_or_missing_chunks_are_misses(tmp_path):
     assert storage.batch_exists(keys) == 2  # the damaged chunk is gone
     assert storage.get(keys[2]) is None
 
-    os.unlink(disk._path(storage._keys([keys[1]])[0]))  # a vanished file
+    os.unlink(disk.files.path(storage._keys([keys[1]])[0]))  # a vanished file
     assert storage.batch_get_v1(keys[:2], alloc(pool, 2)) == [True, False]
     storage.close()
 

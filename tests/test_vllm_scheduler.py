@@ -203,7 +203,7 @@ def test_a_worker_reports_blocks_it_could_not_load_and_loads_the_rest(vllm_confi
     worker.register_kv_caches(caches)
     # Chunk 2 goes bad on disk between lookup and load.
     disk = worker.store.tiers[0]
-    path = disk._path(load.keys[0][2])
+    path = disk.files.path(load.keys[0][2])
     raw = bytearray(Path(path).read_bytes())
     raw[-7] ^= 1
     Path(path).write_bytes(bytes(raw))

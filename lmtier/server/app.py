@@ -38,7 +38,7 @@ from lmtier.server.auth import PROBE_TAG, Authenticator
 from lmtier.server.chain import UpstreamTier
 from lmtier.server.service import SERVICE, CacheService
 from lmtier.store import TieredStore
-from lmtier.tiers.base import Tier, TierContext, TierURL, open_tier
+from lmtier.tiers.base import Tier, TierContext
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,12 @@ class CacheServer:
         # Same-host clients may read chunks straight from the memory tier (no copy on the
         # server) only when every caller is one tenant: they could map all of that memory.
         self.zero_copy = bool(config.shm_dir) and self.auth.single_tenant
-        context = TierContext(shared_dir=config.shm_dir if self.zero_copy else "")
-        self.store = store or TieredStore(
-            [_server_tier(url, context if i == 0 else TierContext(), i > 0) for i, url in enumerate(config.tiers)],
+        # Lower tiers that cannot be opened yet are opened later; the first is what it serves from.
+        self.store = store or TieredStore.open(
+            config.tiers,
+            defer="lower",
+            first=TierContext(shared_dir=config.shm_dir if self.zero_copy else ""),
+            wrap=_upstream,
             write_queue=config.write_queue,
         )
         try:
@@ -259,13 +262,10 @@ def _check_free(host: str, port: int) -> None:
                 raise OSError(f"cannot listen on {where[0]}:{port}: {exc.strerror or exc}") from exc
 
 
-def _server_tier(url: str, context: TierContext, lower: bool) -> Tier:
-    """One of the server's tiers: lower tiers are opened later if unreachable now, and
-    another cache server (a sidecar's central server) gets keys re-tagged for its hop."""
-    tier = open_tier(url, context, defer=lower)
-    if TierURL.parse(url).scheme in ("grpc", "grpcs"):
-        return UpstreamTier(tier)
-    return tier
+def _upstream(tier: Tier) -> Tier:
+    """Another cache server (a sidecar's central server) as one of the server's tiers gets
+    keys re-tagged for its hop."""
+    return UpstreamTier(tier) if tier.scheme == "grpc" else tier
 
 
 def create_server(config: ServerConfig, store: TieredStore | None = None) -> tuple[CacheServer, int]:
