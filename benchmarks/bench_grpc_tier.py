@@ -10,6 +10,12 @@ and a ``redis-server``; then for each chunk size moves the same chunks through:
 - ``shm``: the grpc:// tier through its shared-memory segment, gRPC for control only.
 - ``redis``: the redis:// tier on the same host.
 
+and, apart from any server, the messages themselves: the ``Pieces`` messages of those
+chunks, as the tier sends them, written and parsed by ``lmtier.pieces`` (by hand, views
+instead of copies) and by the generated protobuf classes (``cache_pb2``,
+``SerializeToString`` after joining the frame into the ``data`` field, ``FromString`` and
+reading ``data``), on the same bytes: the hand-written codec must earn its place.
+
 Calls carry ``--batch`` chunks each. Rows: PUT; GET, which ends with each chunk
 delivered and verified against its checksum, ready for the engine to copy; LOAD, which
 ends with the bytes in the engine's buffer (a tier's reader verifies as it copies; the
@@ -19,7 +25,7 @@ The server runs with one tenant, so same-host GETs read chunks where they lie in
 memory (copied out and verified by the client in one pass). Rounds
 interleave everything; reported: GB/s of chunk bytes (best round), ratios of the best
 rounds (tcp / echo, shm / memcpy, each / redis) and the median of same-round ratios, as
-JSON and a Markdown table.
+JSON and a Markdown table; and the message codecs' GB/s and ratio per size (``pieces``).
 
     python benchmarks/bench_grpc_tier.py [--sizes-mib 0.25 2] [--total-mib 256] [--rounds 3]
 """
@@ -27,13 +33,11 @@ JSON and a Markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import struct
 import subprocess
 import sys
 import tempfile
-import time
 from concurrent import futures
 from pathlib import Path
 
@@ -43,20 +47,16 @@ import numpy as np
 from lmtier import codec
 from lmtier.chunk import Chunk, release_all
 from lmtier.layout import KVLayout
-from lmtier.pieces import pack, piece
+from lmtier.pieces import PIECE_BYTES, pack, piece, split, unpack
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.redis_server import RedisServer, free_port
 from lmtier.tiers.base import TierContext, open_tier
+from lmtier.v1 import cache_pb2
+
+from common import chunks_of, emit, timed
 
 MiB = 1 << 20
 LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")  # 64 KiB per token
-
-
-def chunks_of(size: int, count: int, seed: int) -> list[Chunk]:
-    tokens = max(1, size // LAYOUT.bytes_per_token)
-    rng = np.random.default_rng(seed)
-    data = rng.integers(0, 256, (count, *LAYOUT.byte_shape(tokens)), dtype=np.uint8)
-    return [Chunk(rng.bytes(16), LAYOUT, data[i]) for i in range(count)]
 
 
 # -- the echo service (its own process) -----------------------------------------------------
@@ -110,16 +110,63 @@ class Echo:
 
 
 # -- measuring --------------------------------------------------------------------------------
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def measure_pieces(size_mib: float, chunks: list[Chunk], rounds: int) -> dict:
+    """``lmtier.pieces`` against the generated classes, writing and parsing the ``Pieces``
+    messages of ``chunks`` (a frame per message, cut at ``PIECE_BYTES`` as the tier cuts it)."""
+    pieces = []  # (key, frame size, offset, views) per message
+    for chunk in chunks:
+        parts = [memoryview(p).cast("B") for p in codec.encode_parts(chunk)]
+        size = sum(len(p) for p in parts)
+        for offset, views in split(parts, PIECE_BYTES):
+            pieces.append((chunk.key if offset == 0 else b"", size if offset == 0 else 0, offset, views))
+
+    def ours(key: bytes, size: int, offset: int, views: list[memoryview]) -> bytes:
+        return pack(piece(key, size, offset, data=views))
+
+    def protobuf(key: bytes, size: int, offset: int, views: list[memoryview]) -> bytes:
+        one = cache_pb2.ChunkPiece(key=key, frame_size=size, offset=offset, data=b"".join(views))
+        return cache_pb2.Pieces(pieces=[one]).SerializeToString()
+
+    messages = [ours(*p) for p in pieces]
+    if messages != [protobuf(*p) for p in pieces]:
+        raise RuntimeError("lmtier.pieces and cache_pb2 wrote different bytes")
+    nbytes = sum(len(m) for m in messages)
+
+    def ours_write() -> None:  # each message dropped once written, as the tier sends it
+        for p in pieces:
+            ours(*p)
+
+    def protobuf_write() -> None:
+        for p in pieces:
+            protobuf(*p)
+
+    def ours_parse() -> None:
+        for m in messages:
+            unpack(m)[0].data  # noqa: B018 (a view into the message)
+
+    def protobuf_parse() -> None:
+        for m in messages:
+            cache_pb2.Pieces.FromString(m).pieces[0].data  # noqa: B018 (a copy)
+
+    row = {"chunk_mib": size_mib, "messages": len(messages), "message_bytes": len(messages[0])}
+    for op, by_hand, generated in (("write", ours_write, protobuf_write), ("parse", ours_parse, protobuf_parse)):
+        best_ours = best_theirs = 0.0
+        for _ in range(max(3, rounds)):  # interleaved, best of each
+            best_ours = max(best_ours, nbytes / timed(by_hand) / 1e9)
+            best_theirs = max(best_theirs, nbytes / timed(generated) / 1e9)
+        row[op] = {
+            "pieces_gbps": best_ours,
+            "protobuf_gbps": best_theirs,
+            "pieces_over_protobuf": best_ours / best_theirs,
+        }
+    return row
 
 
-def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: int) -> list[dict]:
+def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: int) -> tuple[list[dict], dict]:
     size = int(size_mib * MiB)
     count = max(batch, total_mib * MiB // size // batch * batch)
-    chunks = chunks_of(size, count, seed=int(size_mib * 100))
+    chunks = chunks_of(LAYOUT, size, count, seed=int(size_mib * 100))
+    pieces = measure_pieces(size_mib, chunks, rounds)
     keys = [c.key for c in chunks]
     nbytes = sum(c.nbytes for c in chunks)
     frame = codec.encoded_size(chunks[0])
@@ -216,11 +263,11 @@ def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: 
             row[f"paired_{a}_over_{b}"] = paired(a, b, op)
         row["samples"] = {k: v for k, v in samples.items() if k.endswith(f"_{op}")}
         rows.append(row)
-    return rows
+    return rows, pieces
 
 
 def run(sizes_mib: list[float], total_mib: int, rounds: int, batch: int) -> dict:
-    rows = []
+    rows, pieces = [], []
     with tempfile.TemporaryDirectory(prefix="lmtier-grpc-bench-") as tmp:
         servers = {"redis": RedisServer(Path(tmp), "--maxmemory", f"{4 * total_mib + 512}mb"), "echo": Echo()}
         try:
@@ -236,13 +283,22 @@ def run(sizes_mib: list[float], total_mib: int, rounds: int, batch: int) -> dict
                     "warning",
                 )
                 try:
-                    rows += measure(servers, size_mib, total_mib, rounds, batch)
+                    measured, codecs = measure(servers, size_mib, total_mib, rounds, batch)
+                    rows += measured
+                    pieces.append(codecs)
                 finally:
                     servers.pop("lmtier").stop()
         finally:
             servers["echo"].close()
             servers["redis"].stop()
-    return {"benchmark": "grpc_tier", "total_mib": total_mib, "batch_chunks": batch, "rounds": rounds, "rows": rows}
+    return {
+        "benchmark": "grpc_tier",
+        "total_mib": total_mib,
+        "batch_chunks": batch,
+        "rounds": rounds,
+        "rows": rows,
+        "pieces": pieces,
+    }
 
 
 def table(report: dict) -> str:
@@ -258,6 +314,18 @@ def table(report: dict) -> str:
             f"| {r['redis_gbps']:.2f} | {r['tcp_over_redis']:.2f} | {r['shm_over_redis']:.2f} "
             f"| {r['paired_tcp_over_echo']:.2f} | {r['paired_shm_over_memcpy']:.2f} |"
         )
+    lines += [
+        "",
+        "| chunk | message | op | lmtier.pieces GB/s | protobuf GB/s | pieces / protobuf |",
+        "|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in report["pieces"]:
+        for op in ("write", "parse"):
+            x = r[op]
+            lines.append(
+                f"| {r['chunk_mib']:g} MiB | {r['message_bytes']} B | {op} | {x['pieces_gbps']:.2f} "
+                f"| {x['protobuf_gbps']:.2f} | {x['pieces_over_protobuf']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -274,13 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         echo_server(args.echo_server)
         return 0
     report = run(args.sizes_mib, args.total_mib, args.rounds, args.batch)
-    text = json.dumps(report, indent=2)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text + "\n")
-    print(text)
-    print()
-    print(table(report))
+    emit(report, table(report), args.json_out)
     return 0
 
 

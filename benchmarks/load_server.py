@@ -66,6 +66,7 @@ def client(address: str, index: int, duration: float, shm: bool) -> dict:
     import grpc
 
     from lmtier.chunk import Chunk, release_all
+    from lmtier.errors import TierError
     from lmtier.pieces import pack, piece
     from lmtier.tiers.base import open_tier
     from lmtier.v1 import cache_pb2
@@ -95,52 +96,56 @@ def client(address: str, index: int, duration: float, shm: bool) -> dict:
     deadline = time.monotonic() + duration
     while time.monotonic() < deadline:
         roll = rng.random()
-        if roll < 0.35 or not mine:
-            tokens = rng.choice(prefixes) + [rng.randrange(50_000) for _ in range(rng.randint(2, 8) * ns.chunk_tokens)]
-            chunks = chunks_of(tokens)
-            tier.put(chunks)
-            mine.append(tokens)
-            counts["put"] += 1
-            moved += sum(c.nbytes for c in chunks)
-        elif roll < 0.80:
-            tokens = rng.choice([*prefixes, *mine])
-            keys = ns.keys(tokens)
-            got = tier.get(keys[: tier.contains(keys)])
-            for key, chunk in zip(keys, got, strict=False):
-                if chunk is None:
-                    continue
-                counts["hits"] += 1
-                moved += chunk.nbytes
+        try:  # a failed tier call raises (an engine's store would make it a miss): a failure here
+            if roll < 0.35 or not mine:
+                tokens = rng.choice(prefixes) + [
+                    rng.randrange(50_000) for _ in range(rng.randint(2, 8) * ns.chunk_tokens)
+                ]
+                chunks = chunks_of(tokens)
+                tier.put(chunks)
+                mine.append(tokens)
+                counts["put"] += 1
+                moved += sum(c.nbytes for c in chunks)
+            elif roll < 0.80:
+                tokens = rng.choice([*prefixes, *mine])
+                keys = ns.keys(tokens)
+                got = tier.get(keys[: tier.contains(keys)])
+                for key, chunk in zip(keys, got, strict=False):
+                    if chunk is None:
+                        continue
+                    counts["hits"] += 1
+                    moved += chunk.nbytes
+                    try:
+                        if not np.array_equal(chunk.data, kv_of(key, shape)):
+                            failures.append(f"wrong bytes for {key.hex()[:12]}")
+                    except Exception as exc:  # a chunk that fails verification is a failure here
+                        failures.append(f"unreadable chunk: {exc}")
+                release_all(got)
+                counts["get"] += 1
+                counts["chunks_read"] += len(got)
+            elif roll < 0.90:
+                tier.contains(ns.keys(rng.choice([*prefixes, *mine])))
+                counts["lookup"] += 1
+            elif roll < 0.95:
+                tier.delete(ns.keys(mine.popleft()))
+                counts["delete"] += 1
+            else:  # a request the server must refuse, and nothing else
+                short_key = rng.random() < 0.5
+                want = grpc.StatusCode.INVALID_ARGUMENT if short_key else grpc.StatusCode.RESOURCE_EXHAUSTED
                 try:
-                    if not np.array_equal(chunk.data, kv_of(key, shape)):
-                        failures.append(f"wrong bytes for {key.hex()[:12]}")
-                except Exception as exc:  # a chunk that fails verification is a failure here
-                    failures.append(f"unreadable chunk: {exc}")
-            release_all(got)
-            counts["get"] += 1
-            counts["chunks_read"] += len(got)
-        elif roll < 0.90:
-            tier.contains(ns.keys(rng.choice([*prefixes, *mine])))
-            counts["lookup"] += 1
-        elif roll < 0.95:
-            tier.delete(ns.keys(mine.popleft()))
-            counts["delete"] += 1
-        else:  # a request the server must refuse, and nothing else
-            short_key = rng.random() < 0.5
-            want = grpc.StatusCode.INVALID_ARGUMENT if short_key else grpc.StatusCode.RESOURCE_EXHAUSTED
-            try:
-                if short_key:
-                    lookup(cache_pb2.LookupRequest(keys=[b"short"]), metadata=auth, timeout=30)
-                else:
-                    put(iter([pack(piece(b"k" * 16, MAX_CHUNK + 1, data=[b"x" * 64]))]), metadata=auth, timeout=30)
-                failures.append("a bad request was accepted")
-            except grpc.RpcError as exc:
-                if exc.code() != want:
-                    failures.append(f"bad request answered {exc.code()} instead of {want}")
-            counts["rejected"] += 1
-    errors = tier.counts["errors"] + tier.counts["corrupt"]
-    if errors:
-        failures.append(f"{errors} failed tier calls")
+                    if short_key:
+                        lookup(cache_pb2.LookupRequest(keys=[b"short"]), metadata=auth, timeout=30)
+                    else:
+                        put(iter([pack(piece(b"k" * 16, MAX_CHUNK + 1, data=[b"x" * 64]))]), metadata=auth, timeout=30)
+                    failures.append("a bad request was accepted")
+                except grpc.RpcError as exc:
+                    if exc.code() != want:
+                        failures.append(f"bad request answered {exc.code()} instead of {want}")
+                counts["rejected"] += 1
+        except TierError as exc:
+            failures.append(f"a tier call failed: {exc}")
+    if tier.counts["corrupt"]:
+        failures.append(f"{tier.counts['corrupt']} chunks failed their check")
     tier.close()
     channel.close()
     return {"counts": counts, "bytes": moved, "failures": failures[:20], "failed": len(failures)}

@@ -231,9 +231,18 @@ def markdown(summary: dict[str, Any], out: Path) -> str:
         lines += ["", "![TTFT](ttft.png)"]
     for name in summary["benchmarks"]:
         text = (out / f"{name}.txt").read_text()
-        tables = [line for line in text.splitlines() if line.startswith("|")]
+        tables: list[list[str]] = []  # each run of table lines, kept apart
+        previous = False
+        for line in text.splitlines():
+            if line.startswith("|"):
+                if not previous:
+                    tables.append([])
+                tables[-1].append(line)
+            previous = line.startswith("|")
         if tables:
-            lines += ["", f"## {name}", "", *tables]
+            lines += ["", f"## {name}"]
+            for table in tables:
+                lines += ["", *table]
     return "\n".join(lines) + "\n"
 
 

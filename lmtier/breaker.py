@@ -1,8 +1,16 @@
 """Small objects for remote calls: a circuit breaker, a retry backoff, a quiet warning.
 
-``CircuitBreaker``: stop calling a tier that keeps failing, try again later.
-``QuietWarning``: a warning that repeats with every failing call is logged once per
-interval, with a count of the ones held back (a dead server must not flood the log).
+    CircuitBreaker   allow() -> bool, success(), failure(), is_open: stop calling a tier
+                     that keeps failing, try again later
+    Backoff          delays() -> list[float]; call(fn, *args) -> fn's result, retried
+                     after each ``RetryableError`` as its attempts and budget allow
+    QuietWarning     warning(message, *args): a warning that repeats with every failing
+                     call is logged once per interval, with a count of the ones held back
+                     (a dead server must not flood the log)
+
+The ``TieredStore`` owns all three, one of each per tier: a tier raises, and the store
+decides whether to retry (the tier's ``backoff``), to skip the tier (its breaker) and what
+to log.
 
 Closed: calls go through. After ``threshold`` consecutive failures it opens: calls are
 skipped (they become misses at once instead of waiting on a dead server) until
@@ -17,6 +25,11 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
+
+from lmtier.errors import RetryableError
+
+T = TypeVar("T")
 
 
 class QuietWarning:
@@ -78,12 +91,33 @@ class CircuitBreaker:
 
 class Backoff:
     """Retry delays: ``base`` doubling up to ``cap``, with jitter (so clients that failed
-    together do not retry together), for at most ``attempts`` retries."""
+    together do not retry together), for at most ``attempts`` retries.
 
-    def __init__(self, attempts: int = 2, base: float = 0.05, cap: float = 1.0) -> None:
+    ``budget`` (seconds, optional): no retry begins once the call has run this long. A
+    tier whose calls carry a deadline sets it to that deadline, so a call that waited out
+    its deadline (a hung server) is not made to wait it out again, while a failure that
+    came at once (a refused connection, a server at its call limit) is retried."""
+
+    def __init__(self, attempts: int = 2, base: float = 0.05, cap: float = 1.0, budget: float | None = None) -> None:
         self.attempts = attempts
         self.base = base
         self.cap = cap
+        self.budget = budget
 
     def delays(self) -> list[float]:
         return [min(self.cap, self.base * 2**i) * (0.5 + random.random() / 2) for i in range(self.attempts)]
+
+    def call(self, fn: Callable[..., T], *args: Any, on_retry: Callable[[], None] | None = None) -> T:
+        """``fn(*args)``, called again after each ``RetryableError`` while retries and
+        budget last (``on_retry`` runs before each new try); the last failure propagates."""
+        began = time.monotonic()
+        for delay in self.delays():
+            try:
+                return fn(*args)
+            except RetryableError:
+                if self.budget is not None and time.monotonic() - began >= self.budget:
+                    raise
+            if on_retry is not None:
+                on_retry()
+            time.sleep(delay)
+        return fn(*args)

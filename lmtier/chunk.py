@@ -77,7 +77,7 @@ class Chunk:
             raise ValueError("an unverified chunk needs the checksum to verify it against")
         self.verified = verified
         self._on_corrupt = on_corrupt
-        self._lease = _Lease(on_release) if on_release else None
+        self._lease = Lease(on_release) if on_release else None
         self._finalizer = weakref.finalize(self, self._lease.drop) if self._lease else None
 
     def share(self) -> Chunk:
@@ -203,8 +203,10 @@ class Chunk:
         return f"Chunk({self.key.hex()[:12]}, {self.num_tokens} tokens, {self.nbytes} B)"
 
 
-class _Lease:
-    """A count of holders of one piece of tier memory; the last one out returns it."""
+class Lease:
+    """A count of holders of one piece of tier memory; the last one out returns it
+    (``callback``). It starts with one holder, its maker: a chunk's own hold, or a grpc
+    call's hold on the server memory its chunks were read from, dropped when the call ends."""
 
     __slots__ = ("_callback", "_count", "_lock")
 

@@ -158,11 +158,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _server_stats(url: str, token: str | None, timeout: float) -> dict:
     """Ask a running cache server for its tiers, counters and settings."""
-    import grpc
-
+    from lmtier.errors import TierError
     from lmtier.tiers.base import TierContext, TierURL
     from lmtier.tiers.grpc import GrpcTier
-    from lmtier.v1 import cache_pb2
 
     parsed = TierURL.parse(url)
     if parsed.scheme not in ("grpc", "grpcs"):
@@ -172,33 +170,24 @@ def _server_stats(url: str, token: str | None, timeout: float) -> dict:
     url += ("&" if "?" in url else "?") + "shm=off"
     tier = GrpcTier.from_url(TierURL.parse(url), TierContext())
     try:
-        response = tier._channel().stats(cache_pb2.StatsRequest(), timeout=timeout, metadata=tier._metadata)
-    except grpc.RpcError as exc:
-        raise LmtierError(f"cannot get stats from {tier.target}: {exc.code().name}: {exc.details()}") from exc
+        server = tier.server_stats(timeout)
+    except TierError as exc:
+        raise LmtierError(f"cannot get stats from {tier.target}: {exc}") from exc
     finally:
         tier.close()
-    tiers = [
-        {
-            "name": t.name,
-            "capacity_bytes": t.capacity_bytes,
-            "used_bytes": t.used_bytes,
-            "chunks": t.chunks,
-            "counters": dict(t.counters),
-        }
-        for t in response.tiers
-    ]
+    tiers = server["tiers"]
     # A chunk missed by one tier is asked of the next: reads are the hits of every tier
     # plus the misses of the last one (the store's counts: probes and internal reads left out).
     hits = sum(t["counters"].get("hits", 0) for t in tiers)
     misses = tiers[-1]["counters"].get("misses", 0) if tiers else 0
     return {
         "server": tier.target,
-        "tenant_chunks": response.tenant_chunks,
-        "chunks": response.tenant_chunks,  # distinct: a chunk in memory and on disk is one
+        "tenant_chunks": server["tenant_chunks"],
+        "chunks": server["tenant_chunks"],  # distinct: a chunk in memory and on disk is one
         "used_bytes": sum(t["used_bytes"] for t in tiers),
         "hit_ratio": hits / (hits + misses) if hits + misses else None,
         "tiers": tiers,
-        "config": json.loads(response.config_json or "{}"),
+        "config": server["config"],
     }
 
 

@@ -3,16 +3,23 @@
     piece(key, frame_size, offset, data=buffers | region=...) -> list of buffers
     pack(*pieces) -> bytes                 one ``Pieces`` message, one copy of the bytes
     unpack(message) -> list[Piece]         ``data`` views point into ``message``
+    split(buffers, size)                   a frame cut into pieces, without copying
     FrameAssembler                         pieces in, whole frames out, bounded and checked
+    PIECE_BYTES                            the largest piece either side sends by default
+    no_release()                           the release of bytes that need none
 
 Bulk bytes dominate the cache service's traffic, and generated protobuf classes copy
 them twice on each side (``bytes`` into the message, the message into its serialization;
 parsing copies the field out again). ``ChunkPiece`` is four scalar fields and one bytes
 field, so this module writes and reads its wire form directly: one join on the way out,
-zero copies on the way in. The bytes are exactly protobuf's (``tests/test_wire.py``
+zero copies on the way in. The bytes are exactly protobuf's (``tests/test_pieces.py``
 checks both directions against ``cache_pb2``); small messages (shared-memory pieces,
 no bulk bytes) are parsed with protobuf's own parser, which is faster there, and every
-other message uses the generated classes.
+other message uses the generated classes. ``benchmarks/bench_grpc_tier.py`` measures this
+module against the generated classes on the same messages in every run (its ``pieces``
+table); on a 2-core machine it wrote messages of a 256 KiB or 2 MiB chunk about 30x as
+fast (protobuf's ``SerializeToString`` moved 0.6 GB/s) and parsed them 4x (256 KiB) to
+27x (2 MiB) as fast.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ _PIECES = 0x0A  # Pieces.pieces
 _KEY, _FRAME_SIZE, _OFFSET, _DATA, _REGION, _HEAD, _LEASE = 0x0A, 0x10, 0x18, 0x22, 0x2A, 0x32, 0x38
 # SharedRegion: segment (1, string), offset (2), length (3).
 _SEGMENT, _REG_OFFSET, _REG_LENGTH = 0x0A, 0x10, 0x18
+PIECE_BYTES = 4 * 1024 * 1024 - 4096  # under gRPC's default 4 MiB message limit
 
 
 @dataclass(frozen=True)
@@ -252,7 +260,7 @@ class FrameAssembler:
             if len(body) > piece.frame_size:
                 raise FormatError("a piece runs past the end of its frame")
             if len(body) == piece.frame_size:  # the common case: the whole frame in one piece
-                return piece.key, body, None, _nothing
+                return piece.key, body, None, no_release
             self._key, self._size, self._got = piece.key, piece.frame_size, 0
             self._buf = self.pool.acquire(piece.frame_size)
             self._hash = codec.PayloadHash(memoryview(self._buf)[: piece.frame_size])
@@ -283,8 +291,8 @@ class FrameAssembler:
             self._buf = self._hash = None
 
 
-def _nothing() -> None:
-    return None
+def no_release() -> None:
+    """The release of bytes that need none: a view of a message, or of shared memory."""
 
 
 def split(parts: Sequence[Any], size: int) -> Iterator[tuple[int, list[memoryview]]]:
@@ -309,4 +317,15 @@ class FrameTooLarge(FormatError):
     """A frame larger than the receiver accepts."""
 
 
-__all__ = ["FrameAssembler", "FrameTooLarge", "Piece", "Region", "pack", "piece", "split", "unpack"]
+__all__ = [
+    "PIECE_BYTES",
+    "FrameAssembler",
+    "FrameTooLarge",
+    "Piece",
+    "Region",
+    "no_release",
+    "pack",
+    "piece",
+    "split",
+    "unpack",
+]

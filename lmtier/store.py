@@ -1,9 +1,13 @@
 """``TieredStore``: tiers composed fastest-first, and the one home of caching policy.
 
+    TieredStore.open(urls, ...)  the tiers the URLs name, opened in order (or none at all)
     lookup(keys) -> int          leading chunks present across all tiers
     get(keys) -> list[Chunk]     the leading run of chunks found; caller releases them
     put(chunks) -> int           stores; returns the leading chunks the first tier holds
     delete(keys), flush(timeout), close(), stats()
+
+Longer than 400 lines: the store is the one home of caching policy, and its parts (the
+tiers it opens, lookup and promotion, the write queue, failures) share one state.
 
 Policy, in one place:
 - ``lookup`` walks the tiers fastest-first; a prefix may be spread over several tiers.
@@ -19,8 +23,9 @@ Policy, in one place:
   what the first tier still holds. Less write traffic, at the price of chunks that live
   only in memory until evicted or flushed.
 - A tier that raises is a miss plus a metric; a tier that keeps failing opens a circuit
-  breaker and is skipped until its cooldown has passed. Nothing raises from here on the
-  engine's hot path.
+  breaker and is skipped until its cooldown has passed. A ``RetryableError`` is first
+  retried as the tier's ``backoff`` says (tiers raise, the store retries: no tier runs a
+  retry loop or a breaker of its own). Nothing raises from here on the engine's hot path.
 """
 
 from __future__ import annotations
@@ -34,13 +39,13 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from lmtier import metrics
 from lmtier.breaker import CircuitBreaker, QuietWarning
 from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError
-from lmtier.tiers.base import Tier
+from lmtier.tiers.base import Tier, TierContext, open_tier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,6 +97,52 @@ class TieredStore:
         self._closed = False
         self.dropped_writes = 0
         self.unwritten_chunks = 0  # chunks a put could not hand to the lower tiers
+
+    @classmethod
+    def open(
+        cls,
+        urls: Sequence[str],
+        context: TierContext | None = None,
+        *,
+        defer: bool | Literal["lower"] = False,
+        first: TierContext | None = None,
+        wrap: Callable[[Tier], Tier] | None = None,
+        write_queue: int = 64,
+        write_mode: str = "through",
+    ) -> TieredStore:
+        """The store over the tiers ``urls`` name, fastest first: the one place a
+        configured list of tiers is opened (``open_tier`` opens one).
+
+        ``defer``: a tier that is configured well but cannot be opened now misses and is
+        opened again in the background instead of failing the start
+        (``open_tier(defer=True)``): True for every tier (an engine must start), "lower"
+        for all but the first (the server serves from its first tier). ``first``: the first
+        tier's own context (the server's memory tier keeps its slab in shared memory).
+        ``wrap``: what stands in the store for each tier opened (the server re-keys an
+        upstream server's tier).
+
+        A misconfigured URL raises ``ConfigError`` (or ``MissingDependency``), as does a
+        store that refuses its tiers; either way every tier already opened is closed
+        first, so a failed start holds no memory, threads, files or sockets.
+        """
+        if defer not in (True, False, "lower"):
+            raise ValueError(f"defer must be True, False or 'lower', got {defer!r}")
+        context = context or TierContext()
+        tiers: list[Tier] = []
+        try:
+            for i, url in enumerate(urls):
+                deferred = defer is True or (defer == "lower" and i > 0)
+                tiers.append(open_tier(url, first if i == 0 and first is not None else context, defer=deferred))
+                if wrap is not None:
+                    tiers[-1] = wrap(tiers[-1])
+            return cls(tiers, write_queue=write_queue, write_mode=write_mode)
+        except BaseException:
+            for tier in reversed(tiers):
+                try:
+                    tier.close()
+                except Exception:  # the error to report is the one that stopped the open
+                    log.exception("closing tier %s after a failed open", tier.name)
+            raise
 
     # -- the hot path -------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -326,14 +377,17 @@ class TieredStore:
 
     # -- failure handling ---------------------------------------------------------------
     def _call(self, tier: Tier, op: str, fn: Callable[..., T], *args: Any, default: T) -> T:
-        """Run one tier call; an exception becomes ``default``, a metric and a log line."""
+        """Run one tier call, retried after a ``RetryableError`` as ``tier.backoff`` says
+        (each retry counted); an exception left becomes ``default``, a metric and a log line."""
         breaker = self._breakers[id(tier)]
         if not breaker.allow():
             metrics.TIER_OPS.labels(tier.name, op, "skipped").inc()
             return default
         start = time.perf_counter()
         try:
-            result = fn(*args)
+            result = tier.backoff.call(
+                fn, *args, on_retry=lambda: metrics.TIER_OPS.labels(tier.name, op, "retried").inc()
+            )
         except Exception as exc:
             breaker.failure()
             metrics.BREAKER_OPEN.labels(tier.name).set(int(breaker.is_open))

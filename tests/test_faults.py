@@ -25,7 +25,7 @@ from lmtier.api import open_store
 from lmtier.layout import KVLayout
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.redis_server import RedisServer, cli
-from lmtier.tiers import disk as disk_module
+from lmtier.tiers.disk import files as disk_files
 
 from conftest import eventually
 
@@ -119,12 +119,14 @@ def test_cache_server_killed_mid_workload_is_misses_then_recovers(tmp_path):
         assert eventually(
             lambda: (tmp_path / "disk" / "chunks").exists() and len(list((tmp_path / "disk").glob("chunks/*/*"))) == 4
         )
+        errors = counter(metrics.TIER_ERRORS, tier="grpc")
         server.kill()  # a crash: its disk keeps the chunks
         for i in range(4):
             got, out = load(store, tokens)
             assert got == 0
             assert_never_wrong(got, out, kv)
             store.put(*prompt(2, seed=200 + i))
+        assert counter(metrics.TIER_ERRORS, tier="grpc") > errors  # the store saw the failures
         server.start()  # the disk tier brings the chunks back
         assert eventually(lambda: load(store, tokens)[0] == 4 * CHUNK)
         got, out = load(store, tokens)
@@ -195,7 +197,7 @@ def test_a_full_or_read_only_disk_drops_writes_and_keeps_serving(tmp_path, monke
         disk = store.store.tiers[1]
         errors = disk.stats()["write_errors"]
 
-        monkeypatch.setattr(disk_module.os, "open", failing_open(code))
+        monkeypatch.setattr(disk_files.os, "open", failing_open(code))
         tokens, kv = prompt(2, seed=32)
         assert store.put(tokens, kv) == 2 * CHUNK  # memory holds it; the disk write fails quietly
         store.flush()

@@ -1,5 +1,10 @@
 """The grpc:// tier against real cache servers on port 0: both transports, tenants, TLS,
-bad input, readiness, and a client that dies mid-transfer."""
+bad input, failures (typed errors from the tier, misses from the store), readiness, and a
+client that dies mid-transfer.
+
+Longer than 400 lines: one server fixture and its vocabulary serve every scenario here;
+the transports share the contract suite, the rest are stories of one server each.
+"""
 
 from __future__ import annotations
 
@@ -21,14 +26,17 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from lmtier import codec, metrics, shm
 from lmtier.chunk import release_all
 from lmtier.config import ServerConfig
+from lmtier.errors import RetryableError, TierError
 from lmtier.pieces import Region, pack, piece
 from lmtier.server import create_server
 from lmtier.server.auth import tenant_tag
+from lmtier.store import TieredStore
 from lmtier.testing.certs import make_certificates
+from lmtier.testing.redis_server import free_port
 from lmtier.tiers.base import open_tier
 from lmtier.v1 import cache_pb2
 
-from conftest import SMALL, make_namespace, make_prompt
+from conftest import SMALL, eventually, make_namespace, make_prompt
 from tier_contract import EvictingTierContract
 
 SERVICE = "/lmtier.v1.CacheService/"
@@ -49,6 +57,34 @@ def flip_a_stored_byte(server, tenant: str, key: bytes) -> None:
 def shm_bytes(direction: str) -> float:
     labels = {"direction": direction, "transport": "shm"}
     return metrics.SERVER_REGISTRY.get_sample_value("lmtier_server_bytes_total", labels) or 0
+
+
+def tier_errors(tier) -> float:
+    """The store's count of a tier's failed calls (every operation)."""
+    return sum(
+        s.value
+        for m in metrics.TIER_ERRORS.collect()
+        for s in m.samples
+        if s.name.endswith("_total") and s.labels["tier"] == tier.name
+    )
+
+
+def misses_through_a_store(tier, prompt) -> bool:
+    """What the engine sees of ``tier`` inside a store: no exception, misses, errors counted."""
+    before = tier_errors(tier)
+    with TieredStore([tier]) as store:  # closing the store closes the tier
+        store.put(prompt.chunks())
+        missed = store.lookup(prompt.keys) == 0 and store.get(prompt.keys) == []
+    return missed and tier_errors(tier) > before
+
+
+def read_back(tier, keys) -> list[bytes]:
+    """The bytes of the chunks ``tier`` holds for ``keys``, released after reading."""
+    got = tier.get(keys)
+    try:
+        return [c.tobytes() for c in got]
+    finally:
+        release_all(got)
 
 
 class TestGrpcTier(EvictingTierContract):
@@ -124,13 +160,14 @@ def test_no_token_or_a_wrong_token_is_unauthenticated(server):
     assert code_of(lambda: raw(server.address, "Get", cache_pb2.GetRequest(keys=lookup.keys), token=None)) == (
         grpc.StatusCode.UNAUTHENTICATED
     )
-    # The engine-facing tier turns the refusal into misses and a count, not an exception.
+    # The tier raises a refusal as an error not worth retrying; the store the engine
+    # calls turns it into misses and a count, not an exception.
     tier = open_tier(server.url + "?token=wrong&retries=0")
     prompt = make_prompt(2, seed=41)
-    tier.put(prompt.chunks())
-    assert tier.contains(prompt.keys) == 0
-    assert tier.get(prompt.keys) == [None, None]
-    tier.close()
+    with pytest.raises(TierError) as info:
+        tier.contains(prompt.keys)
+    assert not isinstance(info.value, RetryableError) and "UNAUTHENTICATED" in str(info.value)
+    assert misses_through_a_store(tier, prompt)
 
 
 def test_a_tenant_cannot_read_list_delete_or_probe_another_tenants_chunks(server, monkeypatch):
@@ -152,9 +189,7 @@ def test_a_tenant_cannot_read_list_delete_or_probe_another_tenants_chunks(server
         other = make_prompt(4, seed=43)
         bob.put([c.view_as(k) for c, k in zip(other.chunks(), prompt.keys, strict=True)])
         for tier, owner in ((alice, prompt), (bob, other)):
-            got = tier.get(prompt.keys)
-            assert [c.tobytes() for c in got] == [owner.chunk_bytes(i) for i in range(4)]
-            release_all(got)
+            assert read_back(tier, prompt.keys) == [owner.chunk_bytes(i) for i in range(4)]
     finally:
         alice.close()
         bob.close()
@@ -174,10 +209,8 @@ def test_tls_serves_clients_that_trust_its_ca_and_refuses_plaintext(certs):
         good.put(prompt.chunks())
         assert good.contains(prompt.keys) == 3
         plain = open_tier(f"grpc://127.0.0.1:{port}?retries=0")
-        assert plain.contains(prompt.keys) == 0  # cannot talk to a TLS server: a miss
-        assert plain.get(prompt.keys) == [None] * 3
+        assert misses_through_a_store(plain, prompt)  # cannot talk to a TLS server: misses
         good.close()
-        plain.close()
     finally:
         srv.stop(0)
 
@@ -193,7 +226,9 @@ def test_mutual_tls_maps_the_client_certificate_to_its_tenant(certs):
         carol.put(prompt.chunks())
         assert carol.contains(prompt.keys) == 3
         assert dave.contains(prompt.keys) == 0
-        assert anonymous.contains(prompt.keys) == 0  # no certificate: refused, a miss
+        with pytest.raises(TierError):
+            anonymous.contains(prompt.keys)  # no certificate: refused ...
+        assert misses_through_a_store(anonymous, make_prompt(3, seed=145))  # ... which the engine sees as misses
         assert len(srv.service.tenant_keys(tenant_tag("carol"))) == 3
     finally:
         for tier in (carol, dave, anonymous):
@@ -303,9 +338,7 @@ def test_a_chunk_in_many_pieces_arrives_whole(server):
     tier = open_tier(server.url + "?token=alice-secret&shm=off&piece=16KiB")
     try:
         tier.put(prompt.chunks())
-        got = tier.get(prompt.keys)
-        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(3)]
-        release_all(got)
+        assert read_back(tier, prompt.keys) == [prompt.chunk_bytes(i) for i in range(3)]
     finally:
         tier.close()
 
@@ -326,6 +359,72 @@ def test_a_chunk_damaged_on_the_server_is_a_miss_and_is_deleted(server, shm):
     tier.close()
 
 
+# -- failures ------------------------------------------------------------------------------------
+def test_a_dead_server_is_a_retryable_error_from_the_tier_and_misses_through_the_store():
+    tier = open_tier(f"grpc://127.0.0.1:{free_port()}?timeout=2&retries=1&shm=off")
+    prompt = make_prompt(2, seed=55)
+    for call in (lambda: tier.contains(prompt.keys), lambda: tier.get(prompt.keys), lambda: tier.put(prompt.chunks())):
+        with pytest.raises(RetryableError):
+            call()
+    assert tier.counts["errors"] == 3  # one try each: the tier retries nothing itself
+    assert misses_through_a_store(tier, prompt)
+
+
+def fake_server(**methods):
+    """A CacheService that answers only ``methods`` (raw bytes in and out), on port 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kinds = {"Get": grpc.unary_stream_rpc_method_handler, "Release": grpc.unary_unary_rpc_method_handler}
+    handlers = {name: kinds[name](fn) for name, fn in methods.items()}
+    server = grpc.server(ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("lmtier.v1.CacheService", handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def test_a_get_that_breaks_half_way_returns_all_it_had_received_before_raising(tmp_path):
+    """Four chunks asked for: one read in the server's memory (leased), one landed in our
+    slot, one as bytes, half of the fourth; then the server goes away. The tier raises, and
+    the lease is released to the server, the slot and the receive buffer come back."""
+    prompt = make_prompt(4, seed=56)
+    chunks, frames = prompt.chunks(), [codec.encode(c) for c in prompt.chunks()]
+    memory = shm.Segment(str(tmp_path), 1 << 20, 64 << 10)  # the fake server's own memory
+    memory.view(0)[: chunks[0].nbytes] = prompt.chunk_bytes(0)
+    clients = shm.SegmentMaps(str(tmp_path))
+    released: list[int] = []
+
+    def get(request: bytes, context):
+        asked = cache_pb2.GetRequest.FromString(request)
+        head = bytes(codec.encode_parts(chunks[0])[0])
+        yield pack(piece(asked.keys[0], len(frames[0]), region=Region(memory.name, 0, chunks[0].nbytes), head=head,
+                         lease=7))  # fmt: skip
+        slot = asked.landing[1]
+        clients.region(slot.segment, slot.offset, len(frames[1]))[:] = frames[1]
+        yield pack(piece(asked.keys[1], len(frames[1]), region=Region(slot.segment, slot.offset, len(frames[1]))))
+        yield pack(piece(asked.keys[2], len(frames[2]), data=[frames[2]]))
+        yield pack(piece(asked.keys[3], len(frames[3]), data=[frames[3][:100]]))
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the server went away")
+
+    def release(request: bytes, context) -> bytes:
+        released.append(cache_pb2.ReleaseRequest.FromString(request).lease)
+        return b""
+
+    server, port = fake_server(Get=get, Release=release)
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}&shm_size=16MiB&retries=0")
+    try:
+        with pytest.raises(RetryableError, match="UNAVAILABLE"):
+            tier.get(prompt.keys)
+        assert eventually(lambda: released == [7])  # the server's lease, through Release
+        segment = tier.memory.segment()
+        assert segment.num_slots == 4 and segment.free_slots == 1  # the landed chunk's slot is back
+        assert tier._buffers.outstanding == 0  # and the half frame's receive buffer
+    finally:
+        tier.close()
+        server.stop(0)
+        memory.close()
+
+
 # -- shared memory -------------------------------------------------------------------------------
 def test_a_server_that_cannot_see_the_segment_falls_back_to_plain_grpc(tmp_path):
     elsewhere = tmp_path / "another-hosts-shm"
@@ -335,9 +434,7 @@ def test_a_server_that_cannot_see_the_segment_falls_back_to_plain_grpc(tmp_path)
     try:
         prompt = make_prompt(4, seed=49)
         tier.put(prompt.chunks())
-        got = tier.get(prompt.keys)
-        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(4)]
-        release_all(got)
+        assert read_back(tier, prompt.keys) == [prompt.chunk_bytes(i) for i in range(4)]
         stats = tier.stats()
         assert stats["shm_fallbacks"] == 1 and stats["shm"] is None and stats["errors"] == 0
     finally:
@@ -489,11 +586,11 @@ def test_a_single_tenant_server_lends_its_memory_until_the_client_lets_go(tmp_pa
         release_all(got[:3])
         assert srv.service.leases.held > 0  # one chunk is still out
         release_all(got[3:])
-        assert wait_for(lambda: srv.service.leases.held == 0)  # Release reached the server
+        assert eventually(lambda: srv.service.leases.held == 0)  # Release reached the server
 
         got = tier.get(prompt.keys)  # a client that dies holding chunks: reaped once it is gone
         assert srv.service.leases.held > 0
-        tier._segment.close()  # its lock goes with it, as when the process dies
+        tier.memory.close()  # its segment's lock goes with it, as when the process dies
         srv.service.leases.reap()
         assert srv.service.leases.held == 0
         release_all(got)
@@ -504,10 +601,3 @@ def test_a_single_tenant_server_lends_its_memory_until_the_client_lets_go(tmp_pa
 
 def test_a_server_with_several_tenants_never_lends_its_memory(server):
     assert not server.zero_copy and server.service.shared is None
-
-
-def wait_for(condition, seconds: float = 30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return condition()

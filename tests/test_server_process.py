@@ -5,7 +5,11 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
+
+from lmtier import metrics
 from lmtier.chunk import release_all
+from lmtier.errors import RetryableError
 from lmtier.store import TieredStore
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.tiers.base import open_tier
@@ -19,41 +23,55 @@ def server_args(disk) -> list[str]:
     return ["--tier", "cpu://?size=32MiB&slot=64KiB", "--tier", f"file://{disk}?size=256MiB"]
 
 
-def wait_until(condition, seconds: float = 60.0) -> bool:
-    return eventually(condition, seconds)
-
-
 def on_server_disk(tier, n: int) -> bool:
     stats = tier.stats()
     return stats["server_tiers"][1]["chunks"] >= n
 
 
+def served(store: TieredStore, prompt) -> bool:
+    """Whether the store gives back every chunk of ``prompt``, byte for byte."""
+    got = store.get(prompt.keys)
+    try:
+        return [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(len(prompt.keys))]
+    finally:
+        release_all(got)
+
+
+def failed_calls(tier) -> float:
+    """The store's count of ``tier``'s calls that failed, every operation."""
+    return sum(s.value for m in metrics.TIER_ERRORS.collect() for s in m.samples
+               if s.name.endswith("_total") and s.labels["tier"] == tier.name)  # fmt: skip
+
+
 def test_killing_the_server_turns_calls_into_misses_until_it_is_back(tmp_path):
     server = ServerProcess(tmp_path, *server_args(tmp_path / "disk"))
     remote = open_tier(f"grpc://{server.address}?timeout={TIMEOUT}&retries={RETRIES}")
-    store = TieredStore([open_tier("cpu://?size=16MiB"), remote])  # what an engine runs
+    memory = open_tier("cpu://?size=16MiB")
+    store = TieredStore([memory, remote])  # what an engine runs
+    breaker = store._breakers[id(remote)]
     try:
         stored = make_prompt(6, seed=1)
         store.put(stored.chunks())
         assert store.flush(30)
-        assert wait_until(lambda: on_server_disk(remote, 6))
+        assert eventually(lambda: on_server_disk(remote, 6), 60)
 
+        failed = failed_calls(remote)
         server.kill()  # SIGKILL: no goodbye
         for step in range(5):
             unseen = make_prompt(4, seed=10 + step)  # not in the engine's own memory: asks the server
             assert store.lookup(unseen.keys) == 0
             assert store.get(unseen.keys) == []
             store.put(make_prompt(2, seed=20 + step).chunks())  # the background write fails quietly
-        assert remote.counts["errors"] >= 1
-        assert remote.counts["breaker_open"] == 1  # later calls skip the dead server at once
-        assert remote.contains(stored.keys) == 0
+        assert failed_calls(remote) > failed
+        assert breaker.is_open  # later calls skip the dead server at once
+        with pytest.raises(RetryableError):  # what the store turned into misses
+            remote.contains(stored.keys)
 
         server.start()  # same port, same disk
-        assert wait_until(lambda: remote.contains(stored.keys) == 6, 30), remote.counts
-        got = remote.get(stored.keys)
-        assert [c.tobytes() for c in got] == [stored.chunk_bytes(i) for i in range(6)]
-        release_all(got)
-        assert remote.counts["breaker_open"] == 0
+        memory.delete(stored.keys)  # gone from the engine's own memory: only the server has them
+        assert eventually(lambda: store.lookup(stored.keys) == 6, 30)
+        assert served(store, stored)
+        assert not breaker.is_open
     finally:
         store.close()
         server.kill()
@@ -62,19 +80,17 @@ def test_killing_the_server_turns_calls_into_misses_until_it_is_back(tmp_path):
 def test_a_graceful_stop_finishes_writes_and_a_restart_serves_them(tmp_path):
     disk = tmp_path / "disk"
     server = ServerProcess(tmp_path, *server_args(disk))
-    tier = open_tier(f"grpc://{server.address}")
+    store = TieredStore([open_tier(f"grpc://{server.address}")])
     try:
         prompt = make_prompt(8, seed=3)
-        tier.put(prompt.chunks())
+        store.put(prompt.chunks())
         assert server.stop() == 0  # SIGTERM right away: the disk writes are flushed first
         assert "shutting down" in server.log()
         server.start()
-        assert wait_until(lambda: tier.contains(prompt.keys) == 8, 30)
-        got = tier.get(prompt.keys)
-        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(8)]
-        release_all(got)
+        assert eventually(lambda: store.lookup(prompt.keys) == 8, 30)
+        assert served(store, prompt)
     finally:
-        tier.close()
+        store.close()
         server.kill()
 
 
@@ -85,25 +101,29 @@ def stopped(pid: int) -> bool:
 
 
 def test_a_hung_server_costs_one_timeout_then_the_breaker_skips_it(tmp_path):
+    """One timeout per call even with retries (a call that waited out its deadline is not
+    made again), then none: the breaker skips the server until it answers again."""
     server = ServerProcess(tmp_path, *server_args(tmp_path / "disk"))
-    tier = open_tier(f"grpc://{server.address}?timeout=1&retries=0")
+    tier = open_tier(f"grpc://{server.address}?timeout=1&retries=2")
+    store = TieredStore([tier])
+    skipped = metrics.TIER_OPS.labels(tier.name, "get", "skipped")
     try:
         prompt = make_prompt(3, seed=4)
-        tier.put(prompt.chunks())
-        assert tier.contains(prompt.keys) == 3
+        store.put(prompt.chunks())
+        assert store.lookup(prompt.keys) == 3
         server.proc.send_signal(signal.SIGSTOP)  # alive, but answers nothing
-        assert wait_until(lambda: stopped(server.pid), 10)
+        assert eventually(lambda: stopped(server.pid), 10)
         for _ in range(3):
-            assert tier.contains(prompt.keys) == 0  # each waits out its deadline, then misses
-        assert tier.counts["errors"] == 3 and tier.counts["breaker_open"] == 1
-        skipped = tier.counts["skipped"]
-        assert tier.get(prompt.keys) == [None] * 3
-        assert tier.counts["skipped"] == skipped + 1  # not sent: no deadline to wait out
+            assert store.lookup(prompt.keys) == 0  # each waits out its deadline, then misses
+        assert tier.counts["errors"] == 3 and store._breakers[id(tier)].is_open  # one try per call
+        before = skipped._value.get()
+        assert store.get(prompt.keys) == []
+        assert skipped._value.get() == before + 1 and tier.counts["errors"] == 3  # not sent: no deadline to wait out
         server.proc.send_signal(signal.SIGCONT)
-        assert wait_until(lambda: tier.contains(prompt.keys) == 3, 30)
+        assert eventually(lambda: store.lookup(prompt.keys) == 3, 30)
     finally:
         server.proc.send_signal(signal.SIGCONT)
-        tier.close()
+        store.close()
         server.kill()
 
 
@@ -205,7 +225,7 @@ def test_chained_servers_engine_sidecar_central_and_two_sidecars_share(tmp_path)
         prompt = make_prompt(4, seed=33)
         clients[0, "alice"].put(prompt.chunks())
         watcher = open_tier(up)
-        assert wait_until(lambda: watcher.stats()["chunks"] >= 4)  # the write-through reached central
+        assert eventually(lambda: watcher.stats()["chunks"] >= 4, 60)  # the write-through reached central
         watcher.close()
         got = clients[1, "alice"].get(prompt.keys)  # another node: from central, through its sidecar
         assert [c.tobytes() for c in got] == [c.tobytes() for c in prompt.chunks()]

@@ -8,9 +8,11 @@ import time
 import pytest
 
 from lmtier import metrics
-from lmtier.breaker import CircuitBreaker
+from lmtier.breaker import Backoff, CircuitBreaker
 from lmtier.chunk import release_all
+from lmtier.errors import RetryableError, TierError
 from lmtier.store import TieredStore
+from lmtier.tiers.base import Tier
 from lmtier.tiers.cpu import CpuTier
 
 from conftest import assert_served_then_promoted, make_prompt
@@ -202,17 +204,59 @@ def test_a_dead_tier_is_one_warning_per_interval_not_one_per_call(caplog):
     from lmtier.testing.redis_server import free_port
     from lmtier.tiers.base import open_tier
 
-    dead = open_tier(f"grpc://127.0.0.1:{free_port()}?timeout=0.2&retries=0&shm=off")
-    store = TieredStore([open_tier("cpu://?size=4MiB"), dead])
+    dead = open_tier(f"grpc://127.0.0.1:{free_port()}?timeout=0.2&retries=1&shm=off")
+    store = TieredStore([open_tier("cpu://?size=4MiB"), dead], breaker=lambda: CircuitBreaker(cooldown=1.0))
     prompt = make_prompt(2, seed=5)
     with caplog.at_level(logging.WARNING):
-        end = time.monotonic() + 4  # several of the tier's breaker cooldowns (1 s): probes that fail
+        end = time.monotonic() + 4  # several breaker cooldowns (1 s): probes that fail, retried
         while time.monotonic() < end:
             assert store.lookup(prompt.keys) == 0
             time.sleep(0.05)
     said = [r.getMessage() for r in caplog.records]
-    assert 1 <= len(said) <= 2, said  # once per 30 s, from the tier (and the store, were it to raise)
+    assert len(said) == 1, said  # once per 30 s, from the store: the tier raises and logs nothing
+    assert dead.counts["errors"] >= 4  # the first three calls and a probe at least
     store.close()
+
+
+class FlakyTier(CpuTier):
+    """A CPU tier whose first ``failures`` calls raise ``error``, retried as ``backoff`` says."""
+
+    def __init__(self, failures: int, error: type[Exception], backoff: Backoff) -> None:
+        super().__init__(size=8 * CHUNK_BYTES, slot=CHUNK_BYTES, name=f"flaky-{error.__name__}")
+        self.failures, self.error, self.backoff, self.calls = failures, error, backoff, 0
+
+    def contains(self, keys):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.error("injected")
+        return super().contains(keys)
+
+
+def ops(tier, result: str) -> float:
+    return metrics.TIER_OPS.labels(tier.name, "contains", result)._value.get()
+
+
+@pytest.mark.parametrize(
+    "failures, error, backoff, calls, found",
+    [
+        (2, RetryableError, Backoff(attempts=2, base=0.001), 3, 2),  # retried twice, then served
+        (3, RetryableError, Backoff(attempts=2, base=0.001), 3, 0),  # out of retries: a miss
+        (1, TierError, Backoff(attempts=2, base=0.001), 1, 0),  # not retryable: a miss at once
+        (1, RetryableError, Backoff(attempts=2, base=0.001, budget=0), 1, 0),  # out of time to retry
+        (1, RetryableError, Tier.backoff, 1, 0),  # a tier that declares nothing is not retried
+    ],
+    ids=["retried", "out-of-retries", "not-retryable", "out-of-budget", "default"],
+)
+def test_a_retryable_error_is_retried_as_the_tiers_backoff_says(failures, error, backoff, calls, found):
+    tier = FlakyTier(failures, error, backoff)
+    p = make_prompt(2)
+    tier.put(p.chunks())
+    retried, failed = ops(tier, "retried"), metrics.TIER_ERRORS.labels(tier.name, "contains")._value.get()
+    with TieredStore([tier]) as store:
+        assert store.lookup(p.keys) == found  # never an exception
+        assert tier.calls == calls
+        assert ops(tier, "retried") - retried == calls - 1
+        assert metrics.TIER_ERRORS.labels(tier.name, "contains")._value.get() - failed == (found == 0)
 
 
 def test_a_quiet_warning_counts_what_it_held_back(caplog):

@@ -32,6 +32,7 @@ class UpstreamTier(Tier):
         self.tier = tier
         self.name = tier.name
         self.scheme = tier.scheme
+        self.backoff = tier.backoff  # the store retries the hop as it would the tier
 
     def contains(self, keys: Sequence[bytes]) -> int:
         return self.tier.contains([upstream_key(k) for k in keys])

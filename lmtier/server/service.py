@@ -4,7 +4,7 @@
     Put     frames in, stored when whole        Delete, List, Stats
 
 Every call first parses its request, resolves the caller's tenant (``auth``) and is
-admitted (``max_calls_per_tenant``, see ``_accounted``); it scopes its keys to the tenant,
+admitted (``max_calls_per_tenant``; ``calls``); it scopes its keys to the tenant,
 checks its input and answers a clear status for anything wrong (``INVALID_ARGUMENT`` for a
 malformed message or key, ``RESOURCE_EXHAUSTED`` for a frame over the limit, ``DATA_LOSS``
 for a damaged one, ``FAILED_PRECONDITION`` for a shared-memory segment not on this host).
@@ -22,22 +22,19 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
-from lmtier import codec, metrics, shm
+from lmtier import codec, metrics
 from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk, release_all
 from lmtier.config import Config, ServerConfig, public_view
 from lmtier.errors import IntegrityError, LayoutError, LmtierError
-from lmtier.pieces import FrameAssembler, FrameTooLarge, Region, pack, piece, split, unpack
+from lmtier.pieces import PIECE_BYTES, FrameAssembler, FrameTooLarge, Region, no_release, pack, piece, split, unpack
 from lmtier.server.auth import Authenticator
+from lmtier.server.calls import Abort, Calls
+from lmtier.server.leases import Leases
 from lmtier.shm import SegmentMaps, SegmentUnavailable
 from lmtier.store import TieredStore
 from lmtier.v1 import cache_pb2
@@ -46,84 +43,11 @@ log = logging.getLogger(__name__)
 
 SERVICE = "lmtier.v1.CacheService"
 KEY_LENGTHS = (16, 32)  # xxh3-128 and sha256 chunk keys
-PIECE_BYTES = 4 * 1024 * 1024 - 4096  # under gRPC's default 4 MiB message limit
 PUT_BATCH = 16
 PUT_BATCH_BYTES = 16 * 1024 * 1024
 GET_BATCH = 8
 STATS_COUNT_LIMIT = 100_000  # Stats counts a tenant's chunks up to this many (a bounded listing)
 LIST_DEFAULT, LIST_MAX = 1000, 100_000
-
-
-class _Abort(Exception):
-    """Raised inside a handler to end the call with a status (see ``_accounted``)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class _Leases:
-    """Chunks that same-host clients read where they lie in the memory tier.
-
-    The chunks of one call share a lease, held (never evicted, never overwritten) until
-    the client releases it (``Release``, once it has let go of every chunk) or is gone:
-    a client lives as long as it holds the lock on its shared-memory segment, which the
-    probe loop checks (``reap``). At most ``limit`` bytes are leased in all; past that,
-    chunks are copied to the client instead, so a client that never releases costs speed,
-    never memory."""
-
-    def __init__(self, limit: int, shm_dir: str) -> None:
-        self.limit = limit
-        self.shm_dir = shm_dir
-        self.held = 0
-        self._next = int.from_bytes(os.urandom(4), "little") << 20  # ids unlike a restarted server's
-        self._leases: dict[int, dict] = {}
-        self._lock = threading.Lock()
-
-    def open(self, tag: bytes, owner: str) -> int:
-        with self._lock:
-            self._next += 1
-            self._leases[self._next] = {"tag": tag, "owner": owner, "chunks": [], "ended": False}
-            return self._next
-
-    def hold(self, lease: int, chunk: Chunk) -> bool:
-        with self._lock:
-            entry = self._leases.get(lease)
-            if entry is None or self.held + chunk.nbytes > self.limit:
-                return False
-            entry["chunks"].append(chunk.share())
-            self.held += chunk.nbytes
-        return True
-
-    def finish(self, lease: int) -> None:
-        """The call ended; an empty lease is dropped at once."""
-        with self._lock:
-            entry = self._leases.get(lease)
-            if entry is not None:
-                entry["ended"] = True
-                if not entry["chunks"]:
-                    del self._leases[lease]
-
-    def release(self, lease: int, tag: bytes) -> None:
-        with self._lock:
-            entry = self._leases.get(lease)
-            if entry is None or entry["tag"] != tag:
-                return
-            self._drop(lease)
-
-    def reap(self, everything: bool = False) -> None:
-        """Release the leases of clients that are gone (or all of them, at shutdown)."""
-        with self._lock:
-            owners = {e["owner"] for e in self._leases.values() if e["ended"]}
-        gone = owners if everything else {o for o in owners if not shm.alive(self.shm_dir, o)}
-        with self._lock:
-            for lease in [k for k, e in self._leases.items() if everything or (e["ended"] and e["owner"] in gone)]:
-                self._drop(lease)
-
-    def _drop(self, lease: int) -> None:  # with the lock held
-        chunks = self._leases.pop(lease)["chunks"]
-        self.held -= sum(c.nbytes for c in chunks)
-        release_all(chunks)
 
 
 class CacheService:
@@ -144,9 +68,8 @@ class CacheService:
         self.buffers = BufferPool(max_free=32, max_free_bytes=128 << 20)
         first = store.tiers[0]
         self.shared = first if first.capabilities.shared_memory else None  # zero-copy reads
-        self.leases = _Leases(first.capacity // 4, config.shm_dir)
-        self._calls: dict[bytes, int] = {}  # tenant tag -> calls in flight
-        self._calls_lock = threading.Lock()
+        self.leases = Leases(first.capacity // 4, config.shm_dir)
+        self.calls = Calls(auth, config.max_calls_per_tenant)
 
     # -- registration -------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
@@ -155,7 +78,7 @@ class CacheService:
 
         def unary(fn, request_type, response_type, admit=True):
             return grpc.unary_unary_rpc_method_handler(
-                self._observed(fn.__name__, fn, request_type, admit),
+                self.calls.unary(fn.__name__, fn, request_type, admit),
                 request_deserializer=None,
                 response_serializer=response_type.SerializeToString,
             )
@@ -165,12 +88,12 @@ class CacheService:
             {
                 "Lookup": unary(self.Lookup, cache_pb2.LookupRequest, cache_pb2.LookupResponse),
                 "Get": grpc.unary_stream_rpc_method_handler(
-                    self._observed_stream("Get", self.Get, cache_pb2.GetRequest),
+                    self.calls.stream("Get", self.Get, cache_pb2.GetRequest),
                     request_deserializer=None,
                     response_serializer=None,  # ChunkPiece bytes from lmtier.pieces
                 ),
                 "Put": grpc.stream_unary_rpc_method_handler(
-                    self._observed("Put", self.Put, None),  # raw ChunkPiece bytes, parsed by lmtier.pieces
+                    self.calls.unary("Put", self.Put, None),  # raw ChunkPiece bytes, parsed by lmtier.pieces
                     request_deserializer=None,
                     response_serializer=cache_pb2.PutResponse.SerializeToString,
                 ),
@@ -182,73 +105,13 @@ class CacheService:
             },
         )
 
-    @contextmanager
-    def _admitted(self, context: grpc.ServicerContext, admit: bool) -> Iterator[bytes]:
-        """The caller's tenant tag, for as long as the call runs; a tenant already at
-        ``max_calls_per_tenant`` calls is refused with RESOURCE_EXHAUSTED, so that one
-        client (however many connections it opens) cannot take every worker."""
-        tag = self.auth.tag(context)
-        if not admit:
-            yield tag
-            return
-        limit = self.config.max_calls_per_tenant
-        with self._calls_lock:
-            held = self._calls.get(tag, 0)
-            if held >= limit:
-                raise _Abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"this tenant has {held} calls in flight; the limit is {limit} (max_calls_per_tenant)",
-                )
-            self._calls[tag] = held + 1  # one entry per tenant with a call in flight: bounded
-        try:
-            yield tag
-        finally:
-            with self._calls_lock:
-                held = self._calls.pop(tag) - 1
-                if held:
-                    self._calls[tag] = held
-
     def calls_in_flight(self, tag: bytes) -> int:
-        with self._calls_lock:
-            return self._calls.get(tag, 0)
-
-    @contextmanager
-    def _accounted(self, name: str, context: grpc.ServicerContext, admit: bool) -> Iterator[bytes]:
-        """Admits and counts one call, yielding its tenant tag; turns ``_Abort`` into its
-        status and any other failure into ``INTERNAL`` with a log line (the server never
-        dies of one call)."""
-        metrics.SERVER_INFLIGHT.inc()
-        code = grpc.StatusCode.OK
-        try:
-            with self._admitted(context, admit) as tag:
-                yield tag
-        except Exception as exc:
-            code, message = _failure(name, context, exc)
-            if message is not None:
-                context.abort(code, message)
-            raise
-        finally:
-            metrics.SERVER_INFLIGHT.dec()
-            metrics.SERVER_RPCS.labels(name, code.name).inc()
-
-    def _observed(self, name: str, fn: Callable[..., Any], request_type: Any, admit: bool = True) -> Callable:
-        def call(request: Any, context: grpc.ServicerContext) -> Any:
-            with self._accounted(name, context, admit) as tag:
-                return fn(_parsed(request_type, request), context, tag)
-
-        return call
-
-    def _observed_stream(self, name: str, fn: Callable[..., Iterator[Any]], request_type: Any) -> Callable:
-        def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            with self._accounted(name, context, True) as tag:
-                yield from fn(_parsed(request_type, request), context, tag)
-
-        return call
+        return self.calls.in_flight(tag)
 
     # -- input checks ---------------------------------------------------------------------
     def _scoped(self, tag: bytes, keys) -> list[bytes]:
         if len(keys) > self.config.max_keys:
-            raise _Abort(
+            raise Abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{len(keys)} keys in one request; the limit is {self.config.max_keys}",
             )
@@ -270,9 +133,9 @@ class CacheService:
         scoped = self._scoped(tag, keys)
         landing = [Region(r.segment, r.offset, r.length) for r in request.landing]
         if len(landing) > len(keys):
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "more landing regions than keys")
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "more landing regions than keys")
         if landing and self.maps is None:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, self._no_shm)
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION, self._no_shm)
         index = 0
         segments: dict[str, memoryview] = {}  # mapped once per call
         lease = self.leases.open(tag, landing[0].segment) if landing and self.shared is not None else 0
@@ -331,9 +194,9 @@ class CacheService:
         if region is not None and size <= region.length:
             segment = segments.get(region.segment)
             if segment is None:
-                segment = segments[region.segment] = self._segment(region.segment)
+                segment = segments[region.segment] = self._mapped(region.segment)  # checked once
             if region.offset + size > len(segment):
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"a landing region lies outside {region.segment}")
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"a landing region lies outside {region.segment}")
             codec.encode_into(view, segment[region.offset : region.offset + size], relay=True)
             metrics.SERVER_BYTES.labels("get", "shm").inc(size)
             return piece(key, size, region=Region(region.segment, region.offset, size)), []
@@ -344,26 +207,17 @@ class CacheService:
             for offset, views in split(parts, PIECE_BYTES)
         ]
 
-    def _segment(self, segment: str) -> memoryview:
-        """A whole client segment (checked against its file once)."""
+    def _mapped(self, segment: str, offset: int = 0, length: int | None = None) -> memoryview:
+        """A span of a client's segment (``length`` None: all of it from ``offset``); a
+        segment this server cannot or will not map is the caller's error, with a status."""
         if self.maps is None:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, self._no_shm)
-        try:
-            return self.maps.region(segment, 0, None)
-        except SegmentUnavailable as exc:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
-        except LmtierError as exc:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
-
-    def _region(self, segment: str, offset: int, length: int) -> memoryview:
-        if self.maps is None:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, self._no_shm)
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION, self._no_shm)
         try:
             return self.maps.region(segment, offset, length)
         except SegmentUnavailable as exc:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
         except LmtierError as exc:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
 
     def Put(self, messages: Iterator[bytes], context: grpc.ServicerContext, tag: bytes) -> cache_pb2.PutResponse:
         assembler = FrameAssembler(self.buffers, self.config.max_chunk_bytes)
@@ -380,7 +234,7 @@ class CacheService:
                     release()
                 batch.clear()
             if damaged:  # found by the first tier as it hashed the payload in
-                raise _Abort(grpc.StatusCode.DATA_LOSS, f"chunk {damaged[0].hex()} failed its payload checksum")
+                raise Abort(grpc.StatusCode.DATA_LOSS, f"chunk {damaged[0].hex()} failed its payload checksum")
             totals["stored"] += held
             totals["dropped"] += len(chunks) - held
 
@@ -389,7 +243,7 @@ class CacheService:
                 try:
                     pieces = unpack(message)
                 except LmtierError as exc:
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {exc}") from exc
+                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {exc}") from exc
                 for one in pieces:
                     frame = self._receive(one, assembler)
                     if frame is None:
@@ -405,7 +259,7 @@ class CacheService:
                     if len(batch) >= PUT_BATCH or sum(c.nbytes for c, _ in batch) >= PUT_BATCH_BYTES:
                         store()
             if assembler.pending:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended in the middle of a chunk")
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended in the middle of a chunk")
             if not context.is_active():  # the call failed under us (a message over the limit, a
                 return cache_pb2.PutResponse()  # cancel): its stream only looks ended; store nothing
             store()
@@ -420,20 +274,20 @@ class CacheService:
         try:
             if one.region is not None:
                 if assembler.pending or one.offset != 0 or one.region.length != one.frame_size:
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "a shared-memory piece must hold a whole frame")
+                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a shared-memory piece must hold a whole frame")
                 if not one.key:
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "a piece without its chunk's key")
+                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a piece without its chunk's key")
                 if one.frame_size > self.config.max_chunk_bytes:
                     raise FrameTooLarge(
                         f"frame of {one.frame_size} bytes exceeds the limit of {self.config.max_chunk_bytes}"
                     )
-                view = self._region(one.region.segment, one.region.offset, one.region.length)
-                return one.key, view, None, _nothing, "shm"
+                view = self._mapped(one.region.segment, one.region.offset, one.region.length)
+                return one.key, view, None, no_release, "shm"
             done = assembler.add(one, one.data if one.data is not None else memoryview(b""))
         except FrameTooLarge as exc:
-            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         except LmtierError as exc:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         return None if done is None else (*done, "grpc")
 
     def _accept(self, tag: bytes, key: bytes, frame: memoryview, digest: int | None, damaged: list[bytes]) -> Chunk:
@@ -448,12 +302,12 @@ class CacheService:
                 on_corrupt=lambda: damaged.append(key),
             )
         except LayoutError as exc:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {key.hex()}: {exc}") from exc
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk {key.hex()}: {exc}") from exc
         except IntegrityError as exc:
             code = grpc.StatusCode.DATA_LOSS if "checksum" in str(exc) else grpc.StatusCode.INVALID_ARGUMENT
-            raise _Abort(code, f"chunk {key.hex()}: {exc}") from exc
+            raise Abort(code, f"chunk {key.hex()}: {exc}") from exc
         if chunk.namespace and len(chunk.namespace) != len(key):  # a digest of the key's own hash
-            raise _Abort(
+            raise Abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"chunk {key.hex()}: a namespace digest of {len(chunk.namespace)} bytes does not go with "
                 f"a key of {len(key)}",
@@ -519,35 +373,7 @@ _SIZES = {"capacity_bytes", "used_bytes", "chunks"}
 
 def _check_key(key: bytes, what: str) -> None:
     if len(key) not in KEY_LENGTHS:
-        raise _Abort(
+        raise Abort(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{what} is {len(key)} bytes; chunk keys are {' or '.join(map(str, KEY_LENGTHS))} bytes",
         )
-
-
-def _nothing() -> None:
-    return None
-
-
-def _parsed(request_type: Any, raw: Any) -> Any:
-    """The request message from its bytes; malformed bytes are the caller's error."""
-    if request_type is None:
-        return raw
-    try:
-        return request_type.FromString(raw)
-    except DecodeError as exc:
-        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_type.__name__}: {exc}") from exc
-
-
-def _failure(name: str, context: grpc.ServicerContext, exc: BaseException) -> tuple[grpc.StatusCode, str | None]:
-    """The status a failed call ends with, and the message to abort it with (None: the
-    call was aborted already, by the authenticator)."""
-    if isinstance(exc, _Abort):
-        return exc.code, str(exc)
-    if isinstance(exc, grpc.RpcError):  # the client went away while we read its stream
-        return grpc.StatusCode.CANCELLED, None
-    code = context.code() if hasattr(context, "code") else None
-    if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
-        return code, None
-    log.exception("%s failed", name)  # not an abort: a bug
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, quote, urlsplit
 
+from lmtier.breaker import Backoff
 from lmtier.chunk import Chunk
 from lmtier.errors import ConfigError, MissingDependency
 
@@ -71,6 +72,7 @@ class Tier(ABC):
     name: str = ""
     capabilities: Capabilities = Capabilities()
     capacity: int = 0  # bytes it may hold; 0 when it does not know (a remote server's own bound)
+    backoff: Backoff = Backoff(attempts=0)  # retries of RetryableError, run by the store
 
     @abstractmethod
     def contains(self, keys: Sequence[bytes]) -> int: ...
@@ -242,7 +244,9 @@ def open_tier(url: str, context: TierContext | None = None, *, defer: bool = Fal
     A misconfigured URL raises ``ConfigError`` (or ``MissingDependency``). With ``defer``
     a tier that is configured well but cannot be opened now (a server down, a directory
     locked) comes back as a ``DeferredTier`` that misses and opens it again later, instead
-    of raising: what an engine wants at start (``lmtier.tiers.deferred``).
+    of raising: what an engine wants at start (``lmtier.tiers.deferred``). A configured
+    list of tiers is opened by ``TieredStore.open``, which closes the tiers it opened when
+    a later one fails.
     """
     parsed = TierURL.parse(url)
     cls = tier_class(parsed.scheme)

@@ -1,0 +1,94 @@
+"""The grpc tier's same-host data plane: its own shared-memory segment, and the server's
+memory that it reads chunks from where they lie.
+
+    SharedMemory(wanted, directory, size, slot_bytes, tier)
+        segment() -> Segment | None           this process's segment, made on first use;
+                                              None while shared memory is off
+        refused(detail)                       the server cannot use it: off for a minute,
+                                              or for good when the server never will
+        server_region(region) -> memoryview   a payload in the server's memory, read-only
+        in_use -> str | None                  the segment's name while it is used (stats)
+        forget(), close()                     after ``fork`` / at the end
+    NoShm                                     a call's shared memory was refused: make the
+                                              call again without it
+
+This is protocol, not failure policy: a server on another host answers
+``FAILED_PRECONDITION`` to a call that names our segment, and the tier makes the same call
+again over plain gRPC at once (``GrpcTier._rpc``). Nothing here retries a failed call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from lmtier.errors import LmtierError
+from lmtier.pieces import Region
+from lmtier.shm import Segment, SegmentMaps, SegmentUnavailable
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 60.0  # a server that could not see our segment is asked again after this long
+SERVER_MAPS = 4  # server segments kept mapped at once
+
+
+class NoShm(Exception):
+    """The server cannot see our segment (or we cannot see its memory): call again without it."""
+
+
+class SharedMemory:
+    def __init__(self, wanted: bool, directory: str, size: int, slot_bytes: int, tier: str) -> None:
+        self.wanted = wanted
+        self.directory, self.size, self.slot_bytes, self.tier = directory, size, slot_bytes, tier
+        self._off_until = 0.0
+        self._segment: Segment | None = None
+        self._server_maps: SegmentMaps | None = None
+        self._lock = threading.Lock()
+
+    def segment(self) -> Segment | None:
+        if not self.wanted or time.monotonic() < self._off_until:
+            return None
+        if self._segment is None:
+            with self._lock:
+                if self._segment is None and self.wanted:
+                    try:
+                        self._segment = Segment(self.directory, self.size, self.slot_bytes)
+                    except (OSError, LmtierError) as exc:
+                        log.warning("grpc tier %s: no shared-memory segment (%s); using plain gRPC", self.tier, exc)
+                        self.wanted = False
+        return self._segment if self.wanted else None
+
+    def refused(self, detail: str) -> None:
+        if "turned off" in detail or "several tenants" in detail:  # by design: it never will
+            log.info("grpc tier %s: the server refuses shared memory (%s); plain gRPC", self.tier, detail)
+            with self._lock:
+                self.wanted = False
+                segment, self._segment = self._segment, None
+            if segment is not None:
+                segment.close()  # nothing of ours stays in the segment directory
+            return
+        log.info("grpc tier %s: the server cannot use our shared memory (%s); plain gRPC for now", self.tier, detail)
+        self._off_until = time.monotonic() + RETRY_S
+
+    def server_region(self, region: Region) -> memoryview:
+        if self._server_maps is None:
+            self._server_maps = SegmentMaps(self.directory, limit=SERVER_MAPS, writable=False)
+        try:
+            return self._server_maps.region(region.segment, region.offset, region.length)
+        except SegmentUnavailable as exc:
+            raise NoShm(str(exc)) from exc
+
+    @property
+    def in_use(self) -> str | None:
+        segment = self._segment
+        return segment.name if segment is not None and time.monotonic() >= self._off_until else None
+
+    def forget(self) -> None:
+        """In a forked child: the parent's segment and maps stay the parent's."""
+        self._segment = None
+        self._server_maps = None
+
+    def close(self) -> None:
+        if self._segment is not None:
+            self._segment.close()

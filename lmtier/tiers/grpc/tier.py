@@ -1,0 +1,310 @@
+"""``GrpcTier``: the Tier primitives as calls to a cache server (see the package docstring).
+
+    contains(keys) -> int              Lookup
+    get(keys) -> list[Chunk | None]    Get (one server stream; ``stream.GetStream``)
+    put(chunks) -> None                Put (one client stream; ``stream.put_messages``)
+    delete(keys), keys(prefix, limit)  Delete, List
+    server_stats(timeout) -> dict      Stats: the server's tiers, this tenant's chunks, settings
+    stats(), counts, close()
+
+Each call raises a typed error when it fails (``channel.failure``): the store retries,
+breaks and counts. The tier itself keeps no breaker and runs no retry loop; ``backoff``
+says how the store may retry it. The one call it makes twice is protocol: a call whose
+shared memory the server refused goes again over plain gRPC (``memory.NoShm``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from lmtier import metrics
+from lmtier.breaker import Backoff
+from lmtier.buffers import BufferPool
+from lmtier.chunk import Chunk
+from lmtier.errors import ConfigError, TierError
+from lmtier.pieces import PIECE_BYTES
+from lmtier.tiers.base import Capabilities, Tier, TierContext, TierURL, parse_bool
+from lmtier.tiers.grpc.channel import MAX_MESSAGE, Channel, credentials, failure, is_local
+from lmtier.tiers.grpc.memory import NoShm, SharedMemory
+from lmtier.tiers.grpc.stream import GetStream, finish_slots, put_messages
+from lmtier.tiers.options import TLS_OPTIONS, TlsFiles, positive_seconds
+from lmtier.units import parse_size
+from lmtier.v1 import cache_pb2
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_PORT = 50051
+MIN_RATE = 100e6  # bytes/s: a bulk call's deadline grows by its size at this rate
+
+
+def _shm_mode(text: str) -> str:
+    mode = text.strip().lower()
+    if mode in ("auto", ""):
+        return "auto"
+    return "on" if parse_bool(mode) else "off"
+
+
+class GrpcTier(Tier):
+    scheme = "grpc"
+    capabilities = Capabilities(listing=True)
+    OPTIONS = {
+        "token": str,
+        "token_env": str,
+        "timeout": positive_seconds,
+        "retries": int,
+        **TLS_OPTIONS,
+        "tls_server_name": str,
+        "shm": _shm_mode,
+        "shm_size": parse_size,
+        "shm_dir": str,
+        "piece": parse_size,
+        "name": str,
+    }
+
+    def __init__(
+        self,
+        target: str = f"127.0.0.1:{DEFAULT_PORT}",
+        *,
+        token: str = "",
+        token_env: str = "LMTIER_TOKEN",
+        timeout: float = 5.0,
+        retries: int = 2,
+        tls: bool = False,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        tls_server_name: str = "",
+        shm: str = "auto",
+        shm_size: int = 256 * 1024**2,
+        shm_dir: str = "/dev/shm",
+        piece: int = PIECE_BYTES,
+        name: str = "grpc",
+        context: TierContext | None = None,
+    ) -> None:
+        if retries < 0:
+            raise ConfigError("retries must not be negative")
+        if not 4096 <= piece <= MAX_MESSAGE - 4096:
+            raise ConfigError(f"piece must lie in [4KiB, {MAX_MESSAGE - 4096}] bytes")
+        self.target = target
+        self.name = name
+        self.timeout = timeout
+        self.piece = piece
+        # Retries of a RetryableError, run by the store. A call that waited out its deadline
+        # (a hung server) is not repeated; one refused at once (a restart) is.
+        self.backoff = Backoff(attempts=retries, budget=timeout)
+        token = token or os.environ.get(token_env, "")
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.credentials = credentials(TlsFiles(tls, tls_ca, tls_cert, tls_key), name)
+        self.tls_server_name = tls_server_name
+        self._buffers = BufferPool(max_free=64, max_free_bytes=128 << 20)
+        chunk_bytes = context.chunk_bytes if context else None
+        self._frame_guess = (chunk_bytes or 1 << 20) + 4096
+        if shm == "auto":
+            shm = "on" if is_local(target) and os.access(shm_dir, os.W_OK) else "off"
+        # A slot holds one frame: the chunk plus its header, rounded up to 64 KiB.
+        slot_bytes = -(-(chunk_bytes + 4096) // 65536) * 65536 if chunk_bytes else 4 * 1024**2
+        self.memory = SharedMemory(shm == "on", shm_dir, shm_size, slot_bytes, name)
+        self._counts = {"errors": 0, "corrupt": 0, "shm_fallbacks": 0}
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._conn: Channel | None = None
+        self._releases: deque = deque(maxlen=64)
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: TierURL, context: TierContext) -> GrpcTier:
+        options = url.typed_options(cls.OPTIONS)
+        if not url.netloc or url.path not in ("", "/"):
+            raise ConfigError(f"a grpc tier URL names host:port: grpc://cache:50051, got {url.shown!r}")
+        netloc = url.netloc if url.netloc.rsplit(":", 1)[-1].isdigit() else f"{url.netloc}:{DEFAULT_PORT}"
+        if url.scheme == "grpcs":
+            options.setdefault("tls", True)
+        return cls(netloc, context=context, **options)
+
+    # -- per-process state ----------------------------------------------------------------
+    def _channel(self) -> Channel:
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._conn = Channel(self.target, self.credentials, self.tls_server_name)
+                    self.memory.forget()
+                    self._pid = os.getpid()
+        return self._conn  # type: ignore[return-value]
+
+    # -- calls ------------------------------------------------------------------------------
+    def _rpc(self, fn: Callable[[], T]) -> T:
+        """One call to the server; a failure raises a typed error (counted in ``errors``)."""
+        if self._closed:
+            raise TierError(f"grpc tier {self.name} is closed")
+        try:
+            try:
+                return fn()
+            except NoShm as exc:  # protocol: the same call again, over plain gRPC
+                self._count("shm_fallbacks")
+                self.memory.refused(str(exc))
+                return fn()
+        except grpc.RpcError as exc:
+            self._count("errors")
+            raise failure(exc) from exc
+        except NoShm as exc:
+            self._count("errors")
+            raise TierError(f"shared memory refused twice: {exc}") from exc
+        except Exception:
+            self._count("errors")
+            raise
+
+    def _deadline(self, nbytes: int) -> float:
+        return self.timeout + nbytes / MIN_RATE
+
+    def contains(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        request = cache_pb2.LookupRequest(keys=list(keys))
+        return self._rpc(lambda: self._channel().lookup(request, timeout=self.timeout, metadata=self._metadata).hits)
+
+    def get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
+        return self._rpc(lambda: self._get(keys)) if keys else []
+
+    def _get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
+        channel = self._channel()
+        stream = GetStream(
+            keys, self.memory.segment(), self.memory, self._buffers, self._release, self._drop_corrupt, self.name
+        )
+        request = cache_pb2.GetRequest(keys=list(keys), landing=stream.landing)
+        call, done = None, False
+        try:
+            call = channel.get(request, timeout=self._deadline(len(keys) * self._frame_guess), metadata=self._metadata)
+            chunks = stream.read(call)
+            done = True
+            return chunks
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and stream.landing:
+                raise NoShm(exc.details()) from exc
+            raise
+        finally:
+            if call is not None and not done:
+                call.cancel()
+            stream.close(done)
+
+    def _release(self, lease: int) -> None:
+        """Tell the server that a lease on its memory ended, without waiting for its answer
+        (a dropped future would cancel the call: the last few are kept)."""
+        if self._closed:  # our segment is gone with us: the server reaps the lease
+            return
+        request = cache_pb2.ReleaseRequest(lease=lease)
+        future = self._channel().release.future(request, timeout=self.timeout, metadata=self._metadata)
+        with self._lock:
+            self._releases.append(future)
+
+    def _drop_corrupt(self, key: bytes) -> None:
+        """A chunk from the server failed its check: count it and delete the server's copy
+        (best effort: this runs inside a read, often the engine's copy-out)."""
+        self._count("corrupt")
+        metrics.INTEGRITY_FAILURES.labels(self.name).inc()
+        try:
+            self.delete([key])
+        except TierError as exc:
+            log.warning("grpc tier %s: could not delete damaged chunk %s: %s", self.name, key.hex()[:16], exc)
+
+    def put(self, chunks: Sequence[Chunk]) -> None:
+        if chunks:
+            self._rpc(lambda: self._put(chunks))
+
+    def _put(self, chunks: Sequence[Chunk]) -> None:
+        channel = self._channel()
+        segment = self.memory.segment()
+        slots: list[int] = []
+        nbytes = sum(c.nbytes for c in chunks)
+        messages = put_messages(chunks, segment, slots, self.piece, lambda: self._count("corrupt"))
+        done = False
+        try:
+            response = channel.put(messages, timeout=self._deadline(nbytes), metadata=self._metadata)
+            done = True
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and slots:
+                raise NoShm(exc.details()) from exc
+            raise
+        finally:
+            finish_slots(segment, slots, done)
+        metrics.TIER_OPS.labels(self.name, "put", "stored").inc(response.stored)
+        metrics.TIER_OPS.labels(self.name, "put", "dropped").inc(len(chunks) - response.stored)
+        metrics.TIER_BYTES.labels(self.name, "put").inc(nbytes)
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            request = cache_pb2.DeleteRequest(keys=list(keys))
+            self._rpc(lambda: self._channel().delete(request, timeout=self.timeout, metadata=self._metadata))
+
+    def keys(self, prefix: bytes = b"", limit: int | None = None) -> list[bytes]:
+        """The keys the server holds for this tier's tenant (most recent first)."""
+        request = cache_pb2.ListRequest(limit=limit or 0)
+        response = self._rpc(lambda: self._channel().list(request, timeout=self.timeout, metadata=self._metadata))
+        return [k for k in response.keys if k.startswith(prefix)]
+
+    def close(self) -> None:
+        self._closed = True
+        if self._pid == os.getpid():
+            if self._conn is not None:
+                self._conn.close()
+            self.memory.close()
+        self._pid = -1
+
+    # -- derived ------------------------------------------------------------------------
+    def server_stats(self, timeout: float | None = None) -> dict[str, Any]:
+        """What the server says (``Stats``): its ``tiers`` (name, capacity_bytes,
+        used_bytes, chunks, counters), this tenant's chunk count (``tenant_chunks``) and
+        its public settings (``config``). Raises a typed error when it cannot answer."""
+        request = cache_pb2.StatsRequest()
+        response = self._rpc(
+            lambda: self._channel().stats(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        )
+        tiers = [
+            {
+                "name": t.name,
+                "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes,
+                "chunks": t.chunks,
+                "counters": dict(t.counters),
+            }
+            for t in response.tiers
+        ]
+        config = json.loads(response.config_json or "{}")
+        return {"tiers": tiers, "tenant_chunks": response.tenant_chunks, "config": config}
+
+    def stats(self) -> dict[str, Any]:
+        """The server's tiers summed (``capacity_bytes``, ``used_bytes``), this tenant's
+        chunk count, and this client's counters. Raises when the server cannot answer."""
+        server = self.server_stats()
+        counts = self.counts
+        tiers = server["tiers"]
+        return {
+            "tier": self.name,
+            "target": self.target,
+            "capacity_bytes": sum(t["capacity_bytes"] for t in tiers),
+            "used_bytes": sum(t["used_bytes"] for t in tiers),
+            "chunks": server["tenant_chunks"],
+            "server_tiers": tiers,
+            "shm": self.memory.in_use,
+            **counts,
+            "corrupt": counts["corrupt"] + sum(t["counters"].get("corrupt", 0) for t in tiers),
+        }
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """This client's own counters (no call to the server): ``errors`` (calls that
+        raised), ``corrupt`` (chunks that failed their check), ``shm_fallbacks``."""
+        with self._lock:
+            return dict(self._counts)
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[what] += n
