@@ -77,6 +77,26 @@ def prompt() -> Prompt:
     return make_prompt(8)
 
 
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real redis-server for a test module (each test flushes what it needs)."""
+    from lmtier.testing.redis_server import RedisServer
+
+    node = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield node
+    node.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    """A real three-master Redis Cluster for a test module."""
+    from lmtier.testing.redis_server import RedisCluster
+
+    cluster = RedisCluster(tmp_path_factory.mktemp("cluster"))
+    yield cluster
+    cluster.stop()
+
+
 def assert_served_then_promoted(store, hot, p: Prompt) -> None:
     """``store.get`` hands back every chunk of ``p`` as it was stored, and the background
     promotion then puts them all in ``hot``, the faster tier."""

@@ -25,20 +25,6 @@ from tier_contract import TierContract
 BIG = make_namespace(chunk_tokens=256)  # 128 KiB chunks
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    node = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield node
-    node.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = RedisCluster(tmp_path_factory.mktemp("cluster"))
-    yield c
-    c.stop()
-
-
 def flip_a_payload_byte(tier: RedisTier, key: bytes) -> None:
     node = tier._node_for(tier._rkey(key))
 
@@ -53,9 +39,9 @@ def flip_a_payload_byte(tier: RedisTier, key: bytes) -> None:
 
 class TestRedisTier(TierContract):
     @pytest.fixture(autouse=True)
-    def _fresh(self, server):
-        server.call("FLUSHALL")
-        self.url = server.url
+    def _fresh(self, redis_server):
+        redis_server.call("FLUSHALL")
+        self.url = redis_server.url
 
     def make_tier(self, capacity_chunks, chunk_bytes):
         return open_tier(self.url)
@@ -66,19 +52,19 @@ class TestRedisTier(TierContract):
 
 class TestRedisClusterTier(TestRedisTier):
     @pytest.fixture(autouse=True)
-    def _fresh(self, cluster):
-        cluster.flush()
-        self.url = cluster.url
+    def _fresh(self, redis_cluster):
+        redis_cluster.flush()
+        self.url = redis_cluster.url
 
 
-def test_chunks_spread_over_every_master(cluster):
-    cluster.flush()
-    tier = open_tier(cluster.url)
+def test_chunks_spread_over_every_master(redis_cluster):
+    redis_cluster.flush()
+    tier = open_tier(redis_cluster.url)
     try:
         assert len(tier.masters()) == 3
         prompt = make_prompt(60, seed=3)
         tier.put(prompt.chunks())
-        per_master = [int(n.call("DBSIZE")) for n in cluster.nodes]
+        per_master = [int(n.call("DBSIZE")) for n in redis_cluster.nodes]
         assert sum(per_master) == 60
         assert all(count >= 5 for count in per_master), per_master
         assert tier.contains(prompt.keys) == 60
@@ -86,12 +72,12 @@ def test_chunks_spread_over_every_master(cluster):
         tier.close()
 
 
-def test_a_stale_slot_map_is_learnt_again_from_the_first_moved(cluster):
+def test_a_stale_slot_map_is_learnt_again_from_the_first_moved(redis_cluster):
     """Slots move between masters (a reshard, a failover). Told MOVED, every operation
     learns the slot map again; a lookup asks again at once, a read or a write counts the
     moved keys as misses or drops, and the next call goes to the right masters."""
-    cluster.flush()
-    tier = open_tier(cluster.url)
+    redis_cluster.flush()
+    tier = open_tier(redis_cluster.url)
     try:
         prompt, later = make_prompt(12, seed=5), make_prompt(12, seed=6)
         tier.put(prompt.chunks())
@@ -127,16 +113,16 @@ def test_a_stale_slot_map_is_learnt_again_from_the_first_moved(cluster):
         tier.close()
 
 
-def test_urls_and_options(server):
-    tier = open_tier(f"{server.url}/3?prefix=t1:&ttl=60&pool=2&timeout=1.5")
+def test_urls_and_options(redis_server):
+    tier = open_tier(f"{redis_server.url}/3?prefix=t1:&ttl=60&pool=2&timeout=1.5")
     try:
         assert (tier.db, tier.prefix, tier.ttl_ms, tier.pool, tier.timeout) == (3, b"t1:", 60_000, 2, 1.5)
         prompt = make_prompt(2)
         tier.put(prompt.chunks())
-        assert server.call("-n", "3", "DBSIZE") == "2"
-        keys = server.call("-n", "3", "KEYS", "t1:*").split()
+        assert redis_server.call("-n", "3", "DBSIZE") == "2"
+        keys = redis_server.call("-n", "3", "KEYS", "t1:*").split()
         assert sorted(keys) == sorted("t1:" + k.hex() for k in prompt.keys)
-        assert 0 < int(server.call("-n", "3", "TTL", keys[0])) <= 60
+        assert 0 < int(redis_server.call("-n", "3", "TTL", keys[0])) <= 60
     finally:
         tier.close()
     for bad, match in [
@@ -295,14 +281,14 @@ def test_tls(tmp_path):
         node.stop()
 
 
-def test_a_cluster_that_does_not_answer_at_start_misses_and_is_opened_once_it_does(cluster, caplog):
+def test_a_cluster_that_does_not_answer_at_start_misses_and_is_opened_once_it_does(redis_cluster, caplog):
     """An engine starting while its shared tier is down keeps running: the tier misses,
     says so once, and serves as soon as it answers. A misconfigured one still raises."""
-    cluster.flush()
-    url = cluster.url + "?timeout=0.3&connect_timeout=0.3"
+    redis_cluster.flush()
+    url = redis_cluster.url + "?timeout=0.3&connect_timeout=0.3"
     chunks = make_prompt(3, seed=11).chunks()
     keys = [c.key for c in chunks]
-    for node in cluster.nodes:
+    for node in redis_cluster.nodes:
         os.kill(node.proc.pid, signal.SIGSTOP)
     try:
         with pytest.raises(TierError):
@@ -316,7 +302,7 @@ def test_a_cluster_that_does_not_answer_at_start_misses_and_is_opened_once_it_do
         assert tier.contains(keys) == 0 and tier.get(keys) == [None] * 3
         assert tier.stats()["state"] == "unavailable" and tier.stats()["dropped_puts"] == 3
     finally:
-        for node in cluster.nodes:
+        for node in redis_cluster.nodes:
             os.kill(node.proc.pid, signal.SIGCONT)
     try:
         assert eventually(lambda: tier.opened is not None)  # the calls it gets trigger retries
@@ -328,7 +314,7 @@ def test_a_cluster_that_does_not_answer_at_start_misses_and_is_opened_once_it_do
     finally:
         tier.close()
     with pytest.raises(ConfigError):
-        open_tier(cluster.url + "?timeout=-1", defer=True)
+        open_tier(redis_cluster.url + "?timeout=-1", defer=True)
 
 
 @pytest.mark.parametrize(

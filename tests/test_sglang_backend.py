@@ -17,7 +17,7 @@ import torch
 from lmtier.config import ServerConfig
 from lmtier.errors import ConfigError
 from lmtier.server import create_server
-from lmtier.testing.redis_server import RedisCluster, RedisServer
+from lmtier.testing.redis_server import RedisServer
 
 import sglang_env
 
@@ -178,20 +178,6 @@ def test_a_page_written_from_one_layout_reads_back_into_another(tmp_path, kind, 
 # ------------------------------------------------------------------------------------------
 # Every tier
 # ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    node = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield node
-    node.stop()
-
-
-@pytest.fixture(scope="module")
-def redis_cluster(tmp_path_factory):
-    cluster = RedisCluster(tmp_path_factory.mktemp("cluster"))
-    yield cluster
-    cluster.stop()
-
-
 @pytest.fixture(scope="module")
 def cache_server():
     server, port = create_server(ServerConfig(port=0, tiers=("cpu://?size=64MiB",)))
