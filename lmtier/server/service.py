@@ -260,8 +260,11 @@ class CacheService:
                         store()
             if assembler.pending:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended in the middle of a chunk")
-            if not context.is_active():  # the call failed under us (a message over the limit, a
-                return cache_pb2.PutResponse()  # cancel): its stream only looks ended; store nothing
+            # The call failed under us (a message over the limit, a cancel): its stream only
+            # looks ended; store nothing more. Best effort: gRPC may show the failure only
+            # later, and then the last batch, verified chunks, is stored as if complete.
+            if not context.is_active():
+                return cache_pb2.PutResponse()
             store()
         finally:
             assembler.abandon()
