@@ -451,8 +451,11 @@ class LMTierConnector(KVConnectorBase_V1):
                     taken.append(buf)
                     blocks = plan.block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk]
                     self._engine.gather(blocks, buf)  # the one copy on the critical path
-                if taken and self._enqueue_save(keys[: len(taken)], taken):
+                saved = len(taken) if taken and self._enqueue_save(keys[: len(taken)], taken) else 0
+                if saved:
                     taken = []
+                if saved < len(keys):  # no buffer free or the queue full: counted, a future miss
+                    metrics.ENGINE_TOKENS.labels(ENGINE, "dropped").inc((len(keys) - saved) * self.chunk_tokens)
             except Exception:
                 log.exception("lmtier save failed for %s", plan.req_id)
             finally:

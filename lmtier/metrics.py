@@ -98,7 +98,8 @@ LOOKUP_TOKENS = Counter(
 ENGINE_TOKENS = Counter(
     "lmtier_engine_tokens_total",
     "Prompt tokens seen by an engine adapter: requested (looked up), hit (found), loaded "
-    "(copied into the engine), failed (a load that failed and was recomputed), stored.",
+    "(copied into the engine), failed (a load that failed and was recomputed), stored, dropped "
+    "(a save with no free buffer or a full queue: a future miss).",
     ["engine", "result"],
     registry=REGISTRY,
 )
