@@ -190,8 +190,18 @@ def test_inspect_lists_verifies_and_deletes_corrupt_chunks(disk, capsys):
 # ------------------------------------------------------------------------------------------
 # bench, and bad arguments everywhere
 # ------------------------------------------------------------------------------------------
+def bench(argv: list[str]) -> int:
+    """``python benchmarks/run.py ARGV``, in this process (the runner is not in the wheel)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import run as runner
+    finally:
+        sys.path.pop(0)
+    return runner.main(argv)
+
+
 def test_bench_runs_a_benchmark_and_writes_its_report(tmp_path, capsys):
-    assert main(["bench", "--short", "--only", "cpu", "--out", str(tmp_path), "--quiet", "--json"]) == 0
+    assert bench(["--short", "--only", "cpu", "--out", str(tmp_path), "--quiet", "--json"]) == 0
     results = json.loads(capsys.readouterr().out)
     assert set(results["benchmarks"]) == {"cpu"}
     assert json.loads((tmp_path / "results.json").read_text()) == results
@@ -216,12 +226,12 @@ def test_bench_without_the_engine_or_matplotlib_runs_what_it_can_and_says_what_i
         monkeypatch.delitem(sys.modules, name)
     for name in hidden:
         monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
-    assert main(["bench", "--short", "--only", "cpu", "--only", "vllm", "--out", str(tmp_path), "--quiet"]) == 0
+    assert bench(["--short", "--only", "cpu", "--only", "vllm", "--out", str(tmp_path), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "| cpu |" in out
     assert "skipped: vllm: needs vllm, matplotlib (install the vllm extra and matplotlib)" in out
     assert "skipped: plots: need matplotlib" in out
-    assert main(["bench", "--short", "--only", "vllm", "--out", str(tmp_path), "--quiet"]) == 2
+    assert bench(["--short", "--only", "vllm", "--out", str(tmp_path), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no benchmark can run here: vllm: needs vllm" in err
 
@@ -238,7 +248,6 @@ def test_bench_without_the_engine_or_matplotlib_runs_what_it_can_and_says_what_i
         ["stats", "--disk", "/nonexistent"],
         ["inspect", "/nonexistent"],
         ["inspect"],
-        ["bench", "--only", "nosuch"],
         ["size", "--model", "llama-3-8b"],
         ["keys", "--model", "llama-3-8b", "--tokens-file", "/nonexistent"],
         ["demo", "--docs", "many"],
@@ -257,6 +266,30 @@ def test_bad_arguments_give_one_line_and_a_non_zero_exit(argv):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("lmtier") and "error" in lines[0]
+
+
+def test_lmtier_bench_is_deprecated_and_forwards_to_the_runner(tmp_path):
+    """``lmtier bench`` of earlier releases: one line saying where the runner is now, then
+    the runner itself, with the same arguments."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmtier", "bench", "--short", "--only", "nosuch", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    deprecated, error = proc.stderr.strip().splitlines()
+    assert "deprecated" in deprecated and "benchmarks/run.py" in deprecated
+    assert error == "benchmarks: error: unknown benchmark(s) nosuch; known: cpu, disk, redis, grpc, vllm"
+
+
+def test_lmtier_bench_outside_a_checkout_says_where_the_runner_lives(tmp_path, monkeypatch, capsys):
+    import lmtier.cli
+
+    monkeypatch.setattr(lmtier.cli, "_BENCH_RUNNERS", (tmp_path / "benchmarks" / "run.py",))  # an installed wheel
+    assert main(["bench", "--short"]) == 2
+    assert "source checkout" in capsys.readouterr().err
 
 
 def test_paper_cuts_of_a_first_session(tmp_path):
