@@ -33,6 +33,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 from lmtier.errors import ConfigError, FormatError, LmtierError
 
@@ -73,7 +74,7 @@ class Segment:
             self.map = mmap.mmap(fd, self.size)
         except BaseException:
             os.close(fd)
-            _unlink(self.path)
+            Path(self.path).unlink(missing_ok=True)
             raise
         self._fd = fd  # kept open: it holds the lock
         self._lock = threading.Lock()
@@ -114,7 +115,7 @@ class Segment:
         if self.closed or self._pid != os.getpid():
             return
         self.closed = True
-        _unlink(self.path)
+        Path(self.path).unlink(missing_ok=True)
         os.close(self._fd)
 
 
@@ -235,20 +236,13 @@ def sweep(directory: str = DEFAULT_DIR, min_age: float = SWEEP_MIN_AGE_S) -> int
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # a live client holds it
-            _unlink(path)
+            Path(path).unlink(missing_ok=True)
             removed += 1
         finally:
             os.close(fd)
     if removed:
         log.info("removed %d shared-memory segment(s) left by clients that are gone", removed)
     return removed
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 __all__ = ["DEFAULT_DIR", "Segment", "SegmentMaps", "SegmentUnavailable", "alive", "sweep"]
