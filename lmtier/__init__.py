@@ -1,5 +1,6 @@
 """lmtier: multi-tier, persistent KV-cache offloading for LLM inference engines."""
 
+from lmtier import _moved  # noqa: F401  (old module names, deprecated)
 from lmtier.api import KVStore, open_store
 from lmtier.chunk import Chunk
 from lmtier.config import StoreConfig, load_config

@@ -286,9 +286,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(runner), *args.bench_args])
 
 
-# Where `lmtier bench` looks for the runner: the current directory's checkout, then the one
-# this package was installed from in editable mode.
-_BENCH_RUNNERS = (Path("benchmarks/run.py"), Path(__file__).resolve().parent.parent / "benchmarks" / "run.py")
+# Where `lmtier bench` finds the runner: the source checkout this package was installed
+# from (editable), never the current directory (a command must not run whatever is there).
+_BENCH_RUNNERS = (Path(__file__).resolve().parent.parent / "benchmarks" / "run.py",)
 
 
 def _progress(items, what: str, enabled: bool):
@@ -392,7 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("bench", help="deprecated: run `python benchmarks/run.py` in a source checkout")
+    p = sub.add_parser(
+        "bench", help="deprecated: run `python benchmarks/run.py` in a source checkout", add_help=False
+    )  # --help and every option are the runner's
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -72,7 +72,7 @@ class TieredStore:
         *,
         write_queue: int = 64,
         write_mode: str = "through",
-        breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
+        breaker: Callable[[], CircuitBreaker] | None = None,  # default: each tier's cooldown
     ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
@@ -84,7 +84,8 @@ class TieredStore:
             if not self.tiers[0].capabilities.leases:
                 raise ConfigError(f"write-back needs a first tier that reports evictions (cpu://), not {tiers[0]}")
             self.tiers[0].evict_hook = self._demote
-        self._breakers = {id(t): breaker() for t in self.tiers}
+        self._breakers = {id(t): breaker() if breaker else CircuitBreaker(cooldown=t.cooldown) for t in self.tiers}
+        self._policy = {id(t): {"retries": 0, "skipped": 0} for t in self.tiers}  # what _call did
         self._warnings = {id(t): QuietWarning(log) for t in self.tiers}
         # Hits and misses of callers' reads, per tier: the store's, not the tiers' own
         # counts, which also see the store's internal reads (write-through, promotion) and
@@ -381,13 +382,11 @@ class TieredStore:
         (each retry counted); an exception left becomes ``default``, a metric and a log line."""
         breaker = self._breakers[id(tier)]
         if not breaker.allow():
-            metrics.TIER_OPS.labels(tier.name, op, "skipped").inc()
+            self._note(tier, op, "skipped")
             return default
         start = time.perf_counter()
         try:
-            result = tier.backoff.call(
-                fn, *args, on_retry=lambda: metrics.TIER_OPS.labels(tier.name, op, "retried").inc()
-            )
+            result = tier.backoff.call(fn, *args, on_retry=lambda: self._note(tier, op, "retries"))
         except Exception as exc:
             breaker.failure()
             metrics.BREAKER_OPEN.labels(tier.name).set(int(breaker.is_open))
@@ -400,12 +399,19 @@ class TieredStore:
         metrics.BREAKER_OPEN.labels(tier.name).set(0)
         return result
 
+    def _note(self, tier: Tier, op: str, what: str) -> None:
+        metrics.TIER_OPS.labels(tier.name, op, "retried" if what == "retries" else what).inc()
+        with self._counts_lock:
+            self._policy[id(tier)][what] += 1
+
     def stats(self) -> dict[str, Any]:
         tiers = []
         for t in self.tiers:
             stats = dict(self._call(t, "stats", t.stats, default={"tier": t.name, "error": True}))
+            stats["breaker_open"] = self._breakers[id(t)].is_open
             with self._counts_lock:
                 stats["hits"], stats["misses"] = self._gets[id(t)]
+                stats.update(self._policy[id(t)])
             tiers.append(stats)
         return {
             "tiers": tiers,

@@ -271,3 +271,51 @@ def test_a_quiet_warning_counts_what_it_held_back(caplog):
             now[0] = t
             quiet.warning("down: %s", "x")
     assert [r.getMessage() for r in caplog.records] == ["down: x", "down: x (and 3 more like it since the last)"]
+
+
+def test_a_tier_written_before_capabilities_keeps_its_touch_and_keys_with_a_warning():
+    """A user's tier that defines ``touch`` and ``keys`` (found by probing in earlier
+    releases) gets them declared for it, and is told how to declare them."""
+    from lmtier.tiers.base import Tier
+
+    with pytest.warns(DeprecationWarning, match="listing=True, touch=True"):
+
+        class OldTier(Tier):
+            def contains(self, keys): return 0  # fmt: skip
+
+            def get(self, keys): return [None] * len(keys)  # fmt: skip
+
+            def put(self, chunks): pass  # fmt: skip
+
+            def delete(self, keys): pass  # fmt: skip
+
+            def close(self): pass  # fmt: skip
+
+            def keys(self, prefix=b"", limit=None): return []  # fmt: skip
+
+            def touch(self, keys): pass  # fmt: skip
+
+    assert OldTier.capabilities.listing and OldTier.capabilities.touch
+
+
+def test_the_store_reports_each_tiers_breaker_retries_and_skips():
+    from lmtier.breaker import Backoff
+    from lmtier.errors import RetryableError
+
+    class Down(CpuTier):
+        backoff = Backoff(attempts=1, base=0.001)
+        cooldown = 60.0
+
+        def contains(self, keys):
+            raise RetryableError("down")
+
+    store = TieredStore([cpu(8, "hot"), Down(size=CHUNK_BYTES * 4, slot=CHUNK_BYTES, name="down")])
+    keys = make_prompt(2).keys
+    for _ in range(4):
+        store.lookup(keys)
+    (_, down) = store.stats()["tiers"]
+    assert down["breaker_open"] is True
+    # 3 failing lookups retried once each open the breaker; the 4th lookup and stats() are skipped
+    assert (down["retries"], down["skipped"]) == (3, 2)
+    assert store._breakers[id(store.tiers[1])].cooldown == 60.0  # the tier's own cooldown
+    store.close()

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("configuration", ("lmtier.config", "lmtier.sizing")),
     ("embedded API", ("lmtier.api",)),
     ("server and adapters", ("lmtier.server", "lmtier.connectors")),
-    ("entry points", ("lmtier.cli", "lmtier.__main__", "lmtier")),
+    ("entry points", ("lmtier.cli", "lmtier.__main__", "lmtier._moved", "lmtier")),
 ]
 TOOLING = ("lmtier.demo", "lmtier.testing")
 # (importing module, function) pairs allowed to reach tooling: `lmtier demo` runs the demo.
@@ -148,3 +148,27 @@ def test_a_long_file_says_why_at_its_top():
         if len(lines) > LONG and LONG_REASON not in "\n".join(lines[:40]):
             silent.append(f"{path.relative_to(ROOT)}: {len(lines)} lines")
     assert not silent, f"split these or say why at the top ('{LONG_REASON} ...'):\n" + "\n".join(silent)
+
+
+def test_old_module_names_still_import_with_a_deprecation_warning(tmp_path):
+    """Every module that moved in the restructuring answers to its old name for a release,
+    as the same module object, and ``python -m`` runs it (the README once said
+    ``python -m lmtier.tinymodel DIR``)."""
+    import importlib
+    import warnings
+
+    from lmtier._moved import MOVED
+
+    for old, new in MOVED.items():
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new)
+        assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught), old
+    out = subprocess.run(
+        [sys.executable, "-m", "lmtier.tinymodel", str(tmp_path / "model")], capture_output=True, text=True, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "lmtier.testing.tinymodel" in out.stderr  # the warning says where it lives now
+    assert (tmp_path / "model" / "config.json").is_file()

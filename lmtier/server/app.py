@@ -172,14 +172,15 @@ class CacheServer:
         key = PROBE_TAG + os.urandom(16)
         chunk = Chunk.from_buffer(key, _PROBE_LAYOUT, 4, data, namespace=b"\x00" * 16)
         for tier in self.store.tiers:
+            retried = tier.backoff.call  # a transient failure is retried as the store would
             try:
-                tier.put([chunk])
-                got = tier.get([key])
+                retried(tier.put, [chunk])
+                got = retried(tier.get, [key])
                 try:
                     ok = got[0] is not None and got[0].tobytes() == data.tobytes()
                 finally:
                     release_all(got)
-                tier.delete([key])
+                retried(tier.delete, [key])
             except Exception as exc:
                 log.warning("readiness probe: tier %s failed: %s", tier.name, exc)
                 return False

@@ -17,6 +17,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from lmtier.breaker import Backoff
 from lmtier.chunk import Chunk
 from lmtier.server.auth import TAG_BYTES
 from lmtier.tiers.base import Tier
@@ -32,7 +33,11 @@ class UpstreamTier(Tier):
         self.tier = tier
         self.name = tier.name
         self.scheme = tier.scheme
-        self.backoff = tier.backoff  # the store retries the hop as it would the tier
+        self.cooldown = tier.cooldown
+
+    @property
+    def backoff(self) -> Backoff:  # type: ignore[override]
+        return self.tier.backoff  # the store retries the hop as it would the tier
 
     def contains(self, keys: Sequence[bytes]) -> int:
         return self.tier.contains([upstream_key(k) for k in keys])

@@ -8,5 +8,5 @@
 
 lmtier's own tests and benchmarks use them, and so can a user's: like redis-py's and
 grpc's test helpers they start the real thing, never a mock. Nothing in the product imports
-this package (``tests/test_import_graph.py`` checks).
+this package (``tests/test_tree.py`` checks).
 """

@@ -31,9 +31,10 @@ misspelt option is an error rather than silently ignored.
 from __future__ import annotations
 
 import importlib
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, quote, urlsplit
 
@@ -73,6 +74,22 @@ class Tier(ABC):
     capabilities: Capabilities = Capabilities()
     capacity: int = 0  # bytes it may hold; 0 when it does not know (a remote server's own bound)
     backoff: Backoff = Backoff(attempts=0)  # retries of RetryableError, run by the store
+    cooldown: float = 5.0  # seconds the store skips this tier once it keeps failing
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A tier written before ``capabilities`` existed had them found by probing for its
+        methods: still honoured for ``keys`` and ``touch``, with a DeprecationWarning."""
+        super().__init_subclass__(**kwargs)
+        implied = {"listing": "keys", "touch": "touch"}
+        missing = {cap: m for cap, m in implied.items() if m in cls.__dict__ and not getattr(cls.capabilities, cap)}
+        if missing:
+            warnings.warn(
+                f"tier {cls.__name__} defines {', '.join(missing.values())} without declaring it: set "
+                f"capabilities = Capabilities({', '.join(f'{c}=True' for c in missing)}) (inferred for now)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            cls.capabilities = replace(cls.capabilities, **dict.fromkeys(missing, True))
 
     @abstractmethod
     def contains(self, keys: Sequence[bytes]) -> int: ...

@@ -63,6 +63,7 @@ class _Entry:
 class CpuTier(Tier):
     scheme = "cpu"
     OPTIONS = {"size": parse_size, "slot": parse_size, "name": str, "pin": parse_bool}
+    capabilities = Capabilities(listing=True, touch=True, leases=True)  # shared_memory: per instance
 
     def __init__(
         self,

@@ -24,8 +24,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from lmtier.breaker import Backoff
 from lmtier.chunk import Chunk
-from lmtier.tiers.base import Tier, TierContext, TierURL
+from lmtier.tiers.base import Capabilities, Tier, TierContext, TierURL
 
 log = logging.getLogger(__name__)
 FIRST_BACKOFF_S = 0.5
@@ -35,11 +36,15 @@ MISCONFIGURED = (ValueError, TypeError, ImportError)
 
 
 class DeferredTier(Tier):
+    # It forwards keys and touch; each instance then declares what its real tier's class can do.
+    capabilities = Capabilities(listing=True, touch=True)
+
     def __init__(self, cls: type[Tier], url: TierURL, context: TierContext, error: BaseException) -> None:
         self._cls, self._url, self._context = cls, url, context
         self.name = url.options.get("name") or _default_name(cls)
         self.scheme = cls.scheme
         self.capabilities = cls.capabilities  # what the real tier will do, once open
+        self.cooldown = cls.cooldown
         self._tier: Tier | None = None
         self._error = f"{type(error).__name__}: {error}"
         self._lock = threading.Lock()
@@ -110,6 +115,11 @@ class DeferredTier(Tier):
         tier = self.opened
         if tier is not None:
             tier.delete(keys)
+
+    @property
+    def backoff(self) -> Backoff:  # type: ignore[override]
+        tier = self._tier
+        return tier.backoff if tier is not None else self._cls.backoff
 
     def keys(self, prefix: bytes = b"", limit: int | None = None) -> list[bytes]:
         tier = self.opened

@@ -37,7 +37,7 @@ def _parse_auto(text: str) -> bool | None:
 class DiskTier(Tier):
     scheme = "file"
     OPTIONS = {"size": parse_size, "o_direct": _parse_auto, "fsync": parse_bool, "threads": int, "name": str}
-    capabilities = Capabilities(listing=True, touch=True)
+    capabilities = Capabilities(listing=True)  # a read refreshes recency itself: no touch
 
     def __init__(
         self,

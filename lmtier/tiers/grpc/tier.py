@@ -56,6 +56,7 @@ def _shm_mode(text: str) -> str:
 class GrpcTier(Tier):
     scheme = "grpc"
     capabilities = Capabilities(listing=True)
+    cooldown = 1.0  # a down server's calls fail at once (the channel knows): probe it often
     OPTIONS = {
         "token": str,
         "token_env": str,
