@@ -294,11 +294,18 @@ def _shown(value: Any, parser: Parser) -> str:
 
     if parser.secret:
         return f"a {type(value).__name__} (values not shown)"
-    if isinstance(value, (list, tuple)) and any(isinstance(v, str) and "://" in v for v in value):
-        return repr([redact_url(v) if isinstance(v, str) else v for v in value])
-    if isinstance(value, str) and "://" in value:
-        return repr(redact_url(value))
-    return repr(value)
+    return repr(_redacted(value, redact_url))
+
+
+def _redacted(value: Any, redact: Callable[[str], str]) -> Any:
+    """``value`` with every URL in it redacted, however deep (lists, maps of them)."""
+    if isinstance(value, str):
+        return redact(value) if "://" in value else value
+    if isinstance(value, (list, tuple)):
+        return [_redacted(v, redact) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _redacted(v, redact) for k, v in value.items()}
+    return value
 
 
 def _section(cls: type, data: Mapping[str, Any], source: str, extra: frozenset[str] = frozenset()) -> dict[str, Any]:

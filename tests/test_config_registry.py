@@ -228,6 +228,11 @@ def test_a_rejected_setting_never_shows_a_secret(tmp_path):
         load(env={}, server={"host": ["redis://:ARGPW@127.0.0.1:6379"]})
     assert "ARGPW" not in str(info.value)
 
+    for nested in ({"a": "redis://:MAPPW@h"}, [{"a": "rediss://u:LISTPW@h"}]):  # maps of URLs, however deep
+        with pytest.raises(ConfigError, match="tiers") as info:
+            load(env={}, store={"tiers": nested})
+        assert "MAPPW" not in str(info.value) and "LISTPW" not in str(info.value) and "***" in str(info.value)
+
 
 # -- TieredStore.open: a configured list of tiers, opened whole or not at all -------------------
 def held(root: Path) -> list[str]:
