@@ -286,8 +286,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(runner), *args.bench_args])
 
 
-# Where `lmtier bench` finds the runner: the source checkout this package was installed
-# from (editable), never the current directory (a command must not run whatever is there).
+# The runner of the checkout this package was installed from (editable), never the current
+# directory's: a command must not run whatever lies there.
 _BENCH_RUNNERS = (Path(__file__).resolve().parent.parent / "benchmarks" / "run.py",)
 
 
@@ -392,9 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser(
-        "bench", help="deprecated: run `python benchmarks/run.py` in a source checkout", add_help=False
-    )  # --help and every option are the runner's
+    p = sub.add_parser("bench", help="deprecated: python benchmarks/run.py in a checkout", add_help=False)
     p.set_defaults(func=cmd_bench)
     return parser
 
