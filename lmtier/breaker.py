@@ -110,6 +110,8 @@ class Backoff:
     def call(self, fn: Callable[..., T], *args: Any, on_retry: Callable[[], None] | None = None) -> T:
         """``fn(*args)``, called again after each ``RetryableError`` while retries and
         budget last (``on_retry`` runs before each new try); the last failure propagates."""
+        if not self.attempts:  # most tiers: the store's hot path pays nothing for retries
+            return fn(*args)
         began = time.monotonic()
         for delay in self.delays():
             try:
