@@ -26,10 +26,13 @@ Deciding and moving live apart, as vLLM splits them:
   engine. ``build_connector_meta`` turns allocations into plain plans: which keys to load
   into which blocks, which newly computed full chunks to save from which blocks.
 - Worker side (each worker process): ``start_load_kv`` loads the planned chunks into the
-  paged cache (``CopyEngine.scatter``) before the forward pass; ``wait_for_save`` copies
-  newly computed full chunks out of the paged cache (``CopyEngine.gather``) and hands them
-  to a background thread that stores them, so storing never sits on the request's
-  critical path beyond one memory copy.
+  paged cache (``CopyEngine.scatter``) before the forward pass; ``wait_for_save`` hands
+  the newly computed full chunks to a background thread, which copies them out of the
+  paged cache (``CopyEngine.gather``) and stores them: saving costs the engine's step
+  nothing. The blocks must outlive that copy, so a request with saves is freed late
+  (``request_finished`` asks vLLM to wait; ``get_finished`` reports the copies done), and
+  a request preempted with a copy in flight is fenced: the next step's ``start_load_kv``
+  waits for its copy before the forward pass can write its freed blocks.
 
 A request can opt out with ``kv_transfer_params`` (``SamplingParams(extra_args=
 {"kv_transfer_params": {"lmtier": {"save": false}}})``, or the same field in an OpenAI
@@ -123,6 +126,9 @@ class SavePlan:
 class LMTierMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
+    # requests preempted with saves: their blocks are free now, so the step waits for
+    # their copies before it runs (nothing may write those blocks while they are read)
+    fence: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -136,6 +142,7 @@ class _Request:
     load_pending: bool = False
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0  # leading chunks known stored (hit or saved)
+    saving: bool = False  # save plans were sent: the workers copy its blocks after the step
     keys: list[list[bytes]] = field(default_factory=list)  # [rank][chunk], grown as tokens grow
     load: bool = True  # per request: kv_transfer_params {"lmtier": {"load": false}}
     save: bool = True  # ... {"lmtier": {"save": false}}
@@ -259,6 +266,13 @@ class LMTierConnector(KVConnectorBase_V1):
         self._save_buffers: _SaveBuffers | None = None
         self._saves: queue.Queue | None = None
         self._saver_pid = -1
+        # requests with save plans, until reported finished: blocks copying per request,
+        # those vLLM said finished while copying, those done and not yet reported
+        self._copying: dict[str, int] = {}
+        self._saving: set[str] = set()
+        self._finishing: set[str] = set()
+        self._copied: set[str] = set()
+        self._copy_cond = threading.Condition()
         _CONNECTORS.add(self)
 
     # ======================================================================================
@@ -321,6 +335,10 @@ class LMTierConnector(KVConnectorBase_V1):
             elif new_blocks:
                 state.block_ids.extend(new_blocks[0])
             self._plan(state, req_id, cached.num_computed_tokens[i], scheduled.get(req_id, 0), meta)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            state = self._requests.get(req_id)
+            if state is not None and state.saving:
+                meta.fence.append(req_id)
         return meta
 
     def _plan(self, state: _Request, req_id: str, computed: int, scheduled: int, meta: LMTierMetadata) -> None:
@@ -353,10 +371,13 @@ class LMTierConnector(KVConnectorBase_V1):
                 )
             )
             state.saved_chunks = done
+            state.saving = True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
-        return False, None  # saves copy their blocks out within the step: nothing to hold
+        state = self._requests.pop(request.request_id, None)
+        # With saves sent, the blocks stay until the workers report their copies done
+        # (get_finished), which every worker does for every request it had a save plan for.
+        return bool(state is not None and state.saving), None
 
     # ======================================================================================
     # Worker side
@@ -379,6 +400,9 @@ class LMTierConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, LMTierMetadata) or self._engine is None:
             return
+        if meta.fence:  # preempted while copying: their blocks may be written in this step
+            with self._copy_cond:
+                self._copy_cond.wait_for(lambda: not any(self._copying.get(r) for r in meta.fence))
         # one deadline for the step's loads: past it, what has not arrived is recomputed
         deadline = deadline_after(self.config.load_deadline)
         for plan in meta.loads:
@@ -435,70 +459,99 @@ class LMTierConnector(KVConnectorBase_V1):
         return  # saves copy whole chunks in wait_for_save, once every layer is computed
 
     def wait_for_save(self) -> None:
+        """Hand this step's save plans to the saver thread; the step goes on at once."""
         meta = self._connector_metadata
         if not isinstance(meta, LMTierMetadata) or self._engine is None or not meta.saves:
             return
         if self._save_buffers is None:
             self._save_buffers = _SaveBuffers(self.layout, self.chunk_tokens, self._engine.device.type == "cuda")
         for plan in meta.saves:
-            keys = plan.keys[self._rank]
-            taken: list[torch.Tensor] = []
-            try:
-                for i in range(len(keys)):
-                    buf = self._save_buffers.acquire()
-                    if buf is None:  # every buffer is on its way to the store: a future miss
-                        break
-                    taken.append(buf)
-                    blocks = plan.block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk]
-                    self._engine.gather(blocks, buf)  # the one copy on the critical path
-                saved = len(taken) if taken and self._enqueue_save(keys[: len(taken)], taken) else 0
-                if saved:
-                    taken = []
-                if saved < len(keys):  # no buffer free or the queue full: counted, a future miss
-                    metrics.ENGINE_TOKENS.labels(ENGINE, "dropped").inc((len(keys) - saved) * self.chunk_tokens)
-            except Exception:
-                log.exception("lmtier save failed for %s", plan.req_id)
-            finally:
-                for buf in taken:
-                    self._save_buffers.release(buf)
+            with self._copy_cond:
+                self._saving.add(plan.req_id)
+                self._copying[plan.req_id] = self._copying.get(plan.req_id, 0) + 1
+            if not self._enqueue_save(plan):  # the queue is full: a future miss, never a stall
+                self._copied_one(plan.req_id)
+                metrics.ENGINE_TOKENS.labels(ENGINE, "dropped").inc(len(plan.keys[self._rank]) * self.chunk_tokens)
 
-    def _enqueue_save(self, keys: list[bytes], bufs: list[torch.Tensor]) -> bool:
+    def _enqueue_save(self, plan: SavePlan) -> bool:
         if self._saves is None or self._saver_pid != os.getpid():
             self._saves = queue.Queue(maxsize=max(1, self.config.write_queue))
             self._saver_pid = os.getpid()
             threading.Thread(target=self._save_loop, name="lmtier-save", daemon=True).start()
         try:
-            self._saves.put_nowait((keys, bufs))
-        except queue.Full:  # a future miss, never a stall
+            self._saves.put_nowait(plan)
+        except queue.Full:
             return False
         return True
+
+    def _copied_one(self, req_id: str) -> None:
+        """One save plan of ``req_id`` no longer reads the engine's blocks."""
+        with self._copy_cond:
+            left = self._copying.get(req_id, 0) - 1
+            if left > 0:
+                self._copying[req_id] = left
+                return
+            self._copying.pop(req_id, None)
+            if req_id in self._finishing:
+                self._finishing.discard(req_id)
+                self._copied.add(req_id)
+            self._copy_cond.notify_all()
 
     def _save_loop(self) -> None:
         assert self._saves is not None and self._save_buffers is not None
         while True:
-            keys, bufs = self._saves.get()
+            plan = self._saves.get()
             try:
-                ns = self.namespaces[self._rank]
-                shape = self.layout.byte_shape(self.chunk_tokens)
-                chunks = [
-                    Chunk(key, self.layout, buf.view(torch.uint8).numpy().reshape(shape), namespace=ns.digest)
-                    for key, buf in zip(keys, bufs, strict=True)
-                ]
+                self._save(plan)
+            except Exception:
+                log.exception("lmtier background save failed for %s", plan.req_id)
+            finally:
+                self._saves.task_done()
+
+    def _save(self, plan: SavePlan) -> None:
+        """Copy the plan's chunks out of the engine's blocks, let the blocks go, store."""
+        keys = plan.keys[self._rank]
+        bufs: list[torch.Tensor] = []
+        try:
+            try:
+                for i in range(len(keys)):
+                    buf = self._save_buffers.acquire()
+                    if buf is None:  # every buffer is on its way to the store: a future miss
+                        break
+                    bufs.append(buf)
+                    per = self.blocks_per_chunk
+                    self._engine.gather(plan.block_ids[i * per : (i + 1) * per], buf)
+            finally:
+                self._copied_one(plan.req_id)
+            if len(bufs) < len(keys):
+                metrics.ENGINE_TOKENS.labels(ENGINE, "dropped").inc((len(keys) - len(bufs)) * self.chunk_tokens)
+            ns = self.namespaces[self._rank]
+            shape = self.layout.byte_shape(self.chunk_tokens)
+            chunks = [
+                Chunk(key, self.layout, buf.view(torch.uint8).numpy().reshape(shape), namespace=ns.digest)
+                for key, buf in zip(keys, bufs, strict=False)
+            ]
+            if chunks:
                 self.store.put(chunks)  # copies into the first tier; lower tiers read it back from there
                 metrics.ENGINE_TOKENS.labels(ENGINE, "stored").inc(len(chunks) * self.chunk_tokens)
-            except Exception:
-                log.exception("lmtier background save failed")
-            finally:
-                for buf in bufs:
-                    self._save_buffers.release(buf)
-                self._saves.task_done()
+        finally:
+            for buf in bufs:
+                self._save_buffers.release(buf)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        """Finished requests whose blocks no save still reads: exactly those with save
+        plans (``request_finished`` held their blocks), once their copies are done."""
+        with self._copy_cond:
+            for req_id in finished_req_ids:
+                if req_id in self._saving:
+                    self._saving.discard(req_id)
+                    (self._finishing if self._copying.get(req_id) else self._copied).add(req_id)
+            done, self._copied = self._copied, set()
+        return done or None, None
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for queued saves (tests and shutdown)."""

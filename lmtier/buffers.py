@@ -10,6 +10,8 @@ batch sizes) do.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
 import os
 import threading
@@ -56,3 +58,76 @@ class BufferPool:
             ):
                 self._free.append(buf)
                 self._free_bytes += len(buf)
+
+
+# MADV_POPULATE_WRITE (Linux 5.14+): fault pages in, writable, without touching their bytes.
+POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+class Prefault:
+    """Faults a mapping's pages in ahead of the writes that will need them, on a thread of
+    its own: a first write into fresh memory pays for its page faults, at 0.4 GB/s on a
+    virtual machine here against 29 GB/s into memory already mapped (``MADV_POPULATE_WRITE``
+    itself maps 2.9 GB/s), and the memory tier's first writes sit on the engine's save path.
+
+    ``need(upto)`` says the bytes up to ``upto`` are about to be written; pages up to
+    ``upto + ahead`` are faulted in, in order, ``step`` bytes per call. Memory is committed
+    as the tier fills, never far beyond what it holds, not all at start. On a kernel
+    without the advice nothing happens (the writes fault as before)."""
+
+    def __init__(self, region: mmap.mmap, ahead: int, step: int = 32 << 20) -> None:
+        self.region, self.size, self.ahead, self.step = region, len(region), ahead, step  # region: kept mapped
+        # madvise through ctypes, which lets go of the GIL (mmap.madvise holds it throughout)
+        self._address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        self.done = 0  # bytes faulted in, from the start
+        self._want = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def need(self, upto: int) -> None:
+        want = min(self.size, upto + self.ahead)
+        if want <= self._want or self._stopped:  # unlocked read: a stale value only delays
+            return
+        with self._cond:
+            if self._stopped or want <= self._want:
+                return
+            self._want = want
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lmtier-prefault", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and self.done >= self._want:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                start, end = self.done, min(self._want, self.done + self.step)
+            if _madvise(self._address + start, end - start, POPULATE_WRITE) != 0:  # an older kernel
+                with self._cond:
+                    self._stopped = True
+                return
+            with self._cond:
+                self.done = end
+
+    def close(self) -> None:
+        """Stop, and wait for the call in progress (before the region is unmapped)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+
+def _libc_madvise():
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    fn = libc.madvise
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import numpy as np
@@ -12,7 +13,7 @@ from lmtier.errors import ConfigError
 from lmtier.tiers.base import TierContext, open_tier
 from lmtier.tiers.cpu import CpuTier
 
-from conftest import make_prompt
+from conftest import eventually, make_prompt
 from tier_contract import CHUNK_BYTES, EvictingTierContract
 
 
@@ -123,3 +124,31 @@ def test_closed_tier_answers_misses():
     assert tier.contains(a.keys) == 0
     tier.put(a.chunks())
     assert tier.contains(a.keys) == 0
+
+
+def _resident_bytes(array: np.ndarray) -> int:
+    """Bytes of ``array``'s pages that are mapped in, by ``mincore(2)``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = array.__array_interface__["data"][0]
+    assert start % page == 0
+    pages = -(-array.nbytes // page)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(array.nbytes), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) * page
+
+
+def test_the_slab_is_faulted_in_ahead_of_the_slots_in_use_and_no_further(monkeypatch):
+    from lmtier.tiers import cpu
+
+    monkeypatch.setattr(cpu, "PREFAULT_AHEAD", 8 << 20)
+    tier = CpuTier(size=64 << 20, slot=1 << 20)
+    p = make_prompt(4)
+    tier.put(p.chunks())  # slots 0-3 in use: pages up to 4 + 8 MiB are faulted in
+    assert eventually(lambda: tier._prefault.done >= 12 << 20)
+    assert 12 << 20 <= _resident_bytes(tier._slab) < 32 << 20  # not the whole slab
+    got = tier.get(p.keys)  # prefaulting never changes a byte
+    assert [c.tobytes() for c in got] == [p.chunk_bytes(i) for i in range(4)]
+    release_all(got)
+    tier.close()
+    assert tier._prefault._stopped

@@ -1,8 +1,10 @@
 """The connector inside vLLM's real Scheduler (no model run): hits, misses, tails,
-whole-prompt hits, preemption, and a worker whose load fails."""
+whole-prompt hits, preemption, a worker whose load fails, and saves that copy blocks
+after the step (held blocks, reported copies, the fence after a preemption)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -220,3 +222,83 @@ def test_a_worker_reports_blocks_it_could_not_load_and_loads_the_rest(vllm_confi
 
 def connector_shape(worker: LMTierConnector) -> tuple[int, ...]:
     return worker.layout.tensor_shape(CHUNK)
+
+
+def worker_for(vllm_config) -> tuple[LMTierConnector, dict[str, torch.Tensor]]:
+    worker = LMTierConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config())
+    caches = {name: torch.randn(NUM_BLOCKS, 2, BLOCK, 128).to(torch.bfloat16) for name in LAYERS}
+    worker.register_kv_caches(caches)
+    return worker, caches
+
+
+def hold_copies(worker: LMTierConnector) -> threading.Event:
+    """Fault injection: the worker's copies out of the paged cache wait for the event."""
+    gate, gather = threading.Event(), worker._engine.gather
+
+    def held(*args):
+        assert gate.wait(30)
+        gather(*args)
+
+    worker._engine.gather = held
+    return gate
+
+
+def test_a_request_with_saves_keeps_its_blocks_until_every_copy_is_done(vllm_config, scheduler):
+    request, _, meta = schedule(scheduler, tokens(300))
+    (save,) = meta.saves
+    worker, caches = worker_for(vllm_config)
+    gate = hold_copies(worker)
+    worker.bind_connector_metadata(meta)
+    worker.wait_for_save()  # returns at once: the copy runs on the saver thread
+    free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    scheduler.finish_requests(["r"], request.status.FINISHED_ABORTED)
+    # vLLM holds the blocks: they are still being read
+    assert "r" in scheduler.requests
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+    assert worker.get_finished({"r"}) == (None, None)
+    gate.set()
+    worker.flush()
+    assert worker.get_finished(set()) == ({"r"}, None)  # reported once
+    assert worker.get_finished(set()) == (None, None)
+    scheduler._update_from_kv_xfer_finished(KVConnectorOutput(finished_sending={"r"}))
+    assert "r" not in scheduler.requests
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() > free_before
+    # what was stored is what the blocks held: K of token 70 (block 1, slot 6), layer 0
+    (chunk,) = worker.store.get(save.keys[0][:1])
+    with chunk:
+        k = torch.from_numpy(chunk.data.copy()).view(torch.bfloat16).reshape(connector_shape(worker))
+        assert torch.equal(caches[LAYERS[0]][save.block_ids[1], :, 6, :64], k[0, 0, 70])
+
+
+def test_requests_without_saves_are_freed_at_once_and_never_reported(vllm_config, scheduler):
+    request, _, meta = schedule(scheduler, tokens(300), params={"lmtier": {"save": False}})
+    assert meta.saves == []
+    worker, _ = worker_for(vllm_config)
+    worker.bind_connector_metadata(meta)
+    worker.wait_for_save()
+    scheduler.finish_requests(["r"], request.status.FINISHED_ABORTED)
+    assert "r" not in scheduler.requests
+    assert worker.get_finished({"r", "stranger"}) == (None, None)
+
+
+def test_a_request_preempted_while_its_blocks_are_copied_holds_the_next_step(vllm_config, scheduler):
+    request, out, meta = schedule(scheduler, tokens(300))
+    worker, _ = worker_for(vllm_config)
+    gate = hold_copies(worker)
+    worker.bind_connector_metadata(meta)
+    worker.wait_for_save()
+    scheduler.update_from_output(
+        out, ModelRunnerOutput(req_ids=["r"], req_id_to_index={"r": 0}, sampled_token_ids=[[7]])
+    )
+    scheduler.running.remove(request)
+    scheduler._preempt_request(request, 0.0)  # its blocks are free now, the copy still reads them
+    nxt = scheduler.schedule().kv_connector_metadata
+    assert nxt.fence == ["r"]
+    worker.bind_connector_metadata(nxt)
+    step = threading.Thread(target=worker.start_load_kv, args=(None,))
+    step.start()
+    step.join(0.5)
+    assert step.is_alive()  # the forward pass may not write those blocks yet
+    gate.set()
+    step.join(30)
+    assert not step.is_alive()

@@ -4,7 +4,9 @@ The slab is cut into fixed slots (``slot=``, by default one full chunk), so allo
 and freeing are a pop and a push on a free list. A chunk larger than a slot takes several
 slots; the common case of one chunk per slot hands out zero-copy views. The slab is
 pinned when CUDA is present, so copies to the GPU can be asynchronous, and is allocated
-on first use and anew in a forked child (which starts empty).
+on first use and anew in a forked child (which starts empty). Its pages are faulted in
+by a background thread a little ahead of the slots handed out (``buffers.Prefault``), so a
+save copies into mapped memory instead of paying page faults on the engine's save path.
 
 Eviction is LRU with one twist that keeps prefixes usable: a chunk is worth nothing
 without the chunks before it, so within one batch (a prompt, in order) the *first* chunk
@@ -24,6 +26,7 @@ is what keeps a verified tier close to a bare ``memcpy``. A mismatch drops the e
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import threading
@@ -34,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from lmtier import metrics
-from lmtier.buffers import BufferPool
+from lmtier.buffers import BufferPool, Prefault
 from lmtier.chunk import Chunk, checksum, iter_segments
 from lmtier.errors import ConfigError, IntegrityError
 from lmtier.layout import KVLayout
@@ -44,6 +47,7 @@ from lmtier.units import parse_size
 
 DEFAULT_SIZE = 1024**3
 DEFAULT_SLOT = 2 * 1024**2
+PREFAULT_AHEAD = 256 << 20  # memory faulted in beyond the highest slot handed out so far
 
 
 class _Entry:
@@ -99,6 +103,7 @@ class CpuTier(Tier):
         self._lock = threading.Lock()
         self._slab: np.ndarray | None = None
         self._segment = None  # a forked child makes its own
+        self._prefault: Prefault | None = None  # ... and its own prefaulting thread
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() yields slot 0 first
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # front = evicted first
         self._counts = {"hits": 0, "misses": 0, "stored": 0, "dropped": 0, "evictions": 0, "corrupt": 0}
@@ -112,9 +117,12 @@ class CpuTier(Tier):
         if self._slab is None:
             if self._shared_dir:
                 self._segment = Segment(self._shared_dir, self.capacity, self.slot_bytes)
-                self._slab = np.frombuffer(self._segment.map, dtype=np.uint8)
+                self._slab, region = np.frombuffer(self._segment.map, dtype=np.uint8), self._segment.map
             else:
-                self._slab = _allocate(self.capacity, self._pin)
+                self._slab, region = _allocate(self.capacity, self._pin)
+            if region is not None:  # slots are handed out from slot 0 up: fault them in ahead
+                self._prefault = Prefault(region, PREFAULT_AHEAD)
+                self._prefault.need(0)
         return self._slab
 
     @property
@@ -233,6 +241,8 @@ class CpuTier(Tier):
             self._index.clear()
             self._free = []
             self._slab = None  # leased views keep their memory alive until released
+            if self._prefault is not None:
+                self._prefault.close()
             if self._segment is not None:
                 self._segment.close()
 
@@ -277,7 +287,10 @@ class CpuTier(Tier):
             self._drop(victim)
             self._counts["evictions"] += 1
             metrics.EVICTIONS.labels(self.name).inc()
-        return [self._free.pop() for _ in range(count)]
+        slots = [self._free.pop() for _ in range(count)]
+        if self._prefault is not None:
+            self._prefault.need((max(slots) + 1) * self.slot_bytes)
+        return slots
 
     def _demote(self, key: bytes) -> None:
         """Offer an evicted chunk to ``evict_hook`` (write-back to a lower tier).
@@ -373,16 +386,18 @@ class CpuTier(Tier):
         metrics.INTEGRITY_FAILURES.labels(self.name).inc()
 
 
-def _allocate(nbytes: int, pin: bool | None) -> np.ndarray:
-    """The slab: pinned through torch when CUDA is present (or asked for), plain otherwise."""
+def _allocate(nbytes: int, pin: bool | None) -> tuple[np.ndarray, mmap.mmap | None]:
+    """The slab: pinned through torch when CUDA is present (or asked for: pinned memory is
+    resident from the start), else an anonymous mapping, returned too for prefaulting."""
     torch = sys.modules.get("torch")
     if pin is None:
         pin = bool(torch is not None and torch.cuda.is_available())
     if pin:
         import torch
 
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-    return np.empty(nbytes, dtype=np.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy(), None
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(region, dtype=np.uint8), region
 
 
 def _scatter(src: np.ndarray, dst: list[np.ndarray]) -> None:
