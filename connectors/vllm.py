@@ -406,43 +406,56 @@ class LMTierConnector(KVConnectorBase_V1):
         # one deadline for the step's loads: past it, what has not arrived is recomputed
         deadline = deadline_after(self.config.load_deadline)
         for plan in meta.loads:
-            self._load(plan, deadline)
+            self._failed_blocks |= self._read(plan, deadline)
 
-    def _load(self, plan: LoadPlan, deadline: float | None = None) -> None:
+    def _read(self, plan: LoadPlan, deadline: float | None) -> set[int]:
+        """Read the plan's chunks in order, verify each and copy it into its blocks.
+        Returns the plan's blocks that did not load: those of a chunk that fails
+        verification here (the chunks after it still load: the engine recomputes exactly
+        what failed) and everything from the first chunk missing on (a chunk that a tier
+        finds damaged is missing: a prefix ends there, unless another tier holds it)."""
         keys = plan.keys[self._rank]
-        loaded_blocks = plan.first_block  # blocks before this are the engine's own
+        per, size = self.blocks_per_chunk, self.block_size
+        failed: set[int] = set()
+        covered = plan.first_block  # blocks before this are the engine's own
         # The plan starts at the chunk holding the first block to load (first_block < one chunk).
         batches = self.store.iter_get(keys, self.load_batch, deadline=deadline)
+        i = 0
         try:
-            i = 0
             for chunks in batches:
+                left = list(chunks)
                 try:
-                    for chunk in chunks:
-                        lo = i * self.blocks_per_chunk
-                        hi = min(lo + self.blocks_per_chunk, plan.num_blocks)
-                        if chunk.layout != self.layout or not chunk.verify():
-                            return
-                        skip = max(0, plan.first_block - lo)
-                        tok0, tok1 = skip * self.block_size, (hi - lo) * self.block_size
-                        self._engine.scatter(plan.block_ids[lo + skip : hi], self._source(chunk, tok0, tok1))
-                        loaded_blocks = hi
+                    while left:
+                        chunk = left.pop(0)
+                        lo = i * per
+                        hi, skip = min(lo + per, plan.num_blocks), max(0, plan.first_block - lo)
                         i += 1
+                        blocks = plan.block_ids[lo + skip : hi]
+                        if chunk.layout != self.layout or not chunk.verify():
+                            chunk.release()
+                            failed.update(blocks)
+                        else:
+                            self._engine.scatter(blocks, self._source(chunk, skip * size, (hi - lo) * size))
+                            chunk.release()
+                        covered = hi
                 finally:
-                    release_all(chunks)
+                    release_all(left)
         except Exception:
             log.exception("lmtier load failed for %s", plan.req_id)
         finally:
             batches.close()
-            metrics.ENGINE_TOKENS.labels(ENGINE, "loaded").inc((loaded_blocks - plan.first_block) * self.block_size)
-            if loaded_blocks < plan.num_blocks:  # the engine recomputes what did not arrive
-                metrics.ENGINE_TOKENS.labels(ENGINE, "failed").inc((plan.num_blocks - loaded_blocks) * self.block_size)
-                self._failed_blocks.update(plan.block_ids[loaded_blocks : plan.num_blocks])
-                log.warning(
-                    "lmtier: %d of %d blocks of %s not loaded; the engine recomputes them",
-                    plan.num_blocks - loaded_blocks,
-                    plan.num_blocks - plan.first_block,
-                    plan.req_id,
-                )
+        failed.update(plan.block_ids[covered : plan.num_blocks])
+        loaded = plan.num_blocks - plan.first_block - len(failed)
+        metrics.ENGINE_TOKENS.labels(ENGINE, "loaded").inc(loaded * size)
+        if failed:  # the engine recomputes what did not arrive
+            metrics.ENGINE_TOKENS.labels(ENGINE, "failed").inc(len(failed) * size)
+            log.warning(
+                "lmtier: %d of %d blocks of %s not loaded; the engine recomputes them",
+                len(failed),
+                plan.num_blocks - plan.first_block,
+                plan.req_id,
+            )
+        return failed
 
     def _source(self, chunk: Chunk, tok0: int, tok1: int) -> torch.Tensor | np.ndarray:
         """Tokens ``tok0:tok1`` of a chunk, as the copy engine takes them: the bytes

@@ -29,6 +29,7 @@ import pytest
 
 from lmtier import codec
 from lmtier.chunk import Chunk
+from lmtier.layout import KVLayout
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.engine import compare_answers, prefill_problems, run_engine
 from lmtier.testing.redis_server import RedisServer
@@ -283,3 +284,30 @@ def test_tensor_parallel_ranks_open_a_fresh_directory_and_share_their_own_slices
     disk = two_instances(tmp_path, model, tp=2)
     names = {p.name for p in disk.glob("chunks/*/*.lmt")}
     assert len(names) % 2 == 0  # one file per chunk per rank
+
+
+def test_one_damaged_layer_of_one_chunk_is_recomputed_alone(model, single_process, tmp_path):
+    """The cache server's memory reaches a same-host engine through shared memory and is
+    verified in the engine: a flipped byte in one layer of one chunk fails that chunk
+    alone (its two blocks), the chunks after it still load, and the answer is unchanged."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    server = ServerProcess(
+        tmp_path, "--tier", "cpu://?size=64MiB&slot=256KiB", "--shm-dir", str(shm), "--token", "s=fleet"
+    )
+    url = f"grpc://{server.address}?token=s&shm_dir={shm}"
+    phases = [p for p in SCENARIO if p["name"] == "doc1"]  # 700 tokens: five full chunks, in slots 0-4
+    try:
+        engine(tmp_path, model, "a", None, phases=phases, shared=url)
+        (slab,) = [p for p in shm.iterdir() if p.stat().st_size == 64 << 20]  # the server's memory
+        layer_bytes = KVLayout(4, 2, 64, "bfloat16").chunk_bytes(CHUNK) // 4
+        with open(slab, "r+b") as f:  # layer 1 of the chunk in slot 2
+            f.seek(2 * (256 << 10) + layer_bytes + 5)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x10]))
+        b = engine(tmp_path, model, "b", None, phases=phases, shared=url)
+    finally:
+        server.stop()
+    assert re.findall(r"lmtier: (\d+) of (\d+) blocks of \S+ not loaded", b["log"]) == [("2", "10")]
+    assert prefill_problems(b["results"]["doc1"], single_process["reference"]["full"]["doc1"]) == []

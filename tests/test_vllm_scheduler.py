@@ -302,3 +302,28 @@ def test_a_request_preempted_while_its_blocks_are_copied_holds_the_next_step(vll
     gate.set()
     step.join(30)
     assert not step.is_alive()
+
+
+def test_one_damaged_layer_of_one_chunk_fails_exactly_that_chunk(vllm_config):
+    vllm_config.kv_transfer_config.kv_connector_extra_config["tiers"] = ["cpu://?size=64MiB"]
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config(),
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+    )
+    prompt = tokens(600)
+    data = store_chunks(scheduler.connector, prompt, 4)
+    _, _, meta = schedule(scheduler, prompt)
+    (load,) = meta.loads
+    worker, caches = worker_for(vllm_config)
+    memory = worker.store.tiers[0]  # the scheduler's tier too: one store per process
+    entry = memory._index[load.keys[0][2]]
+    layer_bytes = worker.layout.chunk_bytes(CHUNK) // worker.layout.num_layers
+    memory._slab[entry.slots[0] * memory.slot_bytes + 1 * layer_bytes + 5] ^= 0x10  # layer 1 of chunk 2
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    assert worker.get_block_ids_with_load_errors() == set(load.block_ids[4:6])  # chunk 2's blocks, no more
+    # chunk 3, after the damaged one, arrived: K of its token 70 (its block 1, slot 6), layer 0
+    k = torch.from_numpy(data[3].copy()).view(torch.bfloat16).reshape(connector_shape(worker))
+    assert torch.equal(caches[LAYERS[0]][load.block_ids[7], :, 6, :64].view(torch.int16), k[0, 0, 70].view(torch.int16))
