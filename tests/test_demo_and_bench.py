@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+ALL = ("cpu", "disk", "redis", "grpc", "vllm_tiers", "vllm")  # every benchmark of benchmarks/run.py
 
 
 def test_demo_runs_and_checks_its_own_results():
@@ -59,9 +60,10 @@ def report_of(suite, name: str) -> tuple[dict, str]:
 
 def test_the_suite_writes_json_a_table_of_every_target_and_plots(suite):
     out, summary, stdout = suite
-    assert summary["mode"] == "short" and set(summary["benchmarks"]) == {"cpu", "disk", "redis", "grpc", "vllm"}
+    assert summary["mode"] == "short" and set(summary["benchmarks"]) == set(ALL)
     benches = [t["benchmark"] for t in summary["targets"]]
-    assert {b: benches.count(b) for b in set(benches)} == {"cpu": 1, "disk": 2, "redis": 6, "grpc": 4, "vllm": 4}
+    counts = {"cpu": 1, "disk": 2, "redis": 6, "grpc": 4, "vllm": 5, "vllm_tiers": 5}
+    assert {b: benches.count(b) for b in set(benches)} == counts
     for t in summary["targets"]:
         assert t["lmtier"] > 0 and t["reference_value"] > 0 and t["ratio"] > 0
         assert isinstance(t["met"], bool) and t["target"]
@@ -152,12 +154,22 @@ def test_ttft_benchmark_measures_every_configuration(suite):
     assert report["no_reuse_throughput"]["ratio"] > 0
 
 
+def test_every_tier_is_timed_inside_the_engine_against_vllms_own_hit(suite):
+    report, stdout = report_of(suite, "vllm_tiers")
+    assert [r["tier"] for r in report["rows"]] == ["memory", "disk", "redis", "server", "memory_disk"]
+    for r in report["rows"]:
+        assert r["cached_tokens"] == report["prefix_cached_tokens"] > 0  # every tier served the whole hit
+        assert r["ratio"] == pytest.approx(r["ttft"] / report["vllm_prefix_hit"])
+    assert report["disk_floor"] > report["vllm_prefix_hit"]
+    assert "| lmtier server |" in stdout
+
+
 def test_the_readme_results_page_is_a_full_run_copied_unedited():
     """The README's table is docs/results/results.md's, from a full `lmtier bench` run,
     with every target of that run and the plots it made."""
     results = ROOT / "docs" / "results"
     summary = json.loads((results / "results.json").read_text())
-    assert summary["mode"] == "full" and set(summary["benchmarks"]) == {"cpu", "disk", "redis", "grpc", "vllm"}
+    assert summary["mode"] == "full" and set(summary["benchmarks"]) == set(ALL)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import run as runner

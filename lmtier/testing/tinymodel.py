@@ -11,7 +11,8 @@ from pathlib import Path
 VOCAB = 512
 
 
-def build(out: str | Path, layers: int = 4, hidden: int = 256, seed: int = 0) -> Path:
+def build(out: str | Path, layers: int = 4, hidden: int = 256, seed: int = 0, kv_heads: int = 2) -> Path:
+    """A random-weight Llama of ``layers`` layers; its KV is ``layers x kv_heads x 256`` bytes per token."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -24,7 +25,7 @@ def build(out: str | Path, layers: int = 4, hidden: int = 256, seed: int = 0) ->
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=hidden // 64,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=16384,
         torch_dtype="bfloat16",
