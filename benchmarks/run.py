@@ -45,6 +45,7 @@ SUITE: dict[str, tuple[str, list[str], list[str]]] = {
     ),
     "redis": ("bench_redis_tier.py", ["--sizes-mib", "1", "--total-mib", "16", "--rounds", "1"], []),
     "grpc": ("bench_grpc_tier.py", ["--sizes-mib", "0.5", "--total-mib", "8", "--rounds", "1"], []),
+    "trace": ("bench_trace.py", ["--quick"], []),
     "vllm_tiers": ("bench_vllm_tiers.py", ["--tokens", "256", "--docs", "1", "--layers", "2", "--kv-heads", "2"], []),
     "vllm": (
         "bench_vllm_ttft.py",
@@ -62,6 +63,7 @@ NEEDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "redis": (("redis",), ("redis-server", "redis-benchmark"), "the redis extra and redis-server / redis-tools"),
     "grpc": (("grpc", "grpc_health"), ("redis-server",), "the server extra and redis-server"),
     "vllm": (("vllm", "transformers", "tokenizers", "matplotlib"), ("dd",), "the vllm extra and matplotlib"),
+    "trace": ((), (), "the Mooncake trace in ../shared/traces"),
     "vllm_tiers": (
         ("vllm", "transformers", "tokenizers", "redis", "grpc"),
         ("dd", "redis-server"),
@@ -217,6 +219,25 @@ def targets(reports: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(_row("vllm", "throughput without reuse, one engine, saves landed (tokens/s)",
                          p["lmtier_on_tokens_per_s"], "same engine, lmtier off per request",
                          p["lmtier_off_tokens_per_s"], p["ratio"], ">= 0.97x", p["ratio"] >= 0.97))  # fmt: skip
+    if "trace" in reports:
+        found = [x for x in reports["trace"]["rows"] if x["workload"] == "trace"]
+
+        def ref(policy: str, x: dict) -> dict:
+            return next(y for y in found if y["policy"] == policy and y["setup"] == x["setup"]
+                        and y["memory_pct"] == x["memory_pct"] and y["lower_pct"] == x["lower_pct"])  # fmt: skip
+
+        for x in (x for x in found if x["policy"] == "reuse"):
+            where = (f"memory {x['memory_pct']}%" if x["lower_pct"] is None
+                     else f"memory {x['memory_pct']}% + lower tier {x['lower_pct']}%")  # fmt: skip
+            rows.append(_row("trace", f"token hit ratio of the reuse policy, {where} of the trace's chunks",
+                             x["hit_ratio"], "Belady (MIN with bypass)", ref("belady", x)["hit_ratio"],
+                             x["x_belady"], ">= 0.9x", x["x_belady"] >= 0.9))  # fmt: skip
+            if x["lower_pct"] is not None:
+                always = ref("always", x)["lower_written_gib"]
+                ratio = x["lower_written_gib"] / always
+                rows.append(_row("trace", f"GiB written to the lower tier, reuse policy, {where}",
+                                 x["lower_written_gib"], "always (write-through)", always, ratio, "< 1.0x",
+                                 ratio < 1.0))  # fmt: skip
     if "vllm_tiers" in reports:
         v = reports["vllm_tiers"]
         size = f"{v['kv_mib_per_prompt']:.0f} MiB, {v['tokens']} tokens"

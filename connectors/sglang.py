@@ -16,7 +16,8 @@ Longer than 400 lines: SGLang's backend is one class answering both interfaces (
 legacy), beside the mapping of its host layouts onto the canonical chunk.
 
 Extra-config keys of lmtier's own (all optional): ``tiers``, ``hash``, ``salt`` (tenant:
-stores with different salts never share), ``write_queue``, ``write_mode``,
+stores with different salts never share), ``write_queue``, ``write_mode``, ``save_policy``
+(``min_tokens`` is not applied: SGLang's storage calls carry pages, not prompts),
 ``metrics_port`` (Prometheus ``/metrics``, TP rank r on ``port + r``),
 ``load_deadline`` (seconds a batch_get may take; the rest is recomputed), ``config`` (a
 config file), ``model_id`` (the model's name in the namespace; default: SGLang's model
@@ -80,7 +81,19 @@ log = logging.getLogger(__name__)
 
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
 OWN_KEYS = frozenset(
-    {"tiers", "hash", "salt", "write_queue", "write_mode", "metrics_port", "load_deadline", "config", "model_id"}
+    {
+        "tiers",
+        "hash",
+        "salt",
+        "write_queue",
+        "write_mode",
+        "save_policy",
+        "min_tokens",
+        "metrics_port",
+        "load_deadline",
+        "config",
+        "model_id",
+    }
 )
 ENGINE = "sglang"
 
@@ -204,6 +217,8 @@ class LMTierStorage(HiCacheStorage):
             defer=True,
             write_queue=self.config.write_queue,
             write_mode=self.config.write_mode,
+            save_policy=self.config.save_policy,
+            min_tokens=self.config.min_tokens,
         )
         self.layout, self._shape, self.namespace = layout, shape, namespace
         if old is not None:

@@ -10,7 +10,8 @@ Longer than 400 lines: vLLM's connector is one class that plays both roles (sche
 worker), and the plans and save buffers that only it uses are kept beside it.
 
 Extra-config keys (all optional): ``tiers``, ``chunk_tokens``, ``hash``, ``salt``,
-``write_queue``, ``write_mode``, ``metrics_port`` (Prometheus ``/metrics`` from the
+``write_queue``, ``write_mode``, ``save_policy``, ``min_tokens`` (which chunks are
+stored where: ``lmtier.admission``), ``metrics_port`` (Prometheus ``/metrics`` from the
 engine's processes: the scheduler on this port, worker rank r on ``port + 1 + r``),
 ``load_deadline`` (seconds a step's loads may take; the rest is recomputed),
 ``config`` (a config file), ``model_id`` (the model's
@@ -95,6 +96,8 @@ EXTRA_KEYS = frozenset(
         "salt",
         "write_queue",
         "write_mode",
+        "save_policy",
+        "min_tokens",
         "metrics_port",
         "load_deadline",
         "config",
@@ -169,7 +172,7 @@ def flush_all(timeout: float = 30.0) -> list[dict[str, Any]]:
 def _shared_store(cfg: StoreConfig, chunk_bytes: int) -> TieredStore:
     """The scheduler and worker connectors of one process share their tiers, so that in
     single-process mode a chunk in host memory is visible to both. Keyed by process."""
-    key = (os.getpid(), cfg.tiers, cfg.write_mode, chunk_bytes)
+    key = (os.getpid(), cfg.tiers, cfg.write_mode, cfg.save_policy, cfg.min_tokens, chunk_bytes)
     with _STORES_LOCK:
         store = _STORES.get(key)
         if store is None:
@@ -179,6 +182,8 @@ def _shared_store(cfg: StoreConfig, chunk_bytes: int) -> TieredStore:
                 defer=True,
                 write_queue=cfg.write_queue,
                 write_mode=cfg.write_mode,
+                save_policy=cfg.save_policy,
+                min_tokens=cfg.min_tokens,
             )
         return store
 
@@ -304,6 +309,7 @@ class LMTierConnector(KVConnectorBase_V1):
         state.external_tokens = max(0, loadable - num_computed_tokens)
         state.saved_chunks = max(state.saved_chunks, state.hit_chunks)
         if first_look:  # the scheduler may ask again for a request it could not place
+            state.save = state.save and self.store.policy.stores(prompt_len)  # min_tokens
             metrics.ENGINE_TOKENS.labels(ENGINE, "requested").inc(prompt_len)
             metrics.ENGINE_TOKENS.labels(ENGINE, "hit").inc(max(loadable, num_computed_tokens))
         return state.external_tokens, False

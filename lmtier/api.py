@@ -163,6 +163,8 @@ def open_store(
     hash: str | None = None,
     write_queue: int | None = None,
     write_mode: str | None = None,
+    save_policy: str | None = None,
+    min_tokens: int | None = None,
     load_deadline: float | None = None,
     config: str | None = None,
 ) -> KVStore:
@@ -176,6 +178,8 @@ def open_store(
         hash=hash,
         write_queue=write_queue,
         write_mode=write_mode,
+        save_policy=save_policy,
+        min_tokens=min_tokens,
         load_deadline=load_deadline,
     )
     if isinstance(layout, str):
@@ -196,6 +200,8 @@ def open_store(
         defer=True,
         write_queue=cfg.write_queue,
         write_mode=cfg.write_mode,
+        save_policy=cfg.save_policy,
+        min_tokens=cfg.min_tokens,
     )
     return KVStore(store, namespace, load_deadline=cfg.load_deadline)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from lmtier.admission import POLICIES
 from lmtier.errors import ConfigError
 from lmtier.keys import HASHES
 from lmtier.units import parse_size
@@ -123,7 +124,15 @@ class StoreConfig:
     write_queue: int = setting(64, INTEGER)
     # "through": every put reaches every tier (in the background below the first).
     # "back": lower tiers receive what the first tier evicts, and what it holds at close.
-    write_mode: str = setting("through", STRING)
+    # "auto": what the save policy asks for ("back" for reuse, else "through").
+    write_mode: str = setting("auto", STRING)
+    # Which chunks earn a write (lmtier.admission): "reuse" (every chunk to memory; to the
+    # lower tiers what proves it is reused, and new chunks while such chunks measurably come
+    # back), "always" (every chunk to every tier), "min_tokens" ("always" for prompts of at
+    # least min_tokens tokens, nothing for shorter ones).
+    save_policy: str = setting("reuse", STRING)
+    # Prompts shorter than this are not stored ("min_tokens" and "reuse"; 0: no bound).
+    min_tokens: int = setting(0, INTEGER)
     # Prometheus /metrics from inside the engine on this port (0: off). Each process of
     # the engine binds its own: the scheduler (or the single process) this port, worker
     # rank r ``port + 1 + r``.
@@ -144,14 +153,19 @@ class StoreConfig:
             raise ConfigError(f"hash must be one of {HASHES}, got {self.hash!r}")
         if self.write_queue < 0:
             raise ConfigError("write_queue must not be negative")
-        if self.write_mode not in ("through", "back"):
-            raise ConfigError(f"write_mode must be 'through' or 'back', got {self.write_mode!r}")
+        if self.write_mode not in WRITE_MODES:
+            raise ConfigError(f"write_mode must be one of {WRITE_MODES}, got {self.write_mode!r}")
+        if self.save_policy not in POLICIES:
+            raise ConfigError(f"save_policy must be one of {POLICIES}, got {self.save_policy!r}")
+        if self.min_tokens < 0:
+            raise ConfigError(f"min_tokens must not be negative, got {self.min_tokens}")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must lie in [0, 65536), got {self.metrics_port}")
         if self.load_deadline < 0:
             raise ConfigError(f"load_deadline must not be negative, got {self.load_deadline}")
 
 
+WRITE_MODES = ("auto", "through", "back")
 AUTO_CHUNK_MIN_BYTES = 256 * 1024
 DEFAULT_CHUNK_TOKENS = 256
 

@@ -19,9 +19,13 @@ Policy, in one place:
   (write-through), through a bounded queue; when the queue is full the write is dropped
   and counted. The caller never waits on a slow tier.
 - In write-back mode ``put`` writes the first tier only; a chunk it evicts is demoted to
-  the second tier (through the same queue) instead of being lost, and ``close`` flushes
+  the lower tiers (through the same queue) instead of being lost, and ``close`` flushes
   what the first tier still holds. Less write traffic, at the price of chunks that live
   only in memory until evicted or flushed.
+- What reaches the lower tiers at all is the save policy's call (``lmtier.admission``):
+  ``always`` writes every chunk; ``reuse`` (write-back) writes what memory lets go once it
+  has proven itself (read while resident, or seen by two requests) and new chunks only
+  while such chunks measurably come back. Every ``put`` and ``get`` is a sighting.
 - A tier that raises is a miss plus a metric; a tier that keeps failing opens a circuit
   breaker and is skipped until its cooldown has passed. A ``RetryableError`` is first
   retried as the tier's ``backoff`` says (tiers raise, the store retries: no tier runs a
@@ -42,6 +46,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Literal, TypeVar
 
 from lmtier import metrics
+from lmtier.admission import SavePolicy
 from lmtier.breaker import CircuitBreaker, QuietWarning
 from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError
@@ -49,7 +54,7 @@ from lmtier.tiers.base import Tier, TierContext, open_tier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-WRITE_MODES = ("through", "back")
+WRITE_MODES = ("auto", "through", "back")  # auto: the save policy's
 READ_AHEAD = 2  # batches in flight beyond the one being used, in iter_get
 LOAD_BATCH_BYTES = 4 << 20  # an engine's load reads this much KV per iter_get batch
 _STOP = object()
@@ -73,17 +78,22 @@ class TieredStore:
         write_queue: int = 64,
         write_mode: str = "through",
         breaker: Callable[[], CircuitBreaker] | None = None,  # default: each tier's cooldown
+        policy: SavePolicy | None = None,  # default: always
     ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         if write_mode not in WRITE_MODES:
             raise ConfigError(f"write_mode must be one of {WRITE_MODES}, got {write_mode!r}")
         self.tiers = list(tiers)
+        self.policy = policy or SavePolicy("always")
+        if write_mode == "auto":  # the policy's choice, where the first tier allows it
+            write_mode = self.policy.write_mode if self.tiers[0].capabilities.leases else "through"
         self.write_back = write_mode == "back" and len(self.tiers) > 1
         if self.write_back:
             if not self.tiers[0].capabilities.leases:
                 raise ConfigError(f"write-back needs a first tier that reports evictions (cpu://), not {tiers[0]}")
             self.tiers[0].evict_hook = self._demote
+        self.policy_skipped = 0  # chunks the policy kept from the lower tiers
         self._breakers = {id(t): breaker() if breaker else CircuitBreaker(cooldown=t.cooldown) for t in self.tiers}
         self._policy = {id(t): {"retries": 0, "skipped": 0} for t in self.tiers}  # what _call did
         self._warnings = {id(t): QuietWarning(log) for t in self.tiers}
@@ -110,6 +120,8 @@ class TieredStore:
         wrap: Callable[[Tier], Tier] | None = None,
         write_queue: int = 64,
         write_mode: str = "through",
+        save_policy: str = "always",
+        min_tokens: int = 0,
     ) -> TieredStore:
         """The store over the tiers ``urls`` name, fastest first: the one place a
         configured list of tiers is opened (``open_tier`` opens one).
@@ -120,7 +132,8 @@ class TieredStore:
         for all but the first (the server serves from its first tier). ``first``: the first
         tier's own context (the server's memory tier keeps its slab in shared memory).
         ``wrap``: what stands in the store for each tier opened (the server re-keys an
-        upstream server's tier).
+        upstream server's tier). ``save_policy`` and ``min_tokens``: which chunks the lower
+        tiers get (``lmtier.admission``; its memory is sized by the tiers' capacity).
 
         A misconfigured URL raises ``ConfigError`` (or ``MissingDependency``), as does a
         store that refuses its tiers; either way every tier already opened is closed
@@ -136,7 +149,8 @@ class TieredStore:
                 tiers.append(open_tier(url, first if i == 0 and first is not None else context, defer=deferred))
                 if wrap is not None:
                     tiers[-1] = wrap(tiers[-1])
-            return cls(tiers, write_queue=write_queue, write_mode=write_mode)
+            policy = SavePolicy(save_policy, min_tokens=min_tokens, keys=_policy_keys(tiers, context.chunk_bytes))
+            return cls(tiers, write_queue=write_queue, write_mode=write_mode, policy=policy)
         except BaseException:
             for tier in reversed(tiers):
                 try:
@@ -180,6 +194,7 @@ class TieredStore:
         prefix = next((i for i, c in enumerate(found) if c is None), len(found))
         release_all(found[prefix:])
         chunks: list[Chunk] = found[:prefix]  # type: ignore[assignment]
+        self.policy.seen([c.key for c in chunks])
         self._promote(chunks, source[:prefix])
         return chunks
 
@@ -248,6 +263,16 @@ class TieredStore:
         first = self.tiers[0]
         self._call(first, "put", first.put, chunks, default=None)
         keys = [c.key for c in chunks]
+        self.policy.seen(keys)
+        if len(self.tiers) > 1 and not self.write_back:
+            # a policy that decides at save time: what it turns away stays in the first tier
+            admitted = self.policy.admit_lower(keys)
+            if not all(admitted):
+                kept = next(i for i, ok in enumerate(admitted) if not ok)  # a prefix: the lower tiers serve runs
+                self.policy_skipped += len(keys) - kept
+                keys = keys[:kept]
+                if not keys:
+                    return self._call(first, "contains", first.contains, [c.key for c in chunks], default=0)
         if len(self.tiers) > 1 and not self.write_back and first.capabilities.leases:
             # The writer gets the chunks now, leased from the memory tier (which keeps them
             # until written): read back later, a chunk evicted meanwhile would be lost
@@ -304,11 +329,15 @@ class TieredStore:
             return False
         return True
 
-    def _demote(self, chunk: Chunk) -> bool:
-        """The first tier's evict hook in write-back mode: queue the chunk for tier two."""
+    def _demote(self, chunk: Chunk, reads: int = 0) -> bool:
+        """The first tier's evict hook in write-back mode: queue the chunk for the lower
+        tiers, if the save policy says it earned it (``reads``: its reads in memory)."""
         if self._closed:
             return False
-        return self._enqueue([chunk.key], self.tiers[1:2], [chunk])
+        if not self.policy.admit_lower([chunk.key], [reads])[0]:
+            self.policy_skipped += 1
+            return False
+        return self._enqueue([chunk.key], self.tiers[1:], [chunk])
 
     def _drain(self) -> None:
         jobs = self._jobs
@@ -350,8 +379,8 @@ class TieredStore:
         return True
 
     def _flush_first_tier(self, timeout: float) -> None:
-        """Write-back mode, closing: write what only the first tier holds to the second."""
-        first, second = self.tiers[0], self.tiers[1]
+        """Write-back mode, closing: write what only the first tier holds to the others."""
+        first = self.tiers[0]
         deadline = time.monotonic() + timeout
         keys = self._call(first, "keys", first.keys, default=[]) if first.capabilities.listing else []
         for start in range(0, len(keys), 16):
@@ -362,7 +391,8 @@ class TieredStore:
             held = self._call(first, "get", first.get, batch, default=None) or []
             chunks = [c for c in held if c is not None]
             try:
-                self._call(second, "put", second.put, chunks, default=None)
+                for tier in self.tiers[1:]:
+                    self._call(tier, "put", tier.put, chunks, default=None)
             finally:
                 release_all(chunks)
 
@@ -417,6 +447,8 @@ class TieredStore:
             "tiers": tiers,
             "dropped_writes": self.dropped_writes,
             "unwritten_chunks": self.unwritten_chunks,
+            "write_mode": "back" if self.write_back else "through",
+            "policy": {**self.policy.stats(), "skipped_chunks": self.policy_skipped},
         }
 
     def close(self, timeout: float = 10.0) -> None:
@@ -443,3 +475,12 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _policy_keys(tiers: Sequence[Tier], chunk_bytes: int | None) -> int:
+    """How many chunks the tiers hold together (what sizes a save policy's sketch),
+    within [4,096, 4M]; 65,536 when the tiers do not say."""
+    capacity = sum(t.capacity for t in tiers if t.capacity)
+    if not capacity or not chunk_bytes:
+        return 1 << 16
+    return max(1 << 12, min(capacity // chunk_bytes, 1 << 22))

@@ -21,7 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Lowest first. A module belongs to the first layer with a prefix of its name.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundations", ("lmtier.errors", "lmtier.units", "lmtier.metrics", "lmtier.breaker", "lmtier.buffers")),
+    (
+        "foundations",
+        ("lmtier.errors", "lmtier.units", "lmtier.metrics", "lmtier.breaker", "lmtier.buffers", "lmtier.admission"),
+    ),
     ("layout", ("lmtier.layout",)),
     ("keys", ("lmtier.keys",)),
     ("chunk", ("lmtier.chunk",)),

@@ -327,3 +327,19 @@ def test_one_damaged_layer_of_one_chunk_fails_exactly_that_chunk(vllm_config):
     # chunk 3, after the damaged one, arrived: K of its token 70 (its block 1, slot 6), layer 0
     k = torch.from_numpy(data[3].copy()).view(torch.bfloat16).reshape(connector_shape(worker))
     assert torch.equal(caches[LAYERS[0]][load.block_ids[7], :, 6, :64].view(torch.int16), k[0, 0, 70].view(torch.int16))
+
+
+def test_prompts_shorter_than_min_tokens_are_not_saved(vllm_config):
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    extra.update({"tiers": ["cpu://?size=64MiB"], "save_policy": "min_tokens", "min_tokens": 400})
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config(),
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+    )
+    _, _, short = schedule(scheduler, tokens(300, seed=1), req_id="short")
+    assert short.saves == []
+    _, _, long = schedule(scheduler, tokens(500, seed=2), req_id="long")
+    assert [s.req_id for s in long.saves] == ["long"]
+    assert scheduler.connector.store.stats()["policy"]["policy"] == "min_tokens"

@@ -51,7 +51,7 @@ PREFAULT_AHEAD = 256 << 20  # memory faulted in beyond the highest slot handed o
 
 
 class _Entry:
-    __slots__ = ("checksum", "dead", "layout", "leases", "namespace", "nbytes", "ready", "slots")
+    __slots__ = ("checksum", "dead", "layout", "leases", "namespace", "nbytes", "reads", "ready", "slots")
 
     def __init__(self, slots: list[int], chunk: Chunk) -> None:
         self.slots = slots
@@ -60,6 +60,7 @@ class _Entry:
         self.namespace = chunk.namespace
         self.checksum: int | None = chunk.checksum
         self.leases = 1  # the writer's, until the bytes are in place
+        self.reads = 0  # gets that found it: what a write-back policy asks at eviction
         self.ready = False
         self.dead = False
 
@@ -90,9 +91,9 @@ class CpuTier(Tier):
         self.capabilities = Capabilities(listing=True, touch=True, leases=True, shared_memory=bool(self._shared_dir))
         self._segment: Segment | None = None
         self._closed = False
-        # Called with each evicted chunk (a leased view); returns whether it took it. Set by
-        # a TieredStore in write-back mode.
-        self.evict_hook: Callable[[Chunk], bool] | None = None
+        # Called with each evicted chunk (a leased view) and how often it was read while
+        # here; returns whether it took it. Set by a TieredStore in write-back mode.
+        self.evict_hook: Callable[[Chunk, int], bool] | None = None
         self._demote_buffers = BufferPool(max_free=8)
         self._reset()
         metrics.TIER_CAPACITY_BYTES.labels(name).set(self.capacity)
@@ -210,6 +211,7 @@ class CpuTier(Tier):
                 entry = self._index.get(key)
                 if entry is not None and entry.ready:
                     entry.leases += 1
+                    entry.reads += 1
                     leased.append((i, entry))
             for i, _ in reversed(leased):
                 self._index.move_to_end(keys[i])
@@ -314,7 +316,7 @@ class CpuTier(Tier):
             on_release=lambda: self._demote_buffers.release(buf),
         )
         try:
-            accepted = self.evict_hook(chunk)
+            accepted = self.evict_hook(chunk, entry.reads)
         except Exception:
             accepted = False
         if not accepted:
