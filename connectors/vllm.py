@@ -581,6 +581,7 @@ class LMTierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         try:
             self.flush()
+            self.store.persist()  # write-back: what only memory holds reaches the lower tiers
         except Exception:
             log.exception("lmtier flush at shutdown failed")
 

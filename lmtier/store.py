@@ -4,7 +4,7 @@
     lookup(keys) -> int          leading chunks present across all tiers
     get(keys) -> list[Chunk]     the leading run of chunks found; caller releases them
     put(chunks) -> int           stores; returns the leading chunks the first tier holds
-    delete(keys), flush(timeout), close(), stats()
+    delete(keys), flush(timeout), persist(timeout), close(), stats()
 
 Longer than 400 lines: the store is the one home of caching policy, and its parts (the
 tiers it opens, lookup and promotion, the write queue, failures) share one state.
@@ -377,6 +377,15 @@ class TieredStore:
                     return False
                 self._jobs.all_tasks_done.wait(left)
         return True
+
+    def persist(self, timeout: float = 30.0) -> bool:
+        """Write-back mode: write what only the first tier holds to the lower tiers, then
+        wait for every queued write (an engine shutting down; ``close`` does it too).
+        Write-through: ``flush``. False on timeout."""
+        deadline = time.monotonic() + timeout
+        if self.write_back and not self._closed:
+            self._flush_first_tier(timeout)
+        return self.flush(max(0.0, deadline - time.monotonic()))
 
     def _flush_first_tier(self, timeout: float) -> None:
         """Write-back mode, closing: write what only the first tier holds to the others."""
