@@ -31,7 +31,6 @@ from pathlib import Path
 
 import numpy as np
 
-from lmtier import codec
 from lmtier.chunk import Chunk, release_all
 from lmtier.layout import KVLayout
 from lmtier.tiers.disk import DiskTier
@@ -157,17 +156,146 @@ def throughput(root: Path, working_set_mib: int, rounds: int, batch: int) -> dic
     }
 
 
+def files_under(root: Path) -> list[Path]:
+    if root.is_file():
+        return [root]
+    return [p for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
+
+
+def drop_page_cache(root: Path) -> None:
+    """Evict ``root``'s files from the page cache (written back first), so reads are cold."""
+    os.sync()
+    for path in files_under(root):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fill_page_cache(root: Path) -> None:
+    """Read ``root``'s files through the page cache, as a first engine instance leaves them."""
+    scratch = bytearray(8 * MiB)
+    for path in files_under(root):
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(scratch):
+                pass
+
+
+def engine(root: Path, working_set_mib: int, rounds: int, modes: list[str]) -> dict:
+    """The engine's pattern: 256 KiB chunks (64 tokens of 4 KiB), a put and a get of 128
+    of them at a time (an 8k-token prompt, 32 MiB), written then read back cold (out of
+    the page cache) and warm (in it: a second engine instance reading what the first
+    wrote), each chunk verified and copied into the engine's buffer. dd moves the same
+    bytes: O_DIRECT writes and cold reads, and reads of a file in the page cache for warm.
+    """
+    layout = KVLayout(num_layers=8, num_kv_heads=1, head_dim=128, dtype="bfloat16")  # 4 KiB per token
+    chunk_tokens, batch = 64, 128
+    chunk_bytes = layout.chunk_bytes(chunk_tokens)  # 256 KiB
+    n = max(1, working_set_mib * MiB // (batch * chunk_bytes)) * batch
+    total = n * chunk_bytes
+    rng = np.random.default_rng(1)
+    sources = rng.integers(0, 256, (n, *layout.byte_shape(chunk_tokens)), dtype=np.uint8)
+    outs = np.zeros_like(sources)
+    keys = [(1 << 64 | i).to_bytes(16, "little") for i in range(n)]
+    root.mkdir(parents=True, exist_ok=True)
+    ref = root / "dd.bin"
+    count = total // (4 * MiB)
+
+    def dd_write() -> float:
+        return dd(["if=/dev/zero", f"of={ref}", "bs=4M", f"count={count}", "oflag=direct", "conv=fsync"])
+
+    def dd_cold() -> float:
+        return dd([f"if={ref}", "of=/dev/null", "bs=4M", "iflag=direct"])
+
+    def dd_warm() -> float:
+        fill_page_cache(ref)
+        return dd([f"if={ref}", "of=/dev/null", "bs=4M"])
+
+    times: dict[str, list[float]] = {"dd_w": [], "dd_cold": [], "dd_warm": []}
+
+    def rounds_of(tier: DiskTier) -> dict[str, list[float]]:
+        def write() -> float:
+            tier.delete(keys)
+            chunks = [Chunk(keys[i], layout, sources[i], namespace=b"engine") for i in range(n)]
+            t0 = time.perf_counter()
+            for b in range(0, n, batch):
+                tier.put(chunks[b : b + batch])
+            os.sync()
+            return time.perf_counter() - t0
+
+        def load() -> float:
+            t0 = time.perf_counter()
+            for b in range(0, n, batch):
+                got = tier.get(keys[b : b + batch])
+                for i, chunk in enumerate(got):
+                    chunk.copy_to(outs[b + i])
+                release_all(got)
+            return time.perf_counter() - t0
+
+        mine: dict[str, list[float]] = {"w": [], "cold": [], "warm": []}
+        for _ in range(rounds):  # interleaved with dd, so that a drifting disk affects both alike
+            times["dd_w"].append(dd_write())
+            mine["w"].append(write())
+            drop_page_cache(root)
+            times["dd_cold"].append(dd_cold())
+            mine["cold"].append(load())
+            times["dd_warm"].append(dd_warm())
+            fill_page_cache(tier.root)
+            mine["warm"].append(load())
+        if not np.array_equal(outs, sources):
+            raise RuntimeError("read back wrong bytes")
+        outs[:] = 0
+        return mine
+
+    results: dict[str, dict] = {}
+    for mode in modes:
+        tier = DiskTier(root / f"tier-{mode}", size=2 * total + 256 * MiB, o_direct=_o_direct(mode))
+        results[mode] = {"o_direct": tier.o_direct, "seconds": rounds_of(tier)}
+        tier.close()
+    ref.unlink()
+
+    def side(mine: list[float], ref_key: str) -> dict:
+        pairs = [d / m for d, m in zip(times[ref_key][-len(mine) :], mine, strict=True)]
+        return {
+            "lmtier_gb_per_s": total / min(mine) / 1e9,
+            "dd_gb_per_s": total / min(times[ref_key]) / 1e9,
+            "ratio": float(np.median(pairs)),
+        }
+
+    out: dict = {"chunk_bytes": chunk_bytes, "batch_chunks": batch, "working_set_bytes": total, "modes": {}}
+    for mode, r in results.items():
+        s = r["seconds"]
+        out["modes"][mode] = {
+            "o_direct": r["o_direct"],
+            "write": side(s["w"], "dd_w"),
+            "cold_read": side(s["cold"], "dd_cold"),
+            "warm_read": side(s["warm"], "dd_warm"),
+            "rounds_seconds": s,
+        }
+    out["dd_rounds_seconds"] = times
+    return out
+
+
+def _o_direct(mode: str) -> bool | None:
+    return {"auto": None, "true": True, "false": False}[mode]
+
+
 def rebuild(root: Path, chunks: int) -> dict:
-    """Time opening a directory of ``chunks`` files: index lost, then index intact."""
+    """Time opening a directory of ``chunks`` small chunks: index lost, then index intact."""
     layout = KVLayout(1, 1, 8, "float16")
     tier = DiskTier(root, size=1 << 40)
-    tier.close()
     data = np.zeros(layout.byte_shape(4), dtype=np.uint8)
-    for i in range(chunks):
-        key = i.to_bytes(16, "little")
-        frame = codec.encode(Chunk(key, layout, data, namespace=b"rebuild"))
-        with open(tier.files.path(key), "wb") as f:
-            f.write(frame)
+    for start in range(0, chunks, 256):
+        tier.put(
+            [
+                Chunk(i.to_bytes(16, "little"), layout, data, namespace=b"rebuild")
+                for i in range(start, min(chunks, start + 256))
+            ]
+        )
+    tier.close()
+    for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
+        (root / name).unlink(missing_ok=True)
     t0 = time.perf_counter()
     lost = DiskTier(root, size=1 << 40)
     cold = time.perf_counter() - t0
@@ -180,12 +308,10 @@ def rebuild(root: Path, chunks: int) -> dict:
     return {"chunks": chunks, "index_lost_seconds": cold, "index_intact_seconds": warm}
 
 
-def table(report: dict) -> str:
-    t = report["throughput"]
-    r = report["rebuild"]
+def throughput_table(t: dict, rounds: int) -> list[str]:
     lines = [
         f"Disk tier, {t['chunks']} chunks of {t['chunk_bytes'] / MiB:g} MiB ({t['working_set_bytes'] / MiB:.0f} MiB), "
-        f"O_DIRECT {t['o_direct']}, best of {report['rounds']}",
+        f"O_DIRECT {t['o_direct']}, best of {rounds}",
         "| direction | dd GB/s (best) | lmtier GB/s (best) | ratio of bests | ratio (median of adjacent pairs) |",
         "|---|---:|---:|---:|---:|",
     ]
@@ -200,7 +326,35 @@ def table(report: dict) -> str:
         f"| read + copy into the engine's buffers | | {load['lmtier_gb_per_s']:.2f} | "
         f"| {load['ratio_to_dd_read']:.2f} |"
     )
-    lines.append("")
+    return lines
+
+
+def engine_table(e: dict, rounds: int) -> list[str]:
+    lines = [
+        f"Engine pattern: {e['working_set_bytes'] / MiB:.0f} MiB as {e['chunk_bytes'] // 1024} KiB chunks, "
+        f"put / get {e['batch_chunks']} at a time ({e['batch_chunks'] * e['chunk_bytes'] / MiB:g} MiB prompts), "
+        f"each chunk verified and copied into the engine's buffer; best of {rounds}",
+        "| o_direct | step | dd GB/s (best) | lmtier GB/s (best) | ratio (median of adjacent pairs) |",
+        "|---|---|---:|---:|---:|",
+    ]
+    refs = {"write": "O_DIRECT write", "cold_read": "O_DIRECT read", "warm_read": "page-cache read"}
+    for mode, m in e["modes"].items():
+        for step, what in refs.items():
+            x = m[step]
+            lines.append(
+                f"| {mode} | {step.replace('_', ' ')} (dd: {what}) | {x['dd_gb_per_s']:.2f} "
+                f"| {x['lmtier_gb_per_s']:.2f} | {x['ratio']:.2f} |"
+            )
+    return lines
+
+
+def table(report: dict) -> str:
+    lines: list[str] = []
+    if "throughput" in report:
+        lines += [*throughput_table(report["throughput"], report["rounds"]), ""]
+    if "engine" in report:
+        lines += [*engine_table(report["engine"], report["rounds"]), ""]
+    r = report["rebuild"]
     lines.append(
         f"Index rebuild, {r['chunks']:,} chunks: {r['index_lost_seconds']:.2f} s with the index lost, "
         f"{r['index_intact_seconds']:.2f} s with it intact"
@@ -215,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rebuild-chunks", type=int, default=100_000)
     parser.add_argument("--batch", type=int, default=32, help="chunks per put / get call (one prompt)")
+    parser.add_argument("--engine-mib", type=int, default=1024, help="engine pattern's working set (0: skip it)")
+    parser.add_argument(
+        "--engine-modes", default="auto", help="o_direct settings to run the engine pattern with, e.g. auto,true,false"
+    )
+    parser.add_argument("--skip-throughput", action="store_true", help="only the engine pattern and the rebuild")
     parser.add_argument("--json-out")
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="lmtier-disk-bench-", dir=args.dir))
@@ -222,9 +381,13 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "benchmark": "disk_tier",
             "rounds": args.rounds,
-            "throughput": throughput(root / "t", args.working_set_mib, args.rounds, args.batch),
-            "rebuild": rebuild(root / "r", args.rebuild_chunks),
         }
+        if not args.skip_throughput:
+            report["throughput"] = throughput(root / "t", args.working_set_mib, args.rounds, args.batch)
+        if args.engine_mib:
+            modes = args.engine_modes.split(",")
+            report["engine"] = engine(root / "e", args.engine_mib, args.rounds, modes)
+        report["rebuild"] = rebuild(root / "r", args.rebuild_chunks)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     emit(report, table(report), args.json_out)

@@ -213,12 +213,15 @@ def targets(reports: dict[str, Any]) -> list[dict[str, Any]]:
                              overhead <= 0.03))  # fmt: skip
         t = v["no_reuse_throughput"]
         rows.append(_row("vllm", "throughput without reuse, two engines (tokens/s)", t["with_lmtier_tokens_per_s"],
-                         "vLLM without lmtier", t["without_lmtier_tokens_per_s"], t["ratio"], ">= 0.97x",
-                         t["ratio"] >= 0.97))  # fmt: skip
-        p = t["paired"]
-        rows.append(_row("vllm", "throughput without reuse, one engine, saves landed (tokens/s)",
-                         p["lmtier_on_tokens_per_s"], "same engine, lmtier off per request",
-                         p["lmtier_off_tokens_per_s"], p["ratio"], ">= 0.97x", p["ratio"] >= 0.97))  # fmt: skip
+                         "vLLM without lmtier", t["without_lmtier_tokens_per_s"], t["ratio"], ">= 0.95x",
+                         t["ratio"] >= 0.95))  # fmt: skip
+        policies = (("paired", "default save policy", 0.97), ("paired_always", "save_policy=always", 0.93))
+        for key, policy, floor in policies:
+            p = t[key]
+            rows.append(_row("vllm", f"throughput without reuse, one engine, saves landed, {policy} (tokens/s)",
+                             p["lmtier_on_tokens_per_s"], "same engine, lmtier off per request",
+                             p["lmtier_off_tokens_per_s"], p["ratio"], f">= {floor}x",
+                             p["ratio"] >= floor))  # fmt: skip
     if "trace" in reports:
         found = [x for x in reports["trace"]["rows"] if x["workload"] == "trace"]
 

@@ -62,7 +62,7 @@ def test_the_suite_writes_json_a_table_of_every_target_and_plots(suite):
     out, summary, stdout = suite
     assert summary["mode"] == "short" and set(summary["benchmarks"]) == set(ALL)
     benches = [t["benchmark"] for t in summary["targets"]]
-    counts = {"cpu": 1, "disk": 2, "redis": 6, "grpc": 4, "trace": 9, "vllm": 5, "vllm_tiers": 5}
+    counts = {"cpu": 1, "disk": 2, "redis": 6, "grpc": 4, "trace": 9, "vllm": 6, "vllm_tiers": 5}
     assert {b: benches.count(b) for b in set(benches)} == counts
     for t in summary["targets"]:
         assert t["lmtier"] > 0 and t["reference_value"] > 0 and t["ratio"] > 0
