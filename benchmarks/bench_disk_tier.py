@@ -1,20 +1,28 @@
-"""Disk tier throughput against ``dd`` with O_DIRECT, and index rebuild time.
+"""Disk tier throughput against ``dd`` with O_DIRECT, eviction under reuse, index rebuild.
 
 In one run, on one directory's filesystem:
 
 - ``dd if=/dev/zero of=F bs=4M oflag=direct conv=fsync`` and ``dd if=F of=/dev/null
-  bs=4M iflag=direct`` over the working set's bytes: the disk's sequential ceiling.
+  bs=4M iflag=direct`` over the working set's bytes: the disk's sequential ceiling (and,
+  for warm reads, ``dd`` of a file in the page cache).
 - lmtier writes the same bytes as 2 MiB chunks (``put`` in batches of ``--batch`` chunks, a
   prompt each: 32 chunks of 128 tokens is a 4k-token prompt),
-  then ``os.sync()`` (as ``conv=fsync`` does), and reads them back cold (O_DIRECT: no page
-  cache) with ``get``, each chunk verified and copied into a preallocated destination,
-  as an engine load would.
-- Index rebuild: a directory of N small chunk files whose index was lost is opened
-  (every file adopted), then opened again with its index intact.
+  then ``os.sync()`` (as ``conv=fsync`` does), and reads them back cold (the page cache
+  dropped first) with ``get``, each chunk verified and copied into a preallocated
+  destination, as an engine load would.
+- The engine's pattern (``--engine-mib``): 256 KiB chunks, put and got 128 at a time (an
+  8k-token prompt of 32 MiB), written, read back cold and read back warm (in the page
+  cache, as a second engine instance on the host finds what the first wrote), for each
+  ``o_direct`` setting of ``--engine-modes``.
+- Eviction under reuse (``--compaction-requests``): hit ratio against bytes copied forward
+  by compaction, for several copy credits (``space.COMPACT_RATIO``; inf: exact LRU).
+- Index rebuild: a directory of N small chunks whose index was lost is opened
+  (every segment scanned, every frame adopted), then opened again with its index intact.
 
-Prints JSON and a Markdown table with GB/s of each side and the ratio.
+Prints JSON and Markdown tables with GB/s of each side and the ratio.
 
-    python benchmarks/bench_disk_tier.py [--dir D] [--working-set-mib 1024] [--rebuild-chunks 100000]
+    python benchmarks/bench_disk_tier.py [--dir D] [--working-set-mib 1024] [--engine-mib 1024]
+        [--engine-modes auto,true,false] [--compaction-requests 3000] [--rebuild-chunks 100000]
 """
 
 from __future__ import annotations
@@ -31,13 +39,15 @@ from pathlib import Path
 
 import numpy as np
 
+from lmtier import codec
 from lmtier.chunk import Chunk, release_all
 from lmtier.layout import KVLayout
-from lmtier.tiers.disk import DiskTier
+from lmtier.tiers.disk import DiskTier, space
 
 from common import emit
 
 MiB = 1024**2
+DEFAULT_RATIO = space.COMPACT_RATIO
 
 
 def dd(args: list[str]) -> float:
@@ -81,11 +91,7 @@ def throughput(root: Path, working_set_mib: int, rounds: int, batch: int) -> dic
         return time.perf_counter() - t0
 
     def drop_cache() -> None:
-        if not tier.o_direct:  # through the page cache: drop it first so reads are cold
-            for key in keys:
-                fd = os.open(tier.files.path(key), os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
+        drop_page_cache(tier.root)  # so that reads are cold, whatever went through the cache
 
     def lmtier_read() -> float:
         """``get``: every chunk read and its checksums verified, like dd reading to nowhere."""
@@ -281,6 +287,45 @@ def _o_direct(mode: str) -> bool | None:
     return {"auto": None, "true": True, "false": False}[mode]
 
 
+def compaction(root: Path, requests: int, ratios: list[float], docs: int = 400) -> dict:
+    """Eviction under a reuse workload, for several copy credits (how many bytes compaction
+    may copy forward per byte stored; 0: never copy, evict more instead; inf: exact LRU). A tier of
+    512 chunks in segments of 32; each request is a 16-chunk prompt whose first 4 to 12
+    chunks are a document's (documents drawn Zipf-like, so some stay hot) and the rest its
+    own; the engine looks the prompt up, loads the hit, and saves the prompt. Reports the
+    chunk hit ratio and the bytes compaction copied per byte stored."""
+    layout = KVLayout(1, 1, 64, "float16")  # 4 KiB chunks: the policy, not the disk, is measured
+    tokens = 16
+    rng = np.random.default_rng(7)
+    weights = 1 / np.arange(1, docs + 1) ** 0.9
+    weights /= weights.sum()
+    plan = [(int(rng.choice(docs, p=weights)), int(rng.integers(4, 13))) for _ in range(requests)]
+    data = np.zeros(layout.byte_shape(tokens), dtype=np.uint8)
+    frame = -(-codec.encoded_size(Chunk(b"k" * 16, layout, data)) // 4096) * 4096  # stored size, padded
+    out = {}
+    for ratio in ratios:
+        space.COMPACT_RATIO = ratio
+        tier = DiskTier(root / f"c{ratio}", size=512 * frame, segment=32 * frame)
+        hits = total = 0
+        for i, (doc, shared) in enumerate(plan):
+            keys = [doc.to_bytes(4, "little") + j.to_bytes(2, "little") for j in range(shared)]
+            keys += [(1 << 40 | i).to_bytes(8, "little") + j.to_bytes(2, "little") for j in range(16 - shared)]
+            held = tier.contains(keys)
+            got = tier.get(keys[:held])
+            release_all(got)
+            hits, total = hits + held, total + len(keys)
+            tier.put([Chunk(k, layout, data) for k in keys])
+        stats = tier.stats()
+        out[str(ratio)] = {
+            "hit_ratio": hits / total,
+            "copied_per_stored_byte": stats["compacted_bytes"] / (stats["stored"] * frame),
+            "evictions": stats["evictions"],
+        }
+        tier.close()
+    space.COMPACT_RATIO = DEFAULT_RATIO
+    return {"requests": requests, "documents": docs, "ratios": out}
+
+
 def rebuild(root: Path, chunks: int) -> dict:
     """Time opening a directory of ``chunks`` small chunks: index lost, then index intact."""
     layout = KVLayout(1, 1, 8, "float16")
@@ -354,6 +399,17 @@ def table(report: dict) -> str:
         lines += [*throughput_table(report["throughput"], report["rounds"]), ""]
     if "engine" in report:
         lines += [*engine_table(report["engine"], report["rounds"]), ""]
+    if "compaction" in report:
+        c = report["compaction"]
+        lines += [
+            f"Eviction under reuse ({c['requests']} requests over {c['documents']} documents): copy credit "
+            "(bytes compaction may copy forward per byte stored; inf: exact LRU)",
+            "| credit | chunk hit ratio | bytes copied per byte stored | chunks evicted |",
+            "|---:|---:|---:|---:|",
+        ]
+        for ratio, x in c["ratios"].items():
+            lines.append(f"| {ratio} | {x['hit_ratio']:.3f} | {x['copied_per_stored_byte']:.3f} | {x['evictions']} |")
+        lines.append("")
     r = report["rebuild"]
     lines.append(
         f"Index rebuild, {r['chunks']:,} chunks: {r['index_lost_seconds']:.2f} s with the index lost, "
@@ -374,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         "--engine-modes", default="auto", help="o_direct settings to run the engine pattern with, e.g. auto,true,false"
     )
     parser.add_argument("--skip-throughput", action="store_true", help="only the engine pattern and the rebuild")
+    parser.add_argument("--compaction-requests", type=int, default=0, help="eviction workload's requests (0: skip)")
+    parser.add_argument("--compaction-ratios", default="0,1,4,inf", help="compaction budgets to compare")
+    parser.add_argument("--compaction-docs", type=int, default=400, help="documents the workload's prompts share")
     parser.add_argument("--json-out")
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="lmtier-disk-bench-", dir=args.dir))
@@ -387,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.engine_mib:
             modes = args.engine_modes.split(",")
             report["engine"] = engine(root / "e", args.engine_mib, args.rounds, modes)
+        if args.compaction_requests:
+            ratios = [float(x) for x in args.compaction_ratios.split(",")]
+            report["compaction"] = compaction(root / "c", args.compaction_requests, ratios, args.compaction_docs)
         report["rebuild"] = rebuild(root / "r", args.rebuild_chunks)
     finally:
         shutil.rmtree(root, ignore_errors=True)

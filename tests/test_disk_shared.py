@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from lmtier import codec
 from lmtier.chunk import release_all
 from lmtier.tiers.disk import DiskTier
 
 from conftest import make_prompt
-from test_disk_tier import FRAME, files_on_disk, new_tier
+from test_disk_tier import FRAME, new_tier, segments_on_disk
 
 
 def test_a_second_tier_and_a_second_process_see_the_first_ones_chunks(tmp_path):
@@ -30,7 +31,7 @@ def test_a_second_tier_and_a_second_process_see_the_first_ones_chunks(tmp_path):
     tier.close()
     again = new_tier(tmp_path)
     assert again.contains(p.keys) == 6
-    assert again.stats()["used_bytes"] == sum(files_on_disk(tmp_path).values())
+    assert again.stats()["used_bytes"] == sum(segments_on_disk(tmp_path).values())
     again.close()
     script = textwrap.dedent(f"""
         import json, sys
@@ -66,8 +67,7 @@ WRITER = textwrap.dedent("""
             batch.append(Chunk(rng.bytes(16), layout, data, namespace=b"crash"))
         tier.put(batch)
         if step % 3 == 0:  # read back our own chunks and, through the listing, anyone's
-            listed = [p.name for p in tier.files.chunks.glob("*/*.lmt")][:8]
-            keys = [c.key for c in batch] + [bytes.fromhex(n.removesuffix(".lmt")) for n in listed]
+            keys = [c.key for c in batch] + tier.keys(limit=8)
             for chunk in tier.get(keys):
                 if chunk is not None:
                     chunk.tobytes()  # raises if the bytes do not verify
@@ -78,12 +78,11 @@ WRITER = textwrap.dedent("""
 def check_directory(path: Path, size: int) -> int:
     """Open afresh: every chunk verifies, nothing partial is visible, accounting matches."""
     tier = DiskTier(path, size=size)
-    on_disk = files_on_disk(path)
-    assert tier.stats()["used_bytes"] == sum(on_disk.values()) <= size
-    assert tier.stats()["chunks"] == len(on_disk)
-    keys = [bytes.fromhex(name.removesuffix(".lmt")) for name in on_disk]
+    assert tier.stats()["used_bytes"] == sum(segments_on_disk(path).values()) <= size
+    keys = tier.keys()
+    assert tier.stats()["chunks"] == len(keys)
     for chunk in tier.get(keys):
-        assert chunk is not None  # published files are complete: none is damaged
+        assert chunk is not None  # recorded frames are complete: none is damaged
         chunk.tobytes()  # verifies
         chunk.release()
     assert tier.stats()["corrupt"] == 0
@@ -235,3 +234,94 @@ def test_a_read_does_not_wait_for_another_processes_write_lock(tmp_path):
         locker.execute("ROLLBACK")
         locker.close()
     tier.close()
+
+
+# -- segments: torn tails, eviction under a reader --------------------------------------------
+HOLDER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[3])
+    from conftest import make_prompt
+    from lmtier.tiers.disk import DiskTier
+    tier = DiskTier(sys.argv[1], size=int(sys.argv[2]))
+    p = make_prompt(6, seed=81)
+    tier.put(p.chunks(0, 3))
+    tier.put(p.chunks(3, 6))
+    print(tier.locate(p.keys[0])[0], flush=True)
+    time.sleep(600)  # killed here, holding its open segment
+""")
+
+
+def test_a_torn_tail_after_sigkill_is_cut_off_and_everything_before_it_served(tmp_path):
+    """A writer killed while appending: its segment ends in a frame that was written
+    whole but never recorded (adopted: it verifies) and one torn mid-payload (cut off)."""
+    size = 256 * FRAME  # segments of 16 frames: both batches in one
+    writer = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path), str(size), str(Path(__file__).parent)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    segment = Path(writer.stdout.readline().strip())
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(timeout=30)
+    assert segment.stat().st_size == 6 * FRAME
+    whole, torn = make_prompt(2, seed=82).chunks()
+    with open(segment, "ab") as f:
+        f.write(codec.encode(whole).ljust(FRAME, b"\0"))  # complete, never recorded
+        frame = bytearray(codec.encode(torn))
+        frame[len(frame) // 2 :] = bytes(len(frame) - len(frame) // 2)  # the payload's end never landed
+        f.write(frame)
+    tier = DiskTier(tmp_path, size=size)
+    p = make_prompt(6, seed=81)
+    got = tier.get([*p.keys, whole.key, torn.key])
+    assert [c.tobytes() for c in got[:7]] == [p.chunk_bytes(i) for i in range(6)] + [whole.tobytes()]
+    assert got[7] is None
+    release_all(got)
+    assert segment.stat().st_size == 7 * FRAME  # the torn frame is gone
+    assert tier.stats()["used_bytes"] == 7 * FRAME
+    assert tier.stats()["corrupt"] == 0  # never recorded, so never read
+    tier.close()
+
+
+EVICTOR = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[3])
+    from conftest import make_prompt
+    from lmtier.tiers.disk import DiskTier
+    tier = DiskTier(sys.argv[1], size=int(sys.argv[2]))
+    tier.put(make_prompt(6, seed=92).chunks())  # room for 6: everything older goes
+    tier.close()
+""")
+
+
+def test_a_segment_evicted_by_another_process_mid_read_is_read_whole(tmp_path, monkeypatch):
+    """Another process evicts the segment a get is reading (after the get opened it):
+    the open descriptor still reads the whole, verified frames; afterwards they are gone."""
+    from lmtier.tiers.disk import files
+
+    size = 6 * FRAME
+    p = make_prompt(4, seed=91)
+    writer = DiskTier(tmp_path, size=size)
+    writer.put(p.chunks())
+    writer.close()  # its segment is sealed: any process may reclaim it
+    (segment,) = (tmp_path / "segments").iterdir()
+    reader = DiskTier(tmp_path, size=size)
+    real = files._preadv_all
+
+    def evict_then_read(fd, views, offset):
+        subprocess.run(
+            [sys.executable, "-c", EVICTOR, str(tmp_path), str(size), str(Path(__file__).parent)],
+            check=True,
+            timeout=60,
+        )
+        assert not segment.exists()  # unlinked while we hold it open
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(files, "_preadv_all", evict_then_read)
+    got = reader.get(p.keys)
+    monkeypatch.undo()
+    assert [c.tobytes() for c in got] == [p.chunk_bytes(i) for i in range(4)]
+    release_all(got)
+    assert reader.contains(p.keys) == 0
+    assert reader.contains(make_prompt(6, seed=92).keys) == 6
+    assert reader.stats()["used_bytes"] == sum(segments_on_disk(tmp_path).values()) <= size
+    reader.close()

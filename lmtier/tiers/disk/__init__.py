@@ -1,29 +1,43 @@
-"""``file:///mnt/nvme/lmtier?size=500GiB``: chunks as files on a local disk.
+"""``file:///mnt/nvme/lmtier?size=500GiB``: chunks in log-structured segment files.
 
-    tier    DiskTier: the Tier primitives, the size bound, eviction, reconcile
-    files   ChunkFiles: where each chunk's file lies, writing and reading one frame
-    index   DiskIndex: SQLite beside the files (sizes, recency, usage), shared by processes
+    tier       DiskTier: the Tier primitives, reads and appends, the size bound
+    space      Space: eviction, compaction, crash recovery, the old layout's migration
+    files      SegmentFiles: segment names, appends, preadv of consecutive frames, scans
+    pagecache  whether a run is in the page cache; starting writeback
+    index      DiskIndex: SQLite beside the segments (where each chunk lies, recency, sizes)
 
-One file per chunk, ``chunks/<first byte>/<hex key>.lmt``, holding one codec frame.
-Publishing is atomic: a chunk is written whole under a temporary name (fsync'ed first when
-``fsync=true``), then, inside one index transaction, renamed into place and recorded.
-Readers open files by name, so they see a complete frame or nothing; a file evicted or
-replaced while being read stays readable through its open descriptor. After a crash a
-frame is still verified by its checksums when read, so a torn file can only ever be a miss.
+    <dir>/segments/<pid>-<random>-<n>.seg   codec frames, each at a 4 KiB boundary
+    <dir>/index.sqlite                      chunks(key, seg, off, len, atime), segments(...)
+    <dir>/tmp/                              segments being created (renamed in at once)
 
-The index is shared by every process that opens the directory: the size bound is enforced
-under its write lock, counting each file once however many processes write. Opening the
-tier reconciles the index with the files (adopting complete files a crash left
-unrecorded, forgetting records whose files are gone, removing dead writers' temporary
-files), and rebuilds it from the files when the database is missing.
+Each writing process appends to a segment of its own (``segment=256MiB``), so appends take
+no lock across processes: a ``put`` takes its batch's place at the segment's end and
+writes it with one ``pwritev`` per 8 MiB piece, the pieces in flight together (through
+the page cache from views of the chunks, or O_DIRECT from page-aligned buffers), then one
+index transaction records the batch within the size bound. A chunk is visible once that
+transaction commits; until then its bytes lie past the segment's recorded end.
+A ``get`` looks its keys up (no write lock), and frames written together come back with one
+``preadv`` per run of consecutive frames (up to 8 MiB, runs read in parallel), each
+straight into a page-aligned pooled buffer of its own that the returned chunk views.
 
-Eviction is LRU over the index's recency with the CPU tier's twist: within a batch the
-first chunk of the prompt is made the most recent, so a prompt loses its tail first.
+Every read is verified (both checksums and the key); a bad frame is a miss and its record
+is dropped. Crashes: a writer killed at any moment leaves frames past its last commit; an
+opener finds its segment unlocked (the append lock is an ``flock`` the kernel drops with
+the process, whatever its PID namespace), adopts the complete frames, cuts the torn tail
+off and seals it. Segment files the index does not know (a lost or damaged index) are
+scanned frame by frame and adopted; records of vanished files are forgotten; files in
+``segments/`` that are not ours are removed; the one-file-per-chunk layout
+(``chunks/<byte>/<hex key>.lmt``) is adopted on open, each file becoming a one-frame
+segment by a rename.
 
-I/O: large sequential reads and writes in reused page-aligned buffers, with O_DIRECT when
-the filesystem supports it (``o_direct=auto``), so cold reads measure the disk, not the
-page cache, and the cache keeps room for the engine. A small thread pool
-(``threads=16``: small chunks need a deep queue) overlaps the I/O of a batch's chunks.
+Eviction is least-recently-used per chunk with the memory tier's twist (a batch's first
+chunk is its most recent, so a prompt loses its tail first); space is reclaimed per
+segment, whole segments with nothing live first, then the cheapest partly live ones
+compacted (their live chunks copied forward). ``size`` bounds the segments' bytes, dead
+ones included, counted once however many processes write.
+
+I/O choices, measured with ``benchmarks/bench_disk_tier.py``: see ``docs/architecture.md``
+("The disk tier").
 """
 
 from lmtier.tiers.disk.files import STALE_TEMP_S, SUFFIX

@@ -1,179 +1,269 @@
-"""The chunk files of one disk-tier directory: where each chunk lies, how it is written
-and read. No policy here (sizes, eviction, recency: ``tier``, ``index``); only bytes and
-names.
+"""The segment files of one disk-tier directory: names, appends, reads, scans. Bytes and
+names only; what is live, and within which bound, is the index's and the tier's business.
 
-    ChunkFiles(root, o_direct, fsync)
-      .path(key) -> str                  chunks/<first byte>/<hex key>.lmt
-      .write_temp(chunk) -> (tmp, size)  the chunk's frame, whole, under a unique temporary name
-      .read(key, on_corrupt) -> Chunk | None   one frame, verified; None when there is no file
-      .scan() -> {key: (size, mtime_ns)}  every chunk file (what ``reconcile`` compares)
-      .remove_dead_temporaries()         what crashed writers left behind
-    key_of(name) -> bytes | None         the key a file name encodes, None for a stranger
-    fsync_dir(path), supports_o_direct(directory)
+    SegmentFiles(root, o_direct, fsync)   o_direct: True, False, or None (auto: see below)
+      .create() -> Writer                 a new segment, locked by this process while it appends
+      .new_name() -> str                  a name no other process will make
+      .frames(chunk) -> Frame             a chunk's frame, ready to write (verified on the way)
+      .filler(size) -> Frame              zeros in the place of a chunk that is not written
+      .release(frames)                    their pooled buffers back
+      .read(path, run) -> [view]          one preadv of consecutive frames, one pooled buffer each
+      .scan(path, start, verify) -> ([(key, offset, length)], end)   the good frames from ``start``
+      .owner_alive(path) -> bool          whether a live writer still appends to a segment
+      .remove_dead_temporaries()          what crashed writers left in tmp/
+    Writer.append(frames) -> [offset]     one sequential write at the segment's end
+    Writer.write_at(frames, offset)       one pwritev at a place taken already (a batch's pieces)
+    segment_name(name) -> bool            a name this tier made (anything else is a stranger)
 
-The file name is the key's fixed hex encoding and nothing else, so no input can steer a
-path. Writes go to ``tmp/<pid>-<random>-<n>.tmp`` (unique across processes, hosts and
-PID namespaces sharing the directory) and are published by ``rename``; with O_DIRECT
-(``o_direct``) the frame is written from a page-aligned buffer and its padding trimmed.
+A segment is a sequence of codec frames, each starting at a multiple of ``ALIGN`` and
+padded with zeros to the next one. Aligned frames cost at most 4 KiB each (1.5% of a
+256 KiB chunk) and buy the I/O the tier needs: a batch of frames is a few large ``pwritev``
+from page-aligned buffers (with O_DIRECT, or through the page cache), and consecutive frames
+come back with one ``preadv`` straight into one page-aligned pooled buffer per chunk, so
+each chunk keeps its own lease and nothing is copied twice.
+
+Page cache or O_DIRECT: ``o_direct=true`` writes and reads with O_DIRECT, ``false``
+through the page cache. ``auto`` (the default) writes through the page cache and reads
+what the page cache holds through it and the rest with O_DIRECT (``pagecache.resident``,
+asked per run), where the filesystem supports O_DIRECT; the measurements behind it are in
+docs/architecture.md ("The disk tier").
+
+Names are ``<pid>-<random>-<n>.seg`` (unique across processes, hosts and PID namespaces
+sharing the directory); no key ever reaches a path. A writer makes its segment under
+``tmp/``, takes an exclusive ``flock`` on it and renames it into ``segments/``, so any
+process can tell a live writer's segment (locked) from a dead one's (free: the kernel
+drops the lock with the process, SIGKILL included), whatever PID namespace it lives in.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import itertools
 import os
+import re
 import secrets
 import time
-from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from lmtier import codec
 from lmtier.buffers import ALIGN, BufferPool, round_up
 from lmtier.chunk import Chunk
 from lmtier.errors import IntegrityError
+from lmtier.tiers.disk import pagecache
 
-SUFFIX = ".lmt"
-MAX_FRAME = 1 << 31  # a file larger than this is not ours: refuse before allocating
-STALE_TEMP_S = 600.0  # a temporary file untouched this long belongs to no live writer
+SUFFIX = ".seg"
+STALE_TEMP_S = 600.0  # a file in tmp/ untouched this long belongs to no live writer
+MAX_FRAME = 1 << 31  # a frame claiming more is not ours: refuse before allocating
+IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+_NAME = re.compile(r"[0-9]+-[0-9a-f]{12}-[0-9]+\.seg")
+_ZEROS = bytes(ALIGN)
 
 
-class ChunkFiles:
+def segment_name(name: str) -> bool:
+    return _NAME.fullmatch(name) is not None
+
+
+@dataclass
+class Frame:
+    """One chunk's frame as buffers to write: ``length`` bytes, then zeros to ``padded``."""
+
+    key: bytes
+    length: int
+    parts: list = field(repr=False)
+    buffer: object = field(default=None, repr=False)  # a pooled buffer to hand back once written
+
+    @property
+    def padded(self) -> int:
+        return round_up(self.length)
+
+
+class SegmentFiles:
     def __init__(self, root: Path, o_direct: bool | None, fsync: bool) -> None:
-        self.chunks = root / "chunks"
+        self.root = root
+        self.segments = root / "segments"
         self.tmp = root / "tmp"
         self.make_dirs()
-        self.o_direct = supports_o_direct(self.tmp) if o_direct is None else o_direct
+        direct_ok = supports_o_direct(self.tmp) if o_direct is not False else False
+        self.write_direct = bool(o_direct)
+        self.read_mode = "direct" if o_direct else "resident" if o_direct is None and direct_ok else "cache"
+        self.o_direct = self.write_direct or self.read_mode != "cache"  # O_DIRECT in use at all
+        self.read_bytes = {"page_cache": 0, "o_direct": 0}  # how reads went (a statistic)
         self.fsync = fsync
-        # Enough idle buffers for a few batched reads in flight (a prompt's worth of chunks
-        # read at once), bounded in bytes: fresh buffers cost page faults on every read.
-        self._buffers = BufferPool(max_free=256, max_free_bytes=256 << 20)
+        # Enough idle buffers for a few prompts read at once, bounded in bytes: fresh
+        # buffers cost page faults on every read.
+        self.buffers = BufferPool(max_free=512, max_free_bytes=256 << 20)
         self._counter = itertools.count()
         self._nonce_pid = -1
 
     def make_dirs(self) -> None:
-        for i in range(256):
-            (self.chunks / f"{i:02x}").mkdir(parents=True, exist_ok=True)
+        self.segments.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(exist_ok=True)
 
-    def path(self, key: bytes) -> str:
-        name = key.hex()
-        return f"{self.chunks}/{name[:2]}/{name}{SUFFIX}"
+    def path(self, name: str) -> str:
+        return f"{self.segments}/{name}"
 
     # -- writing ------------------------------------------------------------------------
-    def write_temp(self, chunk: Chunk) -> tuple[str, int]:
-        """Write one chunk's frame under a new temporary name: ``(path, size)``.
+    def new_name(self) -> str:
+        return f"{os.getpid()}-{self._nonce()}-{next(self._counter)}{SUFFIX}"
 
-        Raises ``IntegrityError`` when the chunk fails verification on its way in (it came
-        unverified from memory) and ``OSError`` when the disk refuses; a temporary file this
-        call created is removed then (never a file of someone else's).
-        """
-        tmp = str(self.tmp / f"{os.getpid()}-{self._nonce()}-{next(self._counter)}.tmp")
-        buf = None
-        created = False
+    def create(self) -> Writer:
+        """A new, empty segment in ``segments/``, locked for this process's appends."""
+        name = self.new_name()
+        tmp = f"{self.tmp}/{name}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if self.write_direct else 0)
+        fd = os.open(tmp, flags, 0o644)
         try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.o_direct else 0)
-            if self.o_direct:
-                buf = self._buffers.acquire(round_up(codec.encoded_size(chunk)))
-                size = codec.encode_into(chunk, buf)
-                padded = round_up(size)
-                buf[size:padded] = bytes(padded - size)
-                parts = [memoryview(buf)[:padded]]
-            else:
-                parts = codec.encode_parts(chunk)
-                size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
-            fd = os.open(tmp, flags, 0o644)
-            created = True
-            try:
-                _write_all(fd, parts)
-                if self.o_direct and size % ALIGN:  # drop the padding O_DIRECT wrote
-                    os.ftruncate(fd, size)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            return tmp, size
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh inode: nobody else holds it
+            os.rename(tmp, self.path(name))
+            if self.fsync:
+                fsync_dir(str(self.segments))
         except BaseException:
-            if created:
-                Path(tmp).unlink(missing_ok=True)
+            os.close(fd)
+            Path(tmp).unlink(missing_ok=True)
             raise
-        finally:
-            if buf is not None:
-                self._buffers.release(buf)
+        return Writer(name, self.path(name), fd, self.fsync, self.write_direct)
+
+    def frames(self, chunk: Chunk) -> Frame:
+        """``chunk``'s frame, verified on the way in (``IntegrityError``: it came damaged
+        from memory). With O_DIRECT it is encoded into a pooled page-aligned buffer (one
+        pass copies and hashes); through the page cache the parts are views of the chunk
+        (nothing copied here; the kernel copies once)."""
+        if self.write_direct:
+            length = codec.encoded_size(chunk)
+            buf = self.buffers.acquire(round_up(length))
+            try:
+                codec.encode_into(chunk, buf)
+                buf[length : round_up(length)] = _ZEROS[: round_up(length) - length]
+            except BaseException:
+                self.buffers.release(buf)
+                raise
+            return Frame(chunk.key, length, [memoryview(buf)[: round_up(length)]], buf)
+        parts = codec.encode_parts(chunk)
+        length = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        if length % ALIGN:
+            parts.append(_ZEROS[: round_up(length) - length])
+        return Frame(chunk.key, length, parts)
+
+    def filler(self, size: int) -> Frame:
+        """Zeros standing for a frame that is not written (no key): ``size`` bytes."""
+        if self.write_direct:
+            buf = self.buffers.acquire(size)
+            buf[:size] = bytes(size)
+            return Frame(b"", size, [memoryview(buf)[:size]], buf)
+        return Frame(b"", size, [bytes(size)])
+
+    def release(self, frames: list[Frame]) -> None:
+        for frame in frames:
+            if frame.buffer is not None:
+                self.buffers.release(frame.buffer)
+                frame.buffer = None
 
     # -- reading ------------------------------------------------------------------------
-    def read(self, key: bytes, on_corrupt: Callable[[int], None]) -> Chunk | None:
-        """The chunk stored under ``key``, verified as it is read; None when there is no file.
-
-        Raises ``IntegrityError`` (with the file's inode in ``exc.inode``) for a file that is
-        not a good frame of this key, and ``OSError`` when the disk fails. ``on_corrupt`` is
-        called with the inode if the chunk turns out damaged later (a lazily verified view).
-        """
+    def read(self, path: str, run: list[tuple[int, int]]) -> list[memoryview | None]:
+        """Frames ``run`` = [(offset, length)], consecutive in the file, with one ``preadv``
+        into one pooled buffer each. Returns a view of each frame (its buffer is
+        ``view.obj``, for the caller to release), None for one the file ends inside.
+        Raises ``FileNotFoundError`` when the segment is gone (evicted)."""
+        direct = self.read_mode == "direct"
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
+        bufs = []
         try:
-            fd = os.open(self.path(key), os.O_RDONLY | (os.O_DIRECT if self.o_direct else 0))
-        except FileNotFoundError:
-            return None
-        buf = None
-        try:
-            st = os.fstat(fd)
-            try:
-                if not codec.PREAMBLE.size <= st.st_size <= MAX_FRAME:
-                    raise IntegrityError(f"file of {st.st_size} bytes cannot be a chunk")
-                buf = self._buffers.acquire(round_up(st.st_size))
-                view = memoryview(buf)
-                got = 0
-                while got < st.st_size:  # O_DIRECT reads whole blocks; the tail comes back short
-                    n = os.preadv(fd, [view[got : round_up(st.st_size)]], got)
-                    if n <= 0:
-                        break
-                    got += n
-                if got != st.st_size:
-                    raise IntegrityError("file shorter than it said")
-                # Verified here, in the I/O thread: hashing releases the GIL, so it runs
-                # beside the other reads instead of adding a pass to the reader's copy.
-                chunk = codec.decode(
-                    view[: st.st_size],
-                    key=key,
-                    on_release=lambda b=buf: self._buffers.release(b),
-                    on_corrupt=lambda inode=st.st_ino: on_corrupt(inode),
-                )
-            except IntegrityError as exc:
-                exc.inode = st.st_ino  # type: ignore[attr-defined]
-                raise
-            buf = None  # the chunk owns it now
-            return chunk
+            if self.read_mode == "resident":
+                span = run[-1][0] + round_up(run[-1][1]) - run[0][0]
+                if not pagecache.resident(fd, run[0][0], span):  # not in the cache (or cannot tell)
+                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+                    direct = True
+            for _, length in run:
+                if not codec.PREAMBLE.size <= length <= MAX_FRAME:
+                    raise IntegrityError(f"a frame of {length} bytes cannot be a chunk")
+                bufs.append(self.buffers.acquire(round_up(length)))
+            views = [memoryview(b)[: round_up(n)] for b, (_, n) in zip(bufs, run, strict=True)]
+            got = _preadv_all(fd, views, run[0][0])
+        except BaseException:
+            for b in bufs:
+                self.buffers.release(b)
+            raise
         finally:
             os.close(fd)
-            if buf is not None:
-                self._buffers.release(buf)
+        self.read_bytes["o_direct" if direct else "page_cache"] += got  # racy, but only a statistic
+        out: list[memoryview | None] = []
+        pos = 0
+        for buf, (_, length) in zip(bufs, run, strict=True):
+            if got - pos >= length:
+                out.append(memoryview(buf)[:length])
+            else:
+                self.buffers.release(buf)
+                out.append(None)
+            pos += round_up(length)
+        return out
+
+    def scan(self, path: str, start: int, verify: bool) -> tuple[list[tuple[bytes, int, int]], int]:
+        """The good frames of a segment from ``start``: ``([(key, offset, length)], end)``,
+        ``end`` being where the last good frame ends (``start`` if none), before the first
+        bad or incomplete frame (a torn tail) or the file's end; zeroed blocks (the
+        place of a chunk that was not written) are stepped over. ``verify`` checks each
+        payload too (a tail a killed writer left: its header may be whole and its payload
+        not); otherwise headers only, and reads verify."""
+        found: list[tuple[bytes, int, int]] = []
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            pos = end = start
+            while pos + codec.PREAMBLE.size <= size:
+                head = os.pread(fd, ALIGN, pos)  # the preamble and, nearly always, the header
+                if head == _ZEROS[: len(head)]:  # the place of a chunk that was not written
+                    pos += ALIGN
+                    continue
+                header_len = codec.header_length(head)
+                length = codec.PREAMBLE.size + header_len + int.from_bytes(head[12:20], "little")
+                if head[:4] != codec.MAGIC or header_len > codec.MAX_HEADER or pos + length > size:
+                    break
+                try:
+                    if verify:
+                        key = codec.decode(os.pread(fd, length, pos)).key
+                    else:
+                        if len(head) < codec.PREAMBLE.size + header_len:
+                            head = os.pread(fd, codec.PREAMBLE.size + header_len, pos)
+                        key = header_of(memoryview(head)[: codec.PREAMBLE.size + header_len], length).key
+                except IntegrityError:
+                    break
+                if not 1 <= len(key) <= 64:
+                    break
+                found.append((key, pos, length))
+                pos = end = pos + round_up(length)
+        finally:
+            os.close(fd)
+        return found, end
 
     # -- the directory ------------------------------------------------------------------
-    def scan(self) -> dict[bytes, tuple[int, int]]:
-        """Every chunk file: ``{key: (size, mtime_ns)}``. Anything else under ``chunks/``
-        is not ours and is removed (nothing else lives there)."""
-        on_disk: dict[bytes, tuple[int, int]] = {}
-        for sub in os.scandir(self.chunks):
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            for entry in os.scandir(sub.path):
-                key = key_of(entry.name)
-                if key is None or not entry.is_file(follow_symlinks=False):
-                    Path(entry.path).unlink(missing_ok=True)
-                    continue
-                st = entry.stat(follow_symlinks=False)
-                on_disk[key] = (st.st_size, st.st_mtime_ns)
-        return on_disk
+    def owner_alive(self, path: str) -> bool:
+        """Whether a live process holds the segment's append lock."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # releases a lock we took
+        return False
 
     def remove_dead_temporaries(self) -> None:
-        """Temporary files a crashed writer left. A pid says nothing about a writer in
-        another container (PID namespace) or on another host, so age decides: a chunk is
-        written and published within seconds, and a file untouched for STALE_TEMP_S is no
-        live writer's."""
+        """Files crashed writers left in tmp/. A pid says nothing about a writer in another
+        container, so age decides: a new segment is renamed into place within
+        milliseconds, and a file untouched for STALE_TEMP_S is no live writer's."""
         cutoff = time.time() - STALE_TEMP_S
         for entry in os.scandir(self.tmp):
             try:
                 if entry.stat(follow_symlinks=False).st_mtime < cutoff:
                     Path(entry.path).unlink(missing_ok=True)
-            except FileNotFoundError:
+            except (FileNotFoundError, IsADirectoryError):
                 pass
 
     def _nonce(self) -> str:
@@ -183,25 +273,100 @@ class ChunkFiles:
         return self._nonce_text
 
 
-def key_of(name: str) -> bytes | None:
-    stem = name.removesuffix(SUFFIX)
-    if stem == name or len(stem) % 2:
-        return None
-    try:
-        return bytes.fromhex(stem)
-    except ValueError:
-        return None
+class Writer:
+    """The segment this process appends to. Only its owner writes it, so appends need no
+    lock across processes; ``end`` is where the next frame goes."""
+
+    def __init__(self, name: str, path: str, fd: int, fsync: bool, direct: bool, end: int = 0) -> None:
+        self.name, self.path, self.fd, self.fsync, self.direct, self.end = name, path, fd, fsync, direct, end
+        self.pid = os.getpid()
+        self.id: int | None = None  # its row in the index, once recorded
+
+    def append(self, frames: list[Frame]) -> list[int]:
+        """Write ``frames`` at the end, in one sequential write; returns their offsets.
+        On an error (a full disk) what was written is cut off again, and it raises."""
+        start = self.end
+        try:
+            self.write_at(frames, start)
+        except BaseException:
+            self.truncate(start)
+            raise
+        self.end = start + sum(f.padded for f in frames)
+        return list(itertools.accumulate((f.padded for f in frames[:-1]), initial=start))
+
+    def write_at(self, frames: list[Frame], offset: int) -> None:
+        """Write ``frames`` back to back from ``offset`` with one ``pwritev`` (more only
+        past IOV_MAX buffers), then have it reach the disk: ``fsync=true`` waits for it;
+        through the page cache its writeback starts at once (``pagecache.write_back``)."""
+        views = [memoryview(p).cast("B") for frame in frames for p in frame.parts]
+        _pwritev_all(self.fd, views, offset)
+        if self.fsync:
+            os.fdatasync(self.fd)
+        elif not self.direct:
+            pagecache.write_back(self.fd, offset, sum(f.padded for f in frames))
+
+    def truncate(self, end: int) -> None:
+        try:
+            os.ftruncate(self.fd, end)
+            self.end = end
+        except OSError:
+            pass  # the bytes past ``end`` are no frame of the index's; a scan stops at them
+
+    def close(self) -> None:
+        """Close the file (which releases the append lock once no process holds it open:
+        a forked child closes its inherited copy too, so that it never keeps a dead
+        parent's segment looking alive)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd = -1
 
 
-def _write_all(fd: int, parts: list) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+def header_of(head: memoryview, length: int) -> codec.Header:
+    """Check a frame's preamble and header (``head``) without reading its payload
+    (``IntegrityError``); ``length``: the whole frame's."""
+    # read_header looks at the payload's length only; an untouched array costs no memory
+    payload = np.empty(length - len(head), dtype=np.uint8)
+    return codec.read_header(head, payload)[0]
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill ``views`` from ``offset`` (several calls when the kernel returns short, or for
+    more than IOV_MAX buffers); returns the bytes read, less than asked at end of file."""
+    views = list(views)
+    total = 0
+    i = 0
+    while i < len(views):
+        group = views[i : i + IOV_MAX]
+        n = os.preadv(fd, group, offset + total)
+        if n <= 0:
+            break
+        total += n
+        while group and n >= len(group[0]):
+            n -= len(group[0])
+            group.pop(0)
+            i += 1
+        if group and n:
+            if n % ALIGN:  # O_DIRECT came back short mid-page: only end of file does that
+                return total
+            views[i] = group[0][n:]
+    return total
+
+
+def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
+    views = list(views)
+    i = 0
+    while i < len(views):
+        group = views[i : i + IOV_MAX]
+        n = os.pwritev(fd, group, offset)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "nothing written")
+        offset += n
+        while group and n >= len(group[0]):
+            n -= len(group[0])
+            group.pop(0)
+            i += 1
+        if group and n:
+            views[i] = group[0][n:]
 
 
 def fsync_dir(path: str) -> None:

@@ -1,26 +1,35 @@
-"""The disk tier's index: which chunks a directory holds, their sizes, their recency.
+"""The disk tier's index: where each chunk lies (segment, offset, length), how recently
+it was used, and each segment's bytes, live and in all.
 
 A SQLite database in the tier's directory, shared by every process that opens it. SQLite
 gives what several engine processes (and a sidecar) on one node need from one directory:
 writers serialize on its lock, so the size bound is checked and updated atomically and
-never double-counted; recency survives a restart; and a process killed mid-transaction
-leaves the database as it was before the transaction.
+never double-counted; recency survives a restart; readers never wait for a writer (WAL);
+and a process killed mid-transaction leaves the database as it was before it. Each
+``put`` is one transaction, whatever its number of chunks.
 
-The files are the truth, the index a summary of them: ``reconcile`` (run when a tier
-opens, under the write lock) brings the index back in line with the files after a crash,
-and rebuilds it from the files if the database is lost.
+    segments(id, name, size, live, sealed)   size: bytes counted against the bound (the
+                                             committed end; frames padded); live: bytes of
+                                             the frames still indexed; sealed: no writer
+                                             appends to it any more
+    chunks(key, seg, off, len, atime)        len: the frame's length, unpadded
+    meta('usage')                            the sum of segments.size, kept in step
 
-    present(keys) -> set             which keys the index holds
-    transaction() -> Txn             BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error)
-    Txn.usage() / set_usage(n)       bytes of published chunks
-    Txn.add(rows) / remove(keys)     rows of (key, size, atime)
-    Txn.oldest(n, exclude)           eviction candidates, least recent first
-    Txn.touch(rows)                  new recency for (key, atime)
-    count() -> int
+The segment files are the truth the index summarises: the tier's ``reconcile`` (run when
+it opens, under the write lock) brings the index in line with them after a crash, and
+rebuilds it from them if the database is lost or damaged. A database of the one-file-per-
+chunk layout (schema 1) keeps its rows as ``legacy_chunks`` for the tier to migrate.
+
+    DiskIndex: present(keys) -> set, locate(keys) -> {key: Location}, keys(prefix, limit),
+               count(), usage(), transaction(wait_s) -> Txn
+    Txn: usage(), locate(keys), segment(id), segments(), add_segment(name, sealed),
+         resize(seg, size), seal(seg), drop_segments(ids), add(rows), remove(keys),
+         move(rows), oldest(n, exclude), touch(rows), chunks_in(seg), legacy_rows()
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -28,18 +37,47 @@ import random
 import sqlite3
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
+from lmtier.buffers import round_up
+
+SCHEMA_VERSION = 2
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS chunks (key BLOB PRIMARY KEY, size INTEGER NOT NULL, atime INTEGER NOT NULL)
+CREATE TABLE IF NOT EXISTS segments (
+    id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, size INTEGER NOT NULL, live INTEGER NOT NULL,
+    sealed INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS chunks (
+    key BLOB PRIMARY KEY, seg INTEGER NOT NULL, off INTEGER NOT NULL, len INTEGER NOT NULL, atime INTEGER NOT NULL)
     WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS chunks_by_atime ON chunks (atime);
+CREATE INDEX IF NOT EXISTS chunks_by_seg ON chunks (seg, off);
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta VALUES ('usage', 0);
 """
 _BATCH = 500  # SQLite's bound on host parameters is far above this
 log = logging.getLogger(__name__)
+
+
+class Location(NamedTuple):
+    seg: int
+    name: str  # the segment's file name
+    off: int
+    len: int
+
+
+class Segment(NamedTuple):
+    id: int
+    name: str
+    size: int
+    live: int
+    sealed: bool
+
+    @property
+    def dead(self) -> int:
+        return self.size - self.live
 
 
 class DiskIndex:
@@ -49,6 +87,7 @@ class DiskIndex:
         self._open_timeout_s = open_timeout_s  # past it, an engine's tier opens later (deferred)
         self._pid = -1
         self._lock = threading.RLock()
+        self.rebuilt = False  # the database was damaged and started anew: rebuild from the files
 
     def _conn(self) -> sqlite3.Connection:
         """One connection per process, made lazily and anew after ``fork``."""
@@ -97,7 +136,27 @@ class DiskIndex:
         if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
             conn.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
         conn.execute("PRAGMA synchronous=NORMAL")  # consistent after a crash; files are the truth
-        conn.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} COMMIT;")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version != SCHEMA_VERSION:
+                tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+                if version == 0 and "chunks" in tables and "legacy_chunks" not in tables:
+                    # the one-file-per-chunk layout: its rows (key, size, atime) wait for the tier
+                    conn.execute("ALTER TABLE chunks RENAME TO legacy_chunks")
+                    conn.execute("DROP INDEX IF EXISTS chunks_by_atime")
+                    conn.execute("DROP TABLE IF EXISTS meta")  # its usage counted the old files
+                elif version > SCHEMA_VERSION:
+                    raise sqlite3.DatabaseError(f"index schema {version} is newer than this lmtier's")
+                for statement in _SCHEMA.split(";"):  # not executescript: it would commit first
+                    if statement.strip():
+                        conn.execute(statement)
+                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise
 
     def _replace_damaged(self, exc: sqlite3.DatabaseError) -> sqlite3.Connection:
         """Move a damaged database aside (one copy kept, for a post-mortem) and start an
@@ -108,17 +167,16 @@ class DiskIndex:
                 os.replace(self.path + suffix, self.path + ".damaged" + suffix)
         conn = sqlite3.connect(self.path, timeout=self._open_timeout_s, isolation_level=None, check_same_thread=False)
         self._set_up(conn)
+        self.rebuilt = True
         return conn
 
     def present(self, keys: Sequence[bytes]) -> set[bytes]:
-        found: set[bytes] = set()
         with self._lock:
-            db = self._conn()
-            for start in range(0, len(keys), _BATCH):
-                part = keys[start : start + _BATCH]
-                marks = ",".join("?" * len(part))
-                found.update(row[0] for row in db.execute(f"SELECT key FROM chunks WHERE key IN ({marks})", part))
-        return found
+            return set(_select(self._conn(), "SELECT key FROM chunks WHERE key IN ({})", keys))
+
+    def locate(self, keys: Sequence[bytes]) -> dict[bytes, Location]:
+        with self._lock:
+            return _locate(self._conn(), keys)
 
     def count(self) -> int:
         with self._lock:
@@ -127,6 +185,11 @@ class DiskIndex:
     def usage(self) -> int:
         with self._lock:
             return self._conn().execute("SELECT value FROM meta WHERE name='usage'").fetchone()[0]
+
+    def segment_stats(self) -> tuple[int, int]:
+        """(segments, live bytes)."""
+        with self._lock:
+            return self._conn().execute("SELECT COUNT(*), COALESCE(SUM(live), 0) FROM segments").fetchone()
 
     def keys(self, prefix: bytes = b"", limit: int | None = None) -> list[bytes]:
         """Keys starting with ``prefix``, most recently used first."""
@@ -141,10 +204,6 @@ class DiskIndex:
             args.append(limit)
         with self._lock:
             return [row[0] for row in self._conn().execute(sql, args)]
-
-    def rows(self) -> dict[bytes, tuple[int, int]]:
-        with self._lock:
-            return {k: (s, a) for k, s, a in self._conn().execute("SELECT key, size, atime FROM chunks")}
 
     @contextmanager
     def transaction(self, wait_s: float | None = None) -> Iterator[Txn]:
@@ -174,7 +233,8 @@ class DiskIndex:
 
 
 class Txn:
-    """Operations inside one write transaction."""
+    """Operations inside one write transaction. Sizes move ``meta.usage`` with them, and
+    chunks coming and going move their segment's ``live``: the sums stay in step."""
 
     def __init__(self, db: sqlite3.Connection) -> None:
         self._db = db
@@ -182,36 +242,129 @@ class Txn:
     def usage(self) -> int:
         return self._db.execute("SELECT value FROM meta WHERE name='usage'").fetchone()[0]
 
-    def set_usage(self, value: int) -> None:
-        self._db.execute("UPDATE meta SET value=? WHERE name='usage'", (value,))
+    def locate(self, keys: Sequence[bytes]) -> dict[bytes, Location]:
+        return _locate(self._db, keys)
 
-    def sizes(self, keys: Sequence[bytes]) -> dict[bytes, int]:
-        out: dict[bytes, int] = {}
-        for start in range(0, len(keys), _BATCH):
-            part = keys[start : start + _BATCH]
+    # -- segments -------------------------------------------------------------------------
+    def segment(self, seg: int) -> Segment | None:
+        row = self._db.execute("SELECT id, name, size, live, sealed FROM segments WHERE id=?", (seg,)).fetchone()
+        return Segment(*row) if row else None
+
+    def segments(self) -> list[Segment]:
+        return [Segment(*row) for row in self._db.execute("SELECT id, name, size, live, sealed FROM segments")]
+
+    def add_segment(self, name: str, sealed: bool = False) -> int:
+        return self._db.execute(
+            "INSERT INTO segments (name, size, live, sealed) VALUES (?, 0, 0, ?)", (name, int(sealed))
+        ).lastrowid
+
+    def resize(self, seg: int, size: int) -> None:
+        old = self._db.execute("SELECT size FROM segments WHERE id=?", (seg,)).fetchone()[0]
+        self._db.execute("UPDATE segments SET size=? WHERE id=?", (size, seg))
+        self._add_usage(size - old)
+
+    def seal(self, seg: int) -> None:
+        self._db.execute("UPDATE segments SET sealed=1 WHERE id=?", (seg,))
+
+    def drop_segments(self, segs: Iterable[int]) -> int:
+        """Forget segments and every chunk in them; returns the bytes they held."""
+        segs = list(segs)
+        freed = sum(_select(self._db, "SELECT size FROM segments WHERE id IN ({})", segs))
+        for start in range(0, len(segs), _BATCH):
+            part = segs[start : start + _BATCH]
             marks = ",".join("?" * len(part))
-            out.update(self._db.execute(f"SELECT key, size FROM chunks WHERE key IN ({marks})", part))
+            self._db.execute(f"DELETE FROM chunks WHERE seg IN ({marks})", part)
+            self._db.execute(f"DELETE FROM segments WHERE id IN ({marks})", part)
+        self._add_usage(-freed)
+        return freed
+
+    # -- chunks ---------------------------------------------------------------------------
+    def add(self, rows: Sequence[tuple[bytes, int, int, int, int]]) -> None:
+        """New rows of (key, seg, off, len, atime), for keys not held yet."""
+        self._db.executemany("INSERT INTO chunks (key, seg, off, len, atime) VALUES (?, ?, ?, ?, ?)", rows)
+        self._add_live((seg, round_up(n)) for _, seg, _, n, _ in rows)
+
+    def remove(self, keys: Sequence[bytes]) -> dict[bytes, Location]:
+        """Forget ``keys``; returns where the forgotten ones lay."""
+        where = self.locate(keys)
+        self._db.executemany("DELETE FROM chunks WHERE key=?", ((k,) for k in where))
+        self._add_live((loc.seg, -round_up(loc.len)) for loc in where.values())
+        return where
+
+    def move(self, moves: Sequence[tuple[bytes, Location, int, int]]) -> None:
+        """Chunks copied elsewhere: (key, old location, new seg, new offset)."""
+        self._db.executemany("UPDATE chunks SET seg=?, off=? WHERE key=?", ((s, o, k) for k, _, s, o in moves))
+        self._add_live((old.seg, -round_up(old.len)) for _, old, _, _ in moves)
+        self._add_live((seg, round_up(old.len)) for _, old, seg, _ in moves)
+
+    def oldest(self, n: int, exclude: set[bytes]) -> list[tuple[bytes, Location]]:
+        """Up to ``n`` least recently used chunks, skipping ``exclude``."""
+        out: list[tuple[bytes, Location]] = []
+        rows = self._db.execute(
+            "SELECT c.key, c.seg, s.name, c.off, c.len FROM chunks c JOIN segments s ON s.id = c.seg "
+            "ORDER BY c.atime LIMIT ?",
+            (n + len(exclude),),
+        )
+        for key, seg, name, off, length in rows:
+            if key not in exclude:
+                out.append((key, Location(seg, name, off, length)))
+                if len(out) == n:
+                    break
         return out
-
-    def add(self, rows: Iterable[tuple[bytes, int, int]]) -> None:
-        self._db.executemany("INSERT OR REPLACE INTO chunks (key, size, atime) VALUES (?, ?, ?)", rows)
-
-    def remove(self, keys: Iterable[bytes]) -> None:
-        self._db.executemany("DELETE FROM chunks WHERE key=?", ((k,) for k in keys))
 
     def touch(self, rows: Iterable[tuple[bytes, int]]) -> None:
         self._db.executemany("UPDATE chunks SET atime=? WHERE key=?", ((a, k) for k, a in rows))
 
-    def oldest(self, n: int, exclude: set[bytes]) -> list[tuple[bytes, int]]:
-        """Up to ``n`` least recently used (key, size), skipping ``exclude``."""
-        out: list[tuple[bytes, int]] = []
-        cursor = self._db.execute("SELECT key, size FROM chunks ORDER BY atime LIMIT ?", (n + len(exclude),))
-        for key, size in cursor:
-            if key not in exclude:
-                out.append((key, size))
-                if len(out) == n:
-                    break
-        return out
+    def chunks_in(self, seg: int) -> list[tuple[bytes, Location]]:
+        rows = self._db.execute(
+            "SELECT c.key, s.name, c.off, c.len FROM chunks c JOIN segments s ON s.id = c.seg "
+            "WHERE c.seg=? ORDER BY c.off",
+            (seg,),
+        )
+        return [(key, Location(seg, name, off, length)) for key, name, off, length in rows]
+
+    # -- the one-file-per-chunk layout ------------------------------------------------------
+    def legacy_rows(self) -> dict[bytes, int]:
+        """The old index's recency per key (empty when there was none); forgets it."""
+        try:
+            rows = dict(self._db.execute("SELECT key, atime FROM legacy_chunks"))
+        except sqlite3.OperationalError:
+            return {}
+        self._db.execute("DROP TABLE legacy_chunks")
+        return rows
+
+    def _add_usage(self, delta: int) -> None:
+        if delta:
+            self._db.execute("UPDATE meta SET value = value + ? WHERE name='usage'", (delta,))
+
+    def _add_live(self, deltas: Iterable[tuple[int, int]]) -> None:
+        per: dict[int, int] = defaultdict(int)
+        for seg, delta in deltas:
+            per[seg] += delta
+        self._db.executemany("UPDATE segments SET live = live + ? WHERE id=?", ((d, s) for s, d in per.items() if d))
+
+
+def _select(db: sqlite3.Connection, sql: str, values: Sequence) -> Iterator:
+    """``sql`` with ``IN ({})`` filled for ``values``, in batches; yields first columns."""
+    for start in range(0, len(values), _BATCH):
+        part = values[start : start + _BATCH]
+        for row in db.execute(sql.format(",".join("?" * len(part))), part):
+            yield row[0]
+
+
+def _locate(db: sqlite3.Connection, keys: Sequence[bytes]) -> dict[bytes, Location]:
+    out: dict[bytes, Location] = {}
+    keys = list(dict.fromkeys(keys))
+    for start in range(0, len(keys), _BATCH):
+        part = keys[start : start + _BATCH]
+        marks = ",".join("?" * len(part))
+        sql = (
+            "SELECT c.key, c.seg, s.name, c.off, c.len FROM chunks c JOIN segments s ON s.id = c.seg "
+            f"WHERE c.key IN ({marks})"
+        )
+        for key, seg, name, off, length in db.execute(sql, part):
+            out[key] = Location(seg, name, off, length)
+    return out
 
 
 def _busy(exc: sqlite3.OperationalError) -> bool:
