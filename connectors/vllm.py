@@ -242,6 +242,7 @@ class LMTierConnector(KVConnectorBase_V1):
         # chunks read per batch when loading: the next batch is read while one is copied in
         self.load_batch = load_batch(self.chunk_bytes)
         model_id = extra.get("model_id") or str(model.model)
+        engine = _engine_identity(vllm_config)
         self.namespaces = [
             Namespace(
                 model=model_id,
@@ -252,6 +253,7 @@ class LMTierConnector(KVConnectorBase_V1):
                 tp_size=self.tp_size,
                 salt=self.config.salt,
                 hash=self.config.hash,
+                engine=engine,
             )
             for r in range(self.tp_size)
         ]
@@ -402,13 +404,21 @@ class LMTierConnector(KVConnectorBase_V1):
         names = sorted(kv_caches, key=_layer_index)
         self._engine = CopyEngine([kv_caches[n] for n in names], self.layout, self.block_size, self.num_blocks)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward pass (vLLM calls it then; ``start_load_kv`` may run after the
+        forward when a step loads nothing): requests preempted while their blocks were
+        being copied hold the step until the copy is done, since vLLM freed those blocks
+        and this step may write them."""
+        if isinstance(kv_connector_metadata, LMTierMetadata) and kv_connector_metadata.fence:
+            fence = kv_connector_metadata.fence
+            with self._copy_cond:
+                self._copy_cond.wait_for(lambda: not any(self._copying.get(r) for r in fence))
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, LMTierMetadata) or self._engine is None:
             return
-        if meta.fence:  # preempted while copying: their blocks may be written in this step
-            with self._copy_cond:
-                self._copy_cond.wait_for(lambda: not any(self._copying.get(r) for r in meta.fence))
+        self.handle_preemptions(meta)  # also here: a runner that does not call it
         # one deadline for the step's loads: past it, what has not arrived is recomputed
         deadline = deadline_after(self.config.load_deadline)
         for plan in meta.loads:
@@ -618,6 +628,19 @@ def _as_tensor(data: np.ndarray, layout: KVLayout) -> torch.Tensor:
     """Contiguous canonical bytes as a tensor in the canonical layout (a view: no copy)."""
     flat = torch.from_numpy(data.reshape(-1)).view(getattr(torch, layout.dtype))
     return flat.reshape(layout.tensor_shape(data.shape[2]))
+
+
+def _engine_identity(vllm_config: VllmConfig) -> str:
+    """What, beyond the layout, decides how this engine's cache bytes read as KV: on vLLM's
+    CPU backend a block holds its tokens' K rows and then their V rows, so the bytes a
+    chunk holds depend on the block size, and K is packed for the attention's instruction
+    set. Engines that differ in either must never share chunks. Empty elsewhere."""
+    if vllm_config.device_config is None or str(vllm_config.device_config.device_type) != "cpu":
+        return ""
+    import torch
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"vllm-cpu/block={vllm_config.cache_config.block_size}/isa={isa}"
 
 
 def _layout_of(vllm_config: VllmConfig) -> KVLayout:

@@ -191,21 +191,26 @@ def _server_stats(url: str, token: str | None, timeout: float) -> dict:
     }
 
 
-def _chunk_files(root: Path) -> list[Path]:
-    from lmtier.tiers.disk import SUFFIX
+def _disk_frames(root: Path) -> list[tuple[bytes, str, int, int]]:
+    """Every chunk of a disk tier's directory: (key, segment path, offset, length)."""
+    from lmtier.tiers.disk import DiskTier
 
-    chunks = root / "chunks"
-    if not chunks.is_dir():
-        raise LmtierError(f"{root} is not an lmtier disk tier (no chunks/ directory)")
-    return sorted(chunks.glob(f"*/*{SUFFIX}"))
+    if not (root / "index.sqlite").exists() and not (root / "segments").is_dir() and not (root / "chunks").is_dir():
+        raise LmtierError(f"{root} is not an lmtier disk tier (no index.sqlite or segments/)")
+    tier = DiskTier(root, size=1 << 62)  # only to read the index; nothing is evicted
+    try:
+        found = [(key, tier.locate(key)) for key in tier.keys(b"")]
+    finally:
+        tier.close()
+    return [(key, *where) for key, where in found if where is not None]
 
 
 def _disk_stats(root: Path) -> dict:
-    files = _chunk_files(root)
+    frames = _disk_frames(root)
     return {
         "disk": str(root),
-        "chunks": len(files),
-        "used_bytes": sum(f.stat().st_size for f in files),
+        "chunks": len(frames),
+        "used_bytes": sum(length for *_, length in frames),
         "hit_ratio": None,  # a disk keeps no counters; ask the server or /metrics
     }
 
@@ -233,25 +238,28 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """List a disk tier's chunks; with --verify read each one and check it."""
     from lmtier import codec
     from lmtier.errors import IntegrityError
-    from lmtier.tiers.disk import SUFFIX
 
     root = Path(args.path)
-    files = _chunk_files(root)
+    frames = _disk_frames(root)
     rows, corrupt = [], []
-    for f in _progress(files, "verifying" if args.verify else "listing", enabled=args.verify and not args.quiet):
-        row = {"key": f.name.removesuffix(SUFFIX), "bytes": f.stat().st_size}
+    for key, path, offset, length in _progress(
+        frames, "verifying" if args.verify else "listing", enabled=args.verify and not args.quiet
+    ):
+        row = {"key": key.hex(), "bytes": length}
         try:
-            frame = f.read_bytes()
+            with open(path, "rb") as f:
+                f.seek(offset)
+                frame = f.read(length)
             header, _ = codec.read_header(frame)
             row["layout"] = header.layout.describe()
             row["tokens"] = header.num_tokens
             if args.verify:
-                codec.decode(frame, key=bytes.fromhex(row["key"]))
+                codec.decode(frame, key=key)
                 row["ok"] = True
         except (IntegrityError, ValueError, OSError) as exc:
             row["ok"] = False
             row["error"] = str(exc)
-            corrupt.append(f)
+            corrupt.append(key)
         rows.append(row)
     deleted = 0
     if corrupt and args.delete_corrupt:
@@ -259,7 +267,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
         tier = DiskTier(root, size=1 << 62)  # only to delete through the index; nothing is evicted
         try:
-            tier.delete([bytes.fromhex(f.name.removesuffix(SUFFIX)) for f in corrupt])
+            tier.delete(corrupt)
             deleted = len(corrupt)
         finally:
             tier.close()

@@ -126,11 +126,12 @@ class StoreConfig:
     # "back": lower tiers receive what the first tier evicts, and what it holds at close.
     # "auto": what the save policy asks for ("back" for reuse, else "through").
     write_mode: str = setting("auto", STRING)
-    # Which chunks earn a write (lmtier.admission): "reuse" (every chunk to memory; to the
-    # lower tiers what proves it is reused, and new chunks while such chunks measurably come
-    # back), "always" (every chunk to every tier), "min_tokens" ("always" for prompts of at
-    # least min_tokens tokens, nothing for shorter ones).
-    save_policy: str = setting("reuse", STRING)
+    # Which chunks earn a write (lmtier.admission): "always" (every chunk to every tier),
+    # "reuse" (every chunk to memory; to the lower tiers, when memory lets it go, what
+    # proved it is reused, and new chunks while such chunks measurably come back; an
+    # engine in vLLM's multiprocess mode then finds its own chunks only once they left
+    # memory), "min_tokens" ("always" for prompts of at least min_tokens tokens).
+    save_policy: str = setting("always", STRING)
     # Prompts shorter than this are not stored ("min_tokens" and "reuse"; 0: no bound).
     min_tokens: int = setting(0, INTEGER)
     # Prometheus /metrics from inside the engine on this port (0: off). Each process of

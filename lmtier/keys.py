@@ -53,6 +53,10 @@ class Namespace:
     salt: str = ""  # tenant or cache salt: isolates caches that must not share
     hash: str = "xxh3"
     format_version: int = field(default=FORMAT_VERSION)
+    # What else decides how an engine's cache bytes read as canonical KV (vLLM's CPU
+    # backend: its block size and the instruction set its attention packs K for); only
+    # in the digest when set, so the keys of engines that need none stay as they were.
+    engine: str = ""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -74,6 +78,7 @@ class Namespace:
             "salt": self.salt,
             "hash": self.hash,
             "format_version": self.format_version,
+            **({"engine": self.engine} if self.engine else {}),
         }
 
     @cached_property

@@ -130,3 +130,24 @@ def fuzz(scale: int = 1) -> settings:
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
     )
+
+
+def disk_frames(directory) -> dict[bytes, tuple[str, int, int]]:
+    """Every chunk frame of a disk tier's directory: key -> (segment path, offset, length)."""
+    from lmtier.tiers.disk import DiskTier
+
+    tier = DiskTier(directory, size=1 << 50)
+    try:
+        listed = tier.keys(b"")  # a tier's listing, not a dict's keys
+        return {key: tier.locate(key) for key in listed}
+    finally:
+        tier.close()
+
+
+def flip_byte(path, offset: int, mask: int = 0x01) -> None:
+    """Damage one byte of a file in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))

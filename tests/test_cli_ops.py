@@ -19,7 +19,7 @@ from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.redis_server import free_port
 from lmtier.tiers.base import open_tier
 
-from conftest import make_namespace, make_prompt
+from conftest import disk_frames, flip_byte, make_namespace, make_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,10 +170,8 @@ def test_inspect_lists_verifies_and_deletes_corrupt_chunks(disk, capsys):
     assert main(["inspect", str(root), "--verify", "--quiet"]) == 0
     assert "5 chunks, 0 corrupt" in capsys.readouterr().out
 
-    victim = next((root / "chunks").glob(f"*/{prompt.keys[2].hex()}*"))
-    data = bytearray(victim.read_bytes())
-    data[-10] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    path, offset, length = disk_frames(root)[prompt.keys[2]]
+    flip_byte(path, offset + length - 10, 0xFF)
     assert main(["inspect", str(root), "--verify", "--quiet", "--json"]) == 1  # found, kept
     report = json.loads(capsys.readouterr().out)
     assert report["corrupt"] == 1
@@ -181,7 +179,7 @@ def test_inspect_lists_verifies_and_deletes_corrupt_chunks(disk, capsys):
 
     assert main(["inspect", str(root), "--verify", "--quiet", "--delete-corrupt"]) == 0
     assert "1 deleted" in capsys.readouterr().out
-    assert not victim.exists()
+    assert prompt.keys[2] not in disk_frames(root)
     tier = open_tier(f"file://{root}?size=64MiB")
     assert tier.contains(prompt.keys) == 2  # the index agrees: the third chunk is gone
     tier.close()
@@ -281,7 +279,8 @@ def test_lmtier_bench_is_deprecated_and_forwards_to_the_runner(tmp_path):
     assert proc.returncode == 2
     deprecated, error = proc.stderr.strip().splitlines()
     assert "deprecated" in deprecated and "benchmarks/run.py" in deprecated
-    assert error == "benchmarks: error: unknown benchmark(s) nosuch; known: cpu, disk, redis, grpc, vllm"
+    known = "cpu, disk, redis, grpc, trace, vllm_tiers, vllm"
+    assert error == f"benchmarks: error: unknown benchmark(s) nosuch; known: {known}"
 
 
 def test_lmtier_bench_outside_a_checkout_says_where_the_runner_lives(tmp_path, monkeypatch, capsys):

@@ -27,7 +27,7 @@ from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.redis_server import RedisServer, cli
 from lmtier.tiers.disk import files as disk_files
 
-from conftest import eventually
+from conftest import disk_frames, eventually, flip_byte
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
 CHUNK = 16
@@ -117,7 +117,7 @@ def test_cache_server_killed_mid_workload_is_misses_then_recovers(tmp_path):
         assert store.put(tokens, kv) == 4 * CHUNK
         store.flush()
         assert eventually(
-            lambda: (tmp_path / "disk" / "chunks").exists() and len(list((tmp_path / "disk").glob("chunks/*/*"))) == 4
+            lambda: (tmp_path / "disk" / "index.sqlite").exists() and len(disk_frames(tmp_path / "disk")) == 4
         )
         errors = counter(metrics.TIER_ERRORS, tier="grpc")
         server.kill()  # a crash: its disk keeps the chunks
@@ -175,13 +175,11 @@ def test_a_slow_tier_costs_at_most_the_load_deadline_then_recovers(tmp_path):
 # ------------------------------------------------------------------------------------------
 # The disk: full, read-only, vanished
 # ------------------------------------------------------------------------------------------
-def failing_open(code: int):
-    real = os.open
+def failing_write(code: int):
+    """Fault injection: every write into a segment fails as a full or read-only disk does."""
 
-    def fake(path, flags, *args, **kwargs):
-        if flags & os.O_CREAT:
-            raise OSError(code, os.strerror(code), path)
-        return real(path, flags, *args, **kwargs)
+    def fake(fd, buffers, offset, *args):
+        raise OSError(code, os.strerror(code))
 
     return fake
 
@@ -189,7 +187,7 @@ def failing_open(code: int):
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["full", "read-only"])
 def test_a_full_or_read_only_disk_drops_writes_and_keeps_serving(tmp_path, monkeypatch, code):
     store = open_store(["cpu://?size=1MiB", f"file://{tmp_path}/disk?size=64MiB"], model="faults", layout=LAYOUT,
-                       chunk_tokens=CHUNK)  # fmt: skip
+                       chunk_tokens=CHUNK, save_policy="always")  # fmt: skip
     try:
         kept, kept_kv = prompt(2, seed=31)
         store.put(kept, kept_kv)
@@ -197,7 +195,7 @@ def test_a_full_or_read_only_disk_drops_writes_and_keeps_serving(tmp_path, monke
         disk = store.store.tiers[1]
         errors = disk.stats()["write_errors"]
 
-        monkeypatch.setattr(disk_files.os, "open", failing_open(code))
+        monkeypatch.setattr(disk_files.os, "pwritev", failing_write(code))
         tokens, kv = prompt(2, seed=32)
         assert store.put(tokens, kv) == 2 * CHUNK  # memory holds it; the disk write fails quietly
         store.flush()
@@ -241,12 +239,8 @@ def test_a_vanished_disk_directory_is_misses_then_recreated(tmp_path):
 # Damaged bytes in every tier
 # ------------------------------------------------------------------------------------------
 def damage_file(store, key: bytes) -> None:
-    path = store.store.tiers[0].files.path(key)
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - 50)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
+    path, offset, length = store.store.tiers[0].locate(key)
+    flip_byte(path, offset + length - 50)
 
 
 def damage_redis_value(store, key: bytes) -> None:
@@ -285,11 +279,10 @@ def test_a_damaged_chunk_in_any_tier_ends_the_hit_before_it(tmp_path, where):
         elif where == "redis":
             damage_redis_value(store, third)
         else:
-            files = list((tmp_path / "server-disk" / "chunks").glob(f"*/*{third.hex()}*"))
-            assert len(files) == 1
-            data = bytearray(files[0].read_bytes())
-            data[-50] ^= 0x01
-            files[0].write_bytes(bytes(data))
+            found = [f for k, f in disk_frames(tmp_path / "server-disk").items() if third.hex() in k.hex()]
+            assert len(found) == 1
+            path, offset, length = found[0]
+            flip_byte(path, offset + length - 50)
         got, out = load(store, tokens)
         assert got == 2 * CHUNK  # the two chunks before the damage, nothing after
         assert_never_wrong(got, out, kv)

@@ -528,7 +528,8 @@ def test_health_reflection_metrics_and_readiness_follow_the_tiers(tmp_path):
         assert "lmtier_server_ready 1.0" in body
         assert urllib.request.urlopen(base + "/readyz", timeout=10).status == 200
 
-        shutil.rmtree(disk)  # the disk tier stops working: the server must say so
+        shutil.rmtree(disk)  # the disk tier stops working (a file where its directory was,
+        disk.write_bytes(b"not a directory")  # so it cannot start again): the server must say so
         deadline = time.monotonic() + 30
         while srv.ready and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -30,7 +30,7 @@ from lmtier.testing.certs import make_certificates
 from lmtier.tiers.base import open_tier
 from lmtier.v1 import cache_pb2
 
-from conftest import eventually, make_prompt
+from conftest import disk_frames, eventually, make_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE = "/lmtier.v1.CacheService/"
@@ -378,16 +378,16 @@ def test_shared_memory_names_from_a_request_never_reach_outside_the_directory(tm
         srv.stop(0)
 
 
-def test_disk_file_names_come_from_key_digests_only(tmp_path):
-    """Keys are bytes that become hex names; no key, however odd, leaves the tier's directory."""
+def test_disk_file_names_never_come_from_keys(tmp_path):
+    """Keys are bytes inside segment files and the index; no key, however odd, names or
+    reaches a file, in the tier's directory or outside it."""
     tier = open_tier(f"file://{tmp_path / 'disk'}?size=16MiB")
     odd = [b"../../../../etc/passwd\x00" + b"\xff" * 9, b"/" * 32, b"\x00" * 16, b"..\\..\\" + b"." * 10]
     chunks = [c.view_as(k) for c, k in zip(PROMPT.chunks() + PROMPT.chunks()[:1], odd, strict=True)]
     tier.put(chunks)
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert all(p.resolve().is_relative_to((tmp_path / "disk").resolve()) for p in files)
-    names = {p.name.split(".")[0] for p in files}
-    assert {k.hex() for k in odd} <= names
+    assert not any(k.hex() in p.name or "passwd" in p.name for p in files for k in odd)
     got = tier.get(odd)
     assert [c.tobytes() for c in got] == [PROMPT.chunk_bytes(i) for i in (0, 1, 2, 0)]
     release_all(got)
@@ -452,13 +452,13 @@ def test_what_a_tier_writes_is_an_lmtier_frame_not_a_pickle(tmp_path):
     a checksummed frame whose header is msgpack."""
     tier = open_tier(f"file://{tmp_path}?size=16MiB")
     tier.put(PROMPT.chunks())
-    files = [p for p in tmp_path.rglob("*.lmt")]
-    assert len(files) == 3
-    for path in files:
-        data = path.read_bytes()
+    tier.close()
+    frames = disk_frames(tmp_path)
+    assert len(frames) == 3
+    for path, offset, length in frames.values():
+        data = Path(path).read_bytes()[offset : offset + length]
         assert data.startswith(codec.MAGIC)  # a pickle starts with b"\x80" and its protocol
         assert codec.decode(data).key in PROMPT.keys
-    tier.close()
 
 
 def test_no_output_surface_shows_a_planted_secret(tmp_path):

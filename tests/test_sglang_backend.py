@@ -20,6 +20,7 @@ from lmtier.server import create_server
 from lmtier.testing.redis_server import RedisServer
 
 import sglang_env
+from conftest import flip_byte
 
 HERE = Path(__file__).parent
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
@@ -266,12 +267,8 @@ def test_corrupted_or_missing_chunks_are_misses(tmp_path):
     # a fresh backend, so nothing is in memory: every read comes from the files
     storage, _ = backend([f"file://{root}?size=64MiB"], pool=pool)
     disk = storage.store.tiers[0]
-    third = disk.files.path(storage._keys([keys[2]])[0])
-    with open(third, "r+b") as f:  # flip one payload byte
-        f.seek(os.path.getsize(third) - 100)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    path, offset, length = disk.locate(storage._keys([keys[2]])[0])
+    flip_byte(path, offset + length - 100, 0xFF)  # one payload byte
     dst = alloc(pool, 4)
     sglang_env.fill_random(pool, dst, seed=70)
     untouched = sglang_env.page_bytes(pool, dst)
@@ -282,7 +279,8 @@ def test_corrupted_or_missing_chunks_are_misses(tmp_path):
     assert storage.batch_exists(keys) == 2  # the damaged chunk is gone
     assert storage.get(keys[2]) is None
 
-    os.unlink(disk.files.path(storage._keys([keys[1]])[0]))  # a vanished file
+    path, offset, _ = disk.locate(storage._keys([keys[1]])[0])
+    os.truncate(path, offset)  # its bytes (and what follows them) vanished
     assert storage.batch_get_v1(keys[:2], alloc(pool, 2)) == [True, False]
     storage.close()
 

@@ -36,6 +36,8 @@ from lmtier.testing.redis_server import RedisServer
 from lmtier.testing.tinymodel import build
 from lmtier.tiers.base import open_tier
 
+from conftest import disk_frames, flip_byte
+
 CHUNK, BLOCK = 128, 64
 OFF = {"lmtier": {"load": False, "save": False}}
 
@@ -124,13 +126,18 @@ def shift_layers(src: Path, dst: Path) -> int:
     """A copy of a disk directory whose chunks hold their layers shifted by one, stored
     with valid checksums: wrong KV that only the engine's answers can reveal."""
     shutil.copytree(src, dst)
-    files = sorted(dst.glob("chunks/*/*.lmt"))
-    for path in files:
-        chunk = codec.decode(path.read_bytes())
-        # [layers, 2, tokens, row bytes]: layer l gets layer l-1's keys and values
-        shifted = np.roll(np.array(chunk.data), 1, axis=0)
-        path.write_bytes(codec.encode(Chunk(chunk.key, chunk.layout, shifted, namespace=chunk.namespace)))
-    return len(files)
+    frames = disk_frames(dst)
+    for path, offset, length in frames.values():
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            chunk = codec.decode(f.read(length))
+            # [layers, 2, tokens, row bytes]: layer l gets layer l-1's keys and values
+            shifted = np.roll(np.array(chunk.data), 1, axis=0)
+            frame = codec.encode(Chunk(chunk.key, chunk.layout, shifted, namespace=chunk.namespace))
+            assert len(frame) == length
+            f.seek(offset)
+            f.write(frame)
+    return len(frames)
 
 
 @pytest.fixture(scope="module")
@@ -198,18 +205,17 @@ def test_every_chat_round_hits_all_full_chunks_of_the_rounds_before_it(single_pr
 
 def test_damaged_chunk_files_are_recomputed_and_the_answers_do_not_change(single_process, model):
     disk, tmp = single_process["disk"], single_process["tmp"]
-    files = sorted(disk.glob("chunks/*/*.lmt"))
-    assert len(files) > 10
-    for path in files[::3]:  # damage every third chunk: header, payload and truncation alike
-        data = bytearray(path.read_bytes())
-        kind = hash(path.name) % 3
-        if kind == 0:
-            data[len(data) // 2] ^= 0x01
-        elif kind == 1:
-            data[50] ^= 0x80
+    frames = sorted(disk_frames(disk).values())
+    assert len(frames) > 10
+    for i, (path, offset, length) in enumerate(frames[::3]):  # every third chunk: header, payload, torn
+        if i % 3 == 0:
+            flip_byte(path, offset + length // 2)
+        elif i % 3 == 1:
+            flip_byte(path, offset + 50, 0x80)
         else:
-            data = data[: len(data) // 3]
-        path.write_bytes(bytes(data))
+            with open(path, "r+b") as f:  # its last two thirds never written
+                f.seek(offset + length // 3)
+                f.write(bytes(length - length // 3))
     c = engine(tmp, model, "c", disk)
     ref = single_process["reference"]
     assert c["stats"]["tiers"][1]["corrupt"] > 0
@@ -282,14 +288,15 @@ def test_two_instances_share_through_the_cache_server_alone(model, single_proces
 def test_tensor_parallel_ranks_open_a_fresh_directory_and_share_their_own_slices(model, tmp_path):
     """Both ranks of a TP=2 engine open one new directory at the same moment."""
     disk = two_instances(tmp_path, model, tp=2)
-    names = {p.name for p in disk.glob("chunks/*/*.lmt")}
-    assert len(names) % 2 == 0  # one file per chunk per rank
+    n = len(disk_frames(disk))
+    assert n > 0 and n % 2 == 0  # each chunk once per rank
 
 
 def test_one_damaged_layer_of_one_chunk_is_recomputed_alone(model, single_process, tmp_path):
     """The cache server's memory reaches a same-host engine through shared memory and is
     verified in the engine: a flipped byte in one layer of one chunk fails that chunk
-    alone (its two blocks), the chunks after it still load, and the answer is unchanged."""
+    alone (its two blocks are reported; vLLM recomputes from there), the chunks after it
+    still load, and the answer is unchanged."""
     shm = tmp_path / "shm"
     shm.mkdir()
     server = ServerProcess(

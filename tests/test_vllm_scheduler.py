@@ -5,7 +5,6 @@ after the step (held blocks, reported copies, the fence after a preemption)."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +21,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 from lmtier.chunk import Chunk
 from lmtier.connectors.vllm import LMTierConnector, LMTierMetadata
 from lmtier.testing.tinymodel import build
+
+from conftest import flip_byte
 
 BLOCK, CHUNK, NUM_BLOCKS = 64, 128, 256
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
@@ -205,10 +206,8 @@ def test_a_worker_reports_blocks_it_could_not_load_and_loads_the_rest(vllm_confi
     worker.register_kv_caches(caches)
     # Chunk 2 goes bad on disk between lookup and load.
     disk = worker.store.tiers[0]
-    path = disk.files.path(load.keys[0][2])
-    raw = bytearray(Path(path).read_bytes())
-    raw[-7] ^= 1
-    Path(path).write_bytes(bytes(raw))
+    path, offset, length = disk.locate(load.keys[0][2])
+    flip_byte(path, offset + length - 7)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     failed = worker.get_block_ids_with_load_errors()
@@ -295,7 +294,7 @@ def test_a_request_preempted_while_its_blocks_are_copied_holds_the_next_step(vll
     nxt = scheduler.schedule().kv_connector_metadata
     assert nxt.fence == ["r"]
     worker.bind_connector_metadata(nxt)
-    step = threading.Thread(target=worker.start_load_kv, args=(None,))
+    step = threading.Thread(target=worker.handle_preemptions, args=(nxt,))  # vLLM: before the forward
     step.start()
     step.join(0.5)
     assert step.is_alive()  # the forward pass may not write those blocks yet
@@ -343,3 +342,16 @@ def test_prompts_shorter_than_min_tokens_are_not_saved(vllm_config):
     _, _, long = schedule(scheduler, tokens(500, seed=2), req_id="long")
     assert [s.req_id for s in long.saves] == ["long"]
     assert scheduler.connector.store.stats()["policy"]["policy"] == "min_tokens"
+
+
+def test_cpu_engines_with_another_block_size_or_instruction_set_never_share_chunks(vllm_config):
+    """vLLM's CPU cache keeps a block's K rows, then its V rows, and packs K for the CPU's
+    attention instruction set: the bytes of a chunk depend on both, so both are in the keys."""
+    from lmtier.connectors.vllm import _engine_identity
+
+    here = _engine_identity(vllm_config)
+    assert here.startswith("vllm-cpu/block=64/isa=")
+    vllm_config.cache_config.block_size = 128
+    assert _engine_identity(vllm_config) != here
+    connector = LMTierConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    assert connector.namespaces[0].engine == _engine_identity(vllm_config)

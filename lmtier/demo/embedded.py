@@ -22,6 +22,7 @@ import numpy as np
 from lmtier.api import open_store
 from lmtier.layout import KVLayout, preset
 from lmtier.sizing import plan
+from lmtier.tiers.disk import DiskTier
 from lmtier.units import format_bytes
 
 # A small Llama-like layout, so the demo runs in seconds on a laptop.
@@ -100,11 +101,14 @@ def run_demo(tiers: list[str] | None = None, directory: str | None = None) -> in
         disk_dirs = [Path(t.split("://", 1)[1].split("?", 1)[0]) for t in tiers if t.startswith("file://")]
         if disk_dirs:
             with open_store(tiers[-1:], model=MODEL, layout=DEMO_LAYOUT) as store:
-                third = store.keys(b)[2].hex()
-                path = next(disk_dirs[-1].glob(f"chunks/*/{third}.lmt"))
-                data = bytearray(path.read_bytes())
-                data[len(data) // 2] ^= 0xFF  # one bit-rotted byte in chunk 2
-                path.write_bytes(bytes(data))
+                disk = DiskTier(disk_dirs[-1], size=1 << 62)  # only to find the chunk's bytes
+                path, offset, length = disk.locate(store.keys(b)[2])
+                disk.close()
+                with open(path, "r+b") as f:  # one bit-rotted byte in chunk 2
+                    f.seek(offset + length // 2)
+                    byte = f.read(1)
+                    f.seek(offset + length // 2)
+                    f.write(bytes([byte[0] ^ 0xFF]))
                 got = store.get(b).shape[2]
                 print(
                     f"after damaging one byte of chunk 2 on disk: get returns {got} tokens (chunks 0-1), never bad KV"

@@ -245,6 +245,7 @@ class CpuTier(Tier):
             self._slab = None  # leased views keep their memory alive until released
             if self._prefault is not None:
                 self._prefault.close()
+                self._prefault = None  # it holds the mapping: let it go with the slab
             if self._segment is not None:
                 self._segment.close()
 
