@@ -1,5 +1,9 @@
 """Disk tier throughput against ``dd`` with O_DIRECT, eviction under reuse, index rebuild.
 
+Longer than 400 lines: one run measures every disk figure against the same disk (dd, the
+tier cold and warm, the engine-sized batches, compaction, the rebuild) so that their
+ratios share one machine state.
+
 In one run, on one directory's filesystem:
 
 - ``dd if=/dev/zero of=F bs=4M oflag=direct conv=fsync`` and ``dd if=F of=/dev/null

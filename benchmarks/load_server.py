@@ -161,7 +161,7 @@ def rss(pid: int) -> int:
 
 def disk_bytes(path: Path) -> int:
     total = 0
-    for root, _dirs, files in os.walk(path / "chunks"):
+    for root, _dirs, files in os.walk(path / "segments"):
         for name in files:
             try:
                 total += os.stat(os.path.join(root, name)).st_size

@@ -150,5 +150,6 @@ def test_the_slab_is_faulted_in_ahead_of_the_slots_in_use_and_no_further(monkeyp
     got = tier.get(p.keys)  # prefaulting never changes a byte
     assert [c.tobytes() for c in got] == [p.chunk_bytes(i) for i in range(4)]
     release_all(got)
+    prefault = tier._prefault
     tier.close()
-    assert tier._prefault._stopped
+    assert prefault._stopped and tier._prefault is None  # stopped, and the mapping let go

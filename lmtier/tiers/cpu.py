@@ -22,6 +22,9 @@ Integrity: ``put`` records the xxh3-64 checksum of what it copied (hashing each 
 lands, while it is in cache). ``get`` hands out chunks that verify against it when they are
 read (see ``lmtier.chunk``): the reader's copy and the check are one pass over memory, which
 is what keeps a verified tier close to a bare ``memcpy``. A mismatch drops the entry.
+
+Longer than 400 lines: slots, leases, eviction and the write-back hook share one lock
+and one index; split, each part would reach into the others' state.
 """
 
 from __future__ import annotations
