@@ -69,6 +69,7 @@ def run(
     model = str(build(tmp / "model", layers=layers, hidden=hidden))
     disk = tmp / "disk"
     lmtier = {"tiers": ["cpu://?size=4GiB", f"file://{disk}?size=16GiB"], "chunk_tokens": chunk}
+    reuse_tiers = ["cpu://?size=4GiB", f"file://{tmp / 'disk-reuse'}?size=16GiB"]
     token_bytes = KVLayout(layers, 2, 64, "bfloat16").chunk_bytes(1)
     chunk = resolve_chunk_tokens(chunk, BLOCK, token_bytes)
     base = {"model": model, "block_size": BLOCK, "max_model_len": max(lengths) + 1024, "max_tokens": 1}
@@ -159,9 +160,12 @@ def run(
         "lmtier_b": engine(
             tmp, "lmtier_b", {**base, "lmtier": lmtier, "phases": warm + ask("q3", 3) + chat("c", True)}
         ),
-        # the same paired passes under save_policy=reuse (the default stores every chunk)
+        # the same paired passes under save_policy=reuse (the default stores every chunk),
+        # over a directory of its own: engine A's saves of the same prompts must not hit
         "lmtier_reuse": engine(
-            tmp, "lmtier_reuse", {**base, "lmtier": {**lmtier, "save_policy": "reuse"}, "phases": warm + paired}
+            tmp,
+            "lmtier_reuse",
+            {**base, "lmtier": {**lmtier, "tiers": reuse_tiers, "save_policy": "reuse"}, "phases": warm + paired},
         ),
     }
 
