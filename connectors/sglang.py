@@ -64,7 +64,7 @@ import torch
 
 from lmtier import metrics
 from lmtier.chunk import Chunk, release_all
-from lmtier.config import StoreConfig, engine_config
+from lmtier.config import StoreConfig, engine_config, engine_keys
 from lmtier.connectors import announce
 from lmtier.errors import ConfigError, LayoutError
 from lmtier.keys import Namespace, named_keys
@@ -80,21 +80,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without sglang i
 log = logging.getLogger(__name__)
 
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
-OWN_KEYS = frozenset(
-    {
-        "tiers",
-        "hash",
-        "salt",
-        "write_queue",
-        "write_mode",
-        "save_policy",
-        "min_tokens",
-        "metrics_port",
-        "load_deadline",
-        "config",
-        "model_id",
-    }
-)
+OWN_KEYS = engine_keys(chunk_tokens=False)  # the page size is SGLang's
 ENGINE = "sglang"
 
 

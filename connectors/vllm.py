@@ -68,7 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from lmtier import metrics
 from lmtier.chunk import Chunk, release_all
-from lmtier.config import StoreConfig, engine_config, resolve_chunk_tokens
+from lmtier.config import StoreConfig, engine_config, engine_keys, resolve_chunk_tokens
 from lmtier.connectors import announce
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
@@ -88,22 +88,7 @@ log = logging.getLogger("lmtier.vllm")
 ENGINE = "vllm"  # the engine label of lmtier_engine_tokens_total
 # kv_connector_extra_config keys: the engine-side settings (lmtier.config.StoreConfig) a
 # connector takes per engine, plus the config file and the model's name in the keys.
-EXTRA_KEYS = frozenset(
-    {
-        "tiers",
-        "chunk_tokens",
-        "hash",
-        "salt",
-        "write_queue",
-        "write_mode",
-        "save_policy",
-        "min_tokens",
-        "metrics_port",
-        "load_deadline",
-        "config",
-        "model_id",
-    }
-)
+EXTRA_KEYS = engine_keys()
 
 SAVE_BUFFER_BYTES = 256 << 20  # bound on host memory holding chunks on their way to the store
 

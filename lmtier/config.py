@@ -167,6 +167,16 @@ class StoreConfig:
 
 
 WRITE_MODES = ("auto", "through", "back")
+
+
+def engine_keys(*, chunk_tokens: bool = True) -> frozenset[str]:
+    """The extra-config keys an engine adapter accepts: every engine-side setting (without
+    ``chunk_tokens`` where the engine's page size decides it), the config file, and the
+    model's name in the keys."""
+    keys = {f.name for f in fields(StoreConfig)} | {"config", "model_id"}
+    return frozenset(keys if chunk_tokens else keys - {"chunk_tokens"})
+
+
 AUTO_CHUNK_MIN_BYTES = 256 * 1024
 DEFAULT_CHUNK_TOKENS = 256
 

@@ -199,10 +199,14 @@ class SegmentMaps:
 
 def alive(directory: str, name: str) -> bool:
     """Whether the client that made segment ``name`` still lives (holds its lock)."""
-    if not NAME.match(name):
-        return False
+    return bool(NAME.match(name)) and locked(os.path.join(directory, name))
+
+
+def locked(path: str) -> bool:
+    """Whether a live process holds an ``flock`` on ``path`` (the kernel drops it when the
+    process dies, whatever its PID namespace). False when there is no such file."""
     try:
-        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return False
     try:
@@ -245,4 +249,4 @@ def sweep(directory: str = DEFAULT_DIR, min_age: float = SWEEP_MIN_AGE_S) -> int
     return removed
 
 
-__all__ = ["DEFAULT_DIR", "Segment", "SegmentMaps", "SegmentUnavailable", "alive", "sweep"]
+__all__ = ["DEFAULT_DIR", "Segment", "SegmentMaps", "SegmentUnavailable", "alive", "locked", "sweep"]

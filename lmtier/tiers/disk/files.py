@@ -53,6 +53,7 @@ from lmtier import codec
 from lmtier.buffers import ALIGN, BufferPool, round_up
 from lmtier.chunk import Chunk
 from lmtier.errors import IntegrityError
+from lmtier.shm import locked
 from lmtier.tiers.disk import pagecache
 
 SUFFIX = ".seg"
@@ -242,17 +243,7 @@ class SegmentFiles:
     # -- the directory ------------------------------------------------------------------
     def owner_alive(self, path: str) -> bool:
         """Whether a live process holds the segment's append lock."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)  # releases a lock we took
-        return False
+        return locked(path)
 
     def remove_dead_temporaries(self) -> None:
         """Files crashed writers left in tmp/. A pid says nothing about a writer in another
