@@ -17,7 +17,7 @@ legacy), beside the mapping of its host layouts onto the canonical chunk.
 
 Extra-config keys of lmtier's own (all optional): ``tiers``, ``hash``, ``salt`` (tenant:
 stores with different salts never share), ``write_queue``, ``write_mode``, ``save_policy``
-(``min_tokens`` is not applied: SGLang's storage calls carry pages, not prompts),
+(not ``min_tokens``, refused: SGLang's storage calls carry pages, not prompts),
 ``metrics_port`` (Prometheus ``/metrics``, TP rank r on ``port + r``),
 ``load_deadline`` (seconds a batch_get may take; the rest is recomputed), ``config`` (a
 config file), ``model_id`` (the model's name in the namespace; default: SGLang's model
@@ -161,6 +161,11 @@ class LMTierStorage(HiCacheStorage):
         self.config: StoreConfig = engine_config(extra, SGLANG_KEYS | OWN_KEYS, "storage extra-config")
         if self.config.metrics_port:  # one port per rank: port + TP rank
             metrics.export(self.config.metrics_port + storage_config.tp_rank)
+        if self.config.min_tokens or self.config.save_policy == "min_tokens":
+            raise ConfigError(
+                "lmtier: min_tokens is not available under SGLang (its storage calls carry pages, not prompts); "
+                "use save_policy=always or reuse"
+            )
         self.model_id = str(extra.get("model_id") or storage_config.model_name or "")
         if not self.model_id:
             raise ConfigError("lmtier: no model name; set model_id in the storage extra config")

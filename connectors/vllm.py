@@ -432,12 +432,9 @@ class LMTierConnector(KVConnectorBase_V1):
                         hi, skip = min(lo + per, plan.num_blocks), max(0, plan.first_block - lo)
                         i += 1
                         blocks = plan.block_ids[lo + skip : hi]
-                        if chunk.layout != self.layout or not chunk.verify():
-                            chunk.release()
+                        if not self._load_chunk(chunk, blocks, skip * size, (hi - lo) * size):
                             failed.update(blocks)
-                        else:
-                            self._engine.scatter(blocks, self._source(chunk, skip * size, (hi - lo) * size))
-                            chunk.release()
+                        chunk.release()
                         covered = hi
                 finally:
                     release_all(left)
@@ -458,13 +455,22 @@ class LMTierConnector(KVConnectorBase_V1):
             )
         return failed
 
-    def _source(self, chunk: Chunk, tok0: int, tok1: int) -> torch.Tensor | np.ndarray:
-        """Tokens ``tok0:tok1`` of a chunk, as the copy engine takes them: the bytes
-        themselves on a CPU engine, a tensor view for a device engine."""
+    def _load_chunk(self, chunk: Chunk, blocks: list[int], tok0: int, tok1: int) -> bool:
+        """Copy tokens ``tok0:tok1`` of a chunk into ``blocks``, verified: False (the blocks
+        hold garbage, the engine recomputes them) if the chunk fails. On a CPU engine each
+        layer is hashed right before it is copied, from the cache the hash filled; a device
+        engine's chunk is verified before it is staged."""
+        if chunk.layout != self.layout:
+            return False
         if self._engine.device.type == "cpu":
-            return chunk.data[:, :, tok0:tok1]
+            check = chunk.layer_check()
+            self._engine.scatter(blocks, chunk.data[:, :, tok0:tok1], before_layer=check)
+            return check.passed()
+        if not chunk.verify():
+            return False
         kv = _as_tensor(np.ascontiguousarray(chunk.data), self.layout)
-        return kv.narrow(self.layout.token_axis, tok0, tok1 - tok0)
+        self._engine.scatter(blocks, kv.narrow(self.layout.token_axis, tok0, tok1 - tok0))
+        return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv

@@ -43,8 +43,12 @@ class KVStore:
         return self.store.lookup(self.keys(tokens)) * self.chunk_tokens
 
     def put(self, tokens: Any, kv: Any) -> int:
+        """Store the full chunks of ``tokens``; returns the tokens stored (0 for a prompt the
+        save policy leaves out: shorter than ``min_tokens``)."""
         tokens = as_token_array(tokens)
         data = self._byte_view(kv, len(tokens))
+        if not self.store.policy.stores(len(tokens)):
+            return 0
         size = self.chunk_tokens
         chunks = [
             Chunk(key, self.layout, data[:, :, i * size : (i + 1) * size], namespace=self.namespace.digest)

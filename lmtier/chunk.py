@@ -150,6 +150,13 @@ class Chunk:
             self.verified = True
         return True
 
+    def layer_check(self) -> LayerCheck:
+        """Verify this chunk one layer at a time, as a reader copies it out: call the check
+        with each layer in order (0, 1, ...) *before* copying that layer (hashing it first
+        brings it into cache, so the copy that follows reads it from there), then
+        ``passed()`` once every layer has been copied."""
+        return LayerCheck(self)
+
     def tobytes(self) -> bytes:
         self._check()
         return self.data.tobytes()
@@ -201,6 +208,41 @@ class Chunk:
 
     def __repr__(self) -> str:
         return f"Chunk({self.key.hex()[:12]}, {self.num_tokens} tokens, {self.nbytes} B)"
+
+
+class LayerCheck:
+    """See ``Chunk.layer_check``. The canonical layout puts each layer's bytes after the
+    previous layer's, so hashing the layers in order gives the chunk's own checksum: one
+    checksum, verified in pieces. A copy that fails must not be used: the reader treats
+    the copied blocks as not loaded."""
+
+    __slots__ = ("_chunk", "_hash", "_next")
+
+    def __init__(self, chunk: Chunk) -> None:
+        self._chunk = chunk
+        self._hash = None if chunk.verified else xxhash.xxh3_64()
+        self._next = 0
+
+    def __call__(self, layer: int) -> None:
+        if layer != self._next:
+            raise ValueError(f"layers are checked in order: expected layer {self._next}, got {layer}")
+        self._next += 1
+        if self._hash is not None:
+            _hash_runs(self._hash, self._chunk.data[layer])
+
+    def passed(self) -> bool:
+        """Whether every layer was checked and the bytes match the chunk's checksum (a
+        mismatch drops the tier's copy, as ``Chunk.verify`` does)."""
+        chunk = self._chunk
+        if self._next != chunk.layout.num_layers:
+            raise ValueError(f"{self._next} of {chunk.layout.num_layers} layers checked")
+        if self._hash is None:
+            return True
+        if self._hash.intdigest() != chunk.checksum:
+            chunk._corrupt()
+            return False
+        chunk.verified = True
+        return True
 
 
 class Lease:

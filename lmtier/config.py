@@ -152,14 +152,18 @@ class StoreConfig:
             raise ConfigError(f"chunk_tokens must be positive (or 0 / 'auto'), got {self.chunk_tokens}")
         if self.hash not in HASHES:
             raise ConfigError(f"hash must be one of {HASHES}, got {self.hash!r}")
-        if self.write_queue < 0:
-            raise ConfigError("write_queue must not be negative")
+        if self.write_queue < 1:
+            raise ConfigError(f"write_queue must be at least 1 (it bounds queued writes), got {self.write_queue}")
         if self.write_mode not in WRITE_MODES:
             raise ConfigError(f"write_mode must be one of {WRITE_MODES}, got {self.write_mode!r}")
         if self.save_policy not in POLICIES:
             raise ConfigError(f"save_policy must be one of {POLICIES}, got {self.save_policy!r}")
         if self.min_tokens < 0:
             raise ConfigError(f"min_tokens must not be negative, got {self.min_tokens}")
+        if self.min_tokens and self.save_policy == "always":
+            raise ConfigError(
+                "min_tokens applies to save_policy=min_tokens or reuse; save_policy=always stores every prompt"
+            )
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must lie in [0, 65536), got {self.metrics_port}")
         if self.load_deadline < 0:
@@ -255,7 +259,13 @@ class ServerConfig:
             raise ConfigError("mutual TLS (a client CA) needs the server's certificate and key too")
         if self.max_chunk_bytes <= 0 or self.max_message_bytes <= 0 or self.max_keys <= 0:
             raise ConfigError("limits must be positive")
-        for name in ("workers", "max_concurrent_rpcs", "max_calls_per_tenant", "max_streams_per_connection"):
+        for name in (
+            "workers",
+            "max_concurrent_rpcs",
+            "max_calls_per_tenant",
+            "max_streams_per_connection",
+            "write_queue",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for token, tenant in self.tokens:

@@ -24,7 +24,7 @@ contiguous in memory take the torch path on CPU too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -173,23 +173,33 @@ class CopyEngine:
         self.synchronize()
 
     def scatter(
-        self, block_ids: Sequence[int], src: torch.Tensor | np.ndarray, layers: Sequence[int] | None = None
+        self,
+        block_ids: Sequence[int],
+        src: torch.Tensor | np.ndarray,
+        layers: Sequence[int] | None = None,
+        *,
+        before_layer: Callable[[int], None] | None = None,
     ) -> None:
         """Copy canonical KV ``src`` (for ``len(block_ids) x block_size`` tokens; a tensor,
         or on a CPU engine its bytes as in ``gather``) into the engine's blocks, for all
-        layers or the given ones (layer-by-layer loading)."""
+        layers or the given ones (layer-by-layer loading). ``before_layer(i)`` is called
+        before layer ``i`` is copied (a ``Chunk.layer_check`` verifies it there)."""
         self._check_shape("scatter from", src, len(block_ids) * self.block_size)
         runs = self._kernel_runs(block_ids)
         which = layers if layers is not None else range(len(self.layers))
         if self._items is not None and _inner_contiguous(src):
             chunk = self._chunk_items(src)
             for i in which:
+                if before_layer is not None:
+                    before_layer(i)
                 for first, count, where in runs:
                     engine, part = self._item_views(i, chunk, first, count, where)
                     engine[...] = part
             return
         with self._on_copy_stream():
             for i in which:
+                if before_layer is not None:
+                    before_layer(i)
                 for first, count, where in runs:
                     engine_view, chunk_view = self._views(self.layers[i], src[i], first, count, where)
                     engine_view.copy_(chunk_view, non_blocking=True)

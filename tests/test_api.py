@@ -50,6 +50,18 @@ def test_a_second_prompt_sharing_a_prefix_hits_that_prefix_only():
         assert torch.equal(store.get(b), kv[:, :, :96])
 
 
+def test_min_tokens_leaves_short_prompts_out_of_the_embedded_store():
+    layout = lmtier.KVLayout(2, 2, 32, "float16")
+    tiers = ["cpu://?size=16MiB"]
+    with lmtier.open_store(tiers, model="m", layout=layout, chunk_tokens=32, save_policy="min_tokens",
+                           min_tokens=128) as store:  # fmt: skip
+        short, long = torch.arange(96), torch.arange(1000, 1128)
+        assert store.put(short, torch.randn(layout.tensor_shape(96)).half()) == 0
+        assert store.lookup(short) == 0
+        assert store.put(long, torch.randn(layout.tensor_shape(128)).half()) == 128
+        assert store.lookup(long) == 128
+
+
 def test_mla_layouts_take_one_latent_per_token():
     layout = lmtier.KVLayout(num_layers=3, num_kv_heads=1, head_dim=576, dtype="bfloat16", mla=True)
     with lmtier.open_store(model="deepseek", layout=layout, chunk_tokens=64) as store:

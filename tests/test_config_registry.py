@@ -60,6 +60,8 @@ def test_json_files_and_whitespace_separated_tier_lists(tmp_path):
         ({"LMTIER_CHUNK_TOKENS": "-64"}, "positive"),
         ({"LMTIER_HASH": "md5"}, "hash"),
         ({"LMTIER_TIERS": ""}, "at least one tier"),
+        ({"LMTIER_WRITE_QUEUE": "0"}, "write_queue must be at least 1"),
+        ({"LMTIER_MIN_TOKENS": "512"}, "min_tokens applies to save_policy=min_tokens or reuse"),
     ],
 )
 def test_bad_settings_are_refused(env, match):

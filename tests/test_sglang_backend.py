@@ -319,6 +319,8 @@ def test_bad_configuration_is_refused_at_attach(tmp_path):
         backend(["cpu://?size=16MiB"], colour="blue")
     with pytest.raises(ConfigError):
         backend(["nosuch://x"])
+    with pytest.raises(ConfigError, match="min_tokens is not available under SGLang"):
+        backend(["cpu://?size=16MiB"], save_policy="min_tokens", min_tokens=512)
 
 
 def test_unregistered_backend_misses_and_stats(tmp_path):

@@ -99,6 +99,25 @@ def test_iter_get_reads_ahead_in_batches_and_stops_at_the_first_miss():
         assert all(e.leases == 0 for e in hot._index.values())
 
 
+def test_iter_get_copies_lower_tier_hits_into_memory_as_it_reads_them():
+    """A load's chunks from a lower tier are copied into the memory tier by the reading
+    thread and handed out from there: the lower tier's buffers are free at once (nothing
+    queued holds them), and the copies are the stored bytes, already verified."""
+    hot, cold = cpu(16, "hot"), cpu(16, "cold")
+    with TieredStore([hot, cold]) as store:
+        p = make_prompt(6)
+        cold.put(p.chunks())
+        seen = []
+        for batch in store.iter_get(p.keys, 2):
+            assert all(c.verified for c in batch)
+            seen += [c.tobytes() for c in batch]
+            assert all(e.leases == 0 for e in cold._index.values())  # the copies are hot's
+            release_all(batch)
+        assert seen == [p.chunk_bytes(i) for i in range(6)]
+        assert hot.contains(p.keys) == 6
+        assert all(e.leases == 0 for e in hot._index.values())
+
+
 def test_iter_get_closed_early_releases_the_batch_read_ahead():
     hot = cpu(16, "hot")
     with TieredStore([hot]) as store:

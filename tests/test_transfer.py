@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from lmtier.chunk import Chunk, checksum
 from lmtier.errors import LayoutError
 from lmtier.layout import KVLayout
 from lmtier.transfer import CopyEngine, check_chunk_size
@@ -120,3 +121,36 @@ def test_chunk_bytes_move_like_tensors_on_a_cpu_engine():
     assert torch.equal(layers[2][0], layers[2][3]) and torch.equal(layers[2][1], layers[2][8])
     with pytest.raises(LayoutError, match="expected uint8"):
         engine.scatter([0], raw)
+
+
+@pytest.mark.parametrize("damaged_layer", [None, 0, 2])
+def test_a_chunk_verified_layer_by_layer_while_it_is_scattered(damaged_layer):
+    """The engine's load path: each layer is hashed right before it is copied; the layers'
+    hashes in order are the chunk's checksum, so one flipped byte in any layer fails the
+    chunk (its blocks are recomputed) and an intact chunk lands exactly as a plain copy."""
+    layers = paged((0, 2, 1, 3))
+    engine = CopyEngine(layers, LAYOUT, BLOCK, BLOCKS)
+    raw = np.empty(LAYOUT.byte_shape(2 * BLOCK), dtype=np.uint8)
+    engine.gather([3, 8], raw)
+    dropped = []
+    stored = Chunk(b"k" * 16, LAYOUT, raw.copy(), checksum=checksum(raw), verified=False)
+    stored._on_corrupt = lambda: dropped.append(True)
+    if damaged_layer is not None:
+        stored.data[damaged_layer, 1, BLOCK + 1, 5] ^= 0x04
+    check = stored.layer_check()
+    engine.scatter([0, 1], stored.data, before_layer=check)
+    assert check.passed() is (damaged_layer is None)
+    assert dropped == ([] if damaged_layer is None else [True])
+    if damaged_layer is None:
+        assert stored.verified
+        assert all(torch.equal(layer[0], layer[3]) and torch.equal(layer[1], layer[8]) for layer in layers)
+
+
+def test_a_layer_check_refuses_layers_out_of_order_or_missing():
+    raw = np.zeros(LAYOUT.byte_shape(BLOCK), dtype=np.uint8)
+    check = Chunk(b"k" * 16, LAYOUT, raw, checksum=checksum(raw), verified=False).layer_check()
+    with pytest.raises(ValueError, match="in order"):
+        check(1)
+    check(0)
+    with pytest.raises(ValueError, match="1 of 3 layers"):
+        check.passed()
