@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 NAME = re.compile(r"lmtier-[0-9a-f]{32}\Z")
 DEFAULT_DIR = "/dev/shm"
 QUARANTINE_S = 30.0  # slots of a call that ended abnormally rest this long before reuse
+GROW_STEP = 32 << 20  # a growing segment reserves this much at a time
 SWEEP_MIN_AGE_S = 60.0  # a segment younger than this is never swept (it may be starting)
 
 
@@ -55,9 +56,15 @@ class Segment:
     ``acquire()`` hands out a free slot (or None when all are in use); ``release(slot)``
     returns it; ``quarantine(slots)`` returns slots only after ``QUARANTINE_S``, for a call
     that ended abnormally while the server might still touch them.
+
+    The memory is reserved before it is used (``posix_fallocate``), so that a full tmpfs
+    is an error here rather than a SIGBUS in a writer later. Reserving costs about 0.1 s
+    per 256 MiB here; with ``grow`` only the first ``GROW_STEP`` is reserved at once, and
+    a thread of its own reserves the next step whenever fewer than half a step of slots
+    are free; ``acquire`` hands out reserved slots only.
     """
 
-    def __init__(self, directory: str, size: int, slot_bytes: int) -> None:
+    def __init__(self, directory: str, size: int, slot_bytes: int, *, grow: bool = False) -> None:
         if slot_bytes <= 0 or size < slot_bytes:
             raise ConfigError(f"a shared-memory segment of {size} bytes holds no slot of {slot_bytes}")
         self.slot_bytes = slot_bytes
@@ -68,9 +75,9 @@ class Segment:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # "alive": sweep leaves a held segment alone
-            # Reserve the memory now: a tmpfs that fills up later would kill the writer
-            # with SIGBUS on a page fault; here it is an error we can fall back from.
-            os.posix_fallocate(fd, 0, self.size)
+            first = min(self.num_slots, max(1, GROW_STEP // slot_bytes)) if grow else self.num_slots
+            os.posix_fallocate(fd, 0, first * slot_bytes)
+            os.ftruncate(fd, self.size)
             self.map = mmap.mmap(fd, self.size)
         except BaseException:
             os.close(fd)
@@ -78,10 +85,38 @@ class Segment:
             raise
         self._fd = fd  # kept open: it holds the lock
         self._lock = threading.Lock()
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._free = list(range(first - 1, -1, -1))
         self._resting: list[tuple[float, list[int]]] = []
         self._pid = os.getpid()
         self.closed = False
+        self._step = max(1, GROW_STEP // slot_bytes)
+        self._reserved = first
+        self._wanted = threading.Condition(self._lock)
+        self._grower: threading.Thread | None = None
+        if first < self.num_slots:
+            self._grower = threading.Thread(target=self._grow, name="lmtier-shm-reserve", daemon=True)
+            self._grower.start()
+
+    def _grow(self) -> None:
+        """Reserve the rest of the segment a step at a time, as ``acquire`` runs low."""
+        while True:
+            with self._lock:
+                self._wanted.wait_for(lambda: self.closed or len(self._free) < self._step // 2 + 1)
+                if self.closed:
+                    return
+                start = self._reserved
+            upto = min(self.num_slots, start + self._step)
+            try:
+                os.posix_fallocate(self._fd, start * self.slot_bytes, (upto - start) * self.slot_bytes)
+            except OSError as exc:
+                log.warning("shared-memory segment %s: %d of %d slots usable (%s)", self.name, start,
+                            self.num_slots, exc.strerror)  # fmt: skip
+                return
+            with self._lock:
+                self._free[:0] = range(upto - 1, start - 1, -1)  # taken after the ones there
+                self._reserved = upto
+                if upto == self.num_slots:
+                    return
 
     def view(self, slot: int) -> memoryview:
         start = slot * self.slot_bytes
@@ -94,7 +129,10 @@ class Segment:
         with self._lock:
             if self._resting and self._resting[0][0] <= time.monotonic():
                 self._free.extend(self._resting.pop(0)[1])
-            return self._free.pop() if self._free and not self.closed else None
+            slot = self._free.pop() if self._free and not self.closed else None
+            if self._grower is not None and len(self._free) <= self._step // 2:
+                self._wanted.notify()
+            return slot
 
     def release(self, slot: int) -> None:
         with self._lock:
@@ -114,7 +152,11 @@ class Segment:
         """Remove the segment. Chunks still viewing it keep their memory until released."""
         if self.closed or self._pid != os.getpid():
             return
-        self.closed = True
+        with self._lock:
+            self.closed = True
+            self._wanted.notify()
+        if self._grower is not None:
+            self._grower.join()  # its fallocate must not reach a descriptor number reused after close
         Path(self.path).unlink(missing_ok=True)
         os.close(self._fd)
 

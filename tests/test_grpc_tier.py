@@ -501,6 +501,29 @@ def test_sweep_leaves_the_segments_of_live_clients_alone(tmp_path):
     assert not os.path.exists(segment.path)
 
 
+def test_a_growing_segment_reserves_its_memory_as_its_slots_are_taken(tmp_path, monkeypatch):
+    """A client's segment reserves its first step at once and the next ones as slots run
+    low, on a thread of its own: every slot handed out lies in reserved memory."""
+    monkeypatch.setattr(shm, "GROW_STEP", 256 << 10)  # 4 slots a step
+    segment = shm.Segment(str(tmp_path), 1 << 20, 64 << 10, grow=True)
+    try:
+        assert os.stat(segment.path).st_blocks * 512 == 256 << 10  # one step, of a 1 MiB segment
+        taken = []
+        for _ in range(40):  # the grower catches up in the background
+            slot = segment.acquire()
+            if slot is not None:
+                taken.append(slot)
+                assert os.stat(segment.path).st_blocks * 512 >= (slot + 1) * (64 << 10)
+            if len(taken) == 16:
+                break
+            time.sleep(0.05)
+        assert sorted(taken) == list(range(16))
+        assert segment.acquire() is None  # all 16 in use
+    finally:
+        segment.close()
+    assert not os.path.exists(segment.path)
+
+
 # -- health, reflection, readiness, metrics ----------------------------------------------------------
 def test_health_reflection_metrics_and_readiness_follow_the_tiers(tmp_path):
     disk = tmp_path / "disk"

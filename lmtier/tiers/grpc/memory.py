@@ -2,11 +2,13 @@
 memory that it reads chunks from where they lie.
 
     SharedMemory(wanted, directory, size, slot_bytes, tier)
-        segment() -> Segment | None           this process's segment, made on first use;
+        segment() -> Segment | None           this process's segment, made on first use
+                                              (its memory reserved as it grows);
                                               None while shared memory is off
         refused(detail)                       the server cannot use it: off for a minute,
                                               or for good when the server never will
-        server_region(region) -> memoryview   a payload in the server's memory, read-only
+        server_region(region) -> memoryview   a payload in the server's memory, read-only,
+                                              its pages mapped in
         in_use -> str | None                  the segment's name while it is used (stats)
         forget(), close()                     after ``fork`` / at the end
     NoShm                                     a call's shared memory was refused: make the
@@ -20,9 +22,11 @@ again over plain gRPC at once (``GrpcTier._rpc``). Nothing here retries a failed
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
+from lmtier.buffers import populate_read
 from lmtier.errors import LmtierError
 from lmtier.pieces import Region
 from lmtier.shm import Segment, SegmentMaps, SegmentUnavailable
@@ -45,6 +49,7 @@ class SharedMemory:
         self._segment: Segment | None = None
         self._server_maps: SegmentMaps | None = None
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def segment(self) -> Segment | None:
         if not self.wanted or time.monotonic() < self._off_until:
@@ -53,7 +58,7 @@ class SharedMemory:
             with self._lock:
                 if self._segment is None and self.wanted:
                     try:
-                        self._segment = Segment(self.directory, self.size, self.slot_bytes)
+                        self._segment = Segment(self.directory, self.size, self.slot_bytes, grow=True)
                     except (OSError, LmtierError) as exc:
                         log.warning("grpc tier %s: no shared-memory segment (%s); using plain gRPC", self.tier, exc)
                         self.wanted = False
@@ -75,9 +80,11 @@ class SharedMemory:
         if self._server_maps is None:
             self._server_maps = SegmentMaps(self.directory, limit=SERVER_MAPS, writable=False)
         try:
-            return self._server_maps.region(region.segment, region.offset, region.length)
+            view = self._server_maps.region(region.segment, region.offset, region.length)
         except SegmentUnavailable as exc:
             raise NoShm(str(exc)) from exc
+        populate_read(view)  # map its pages here, in the reading thread, not in the caller's copy
+        return view
 
     @property
     def in_use(self) -> str | None:
@@ -86,8 +93,12 @@ class SharedMemory:
 
     def forget(self) -> None:
         """In a forked child: the parent's segment and maps stay the parent's."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
         self._segment = None
         self._server_maps = None
+        self._lock = threading.Lock()  # a thread of the parent's may have held it at fork
 
     def close(self) -> None:
         if self._segment is not None:
