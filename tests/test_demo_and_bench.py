@@ -161,7 +161,8 @@ def test_every_tier_is_timed_inside_the_engine_against_vllms_own_hit(suite):
         assert r["cached_tokens"] == report["prefix_cached_tokens"] > 0  # every tier served the whole hit
         assert r["ratio"] == pytest.approx(r["ttft"] / report["vllm_prefix_hit"])
     assert report["disk_floor"] > report["vllm_prefix_hit"]
-    assert "| lmtier server |" in stdout
+    assert report["memory_floor"] == pytest.approx(report["vllm_prefix_hit"] + report["memcpy_seconds"])
+    assert "| lmtier server |" in stdout and "(memory floor)" in stdout
 
 
 def test_the_readme_results_page_is_a_full_run_copied_unedited():

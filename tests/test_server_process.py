@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -238,3 +240,44 @@ def test_chained_servers_engine_sidecar_central_and_two_sidecars_share(tmp_path)
         for s in sidecars:
             s.stop()
         central.stop()
+
+
+_PARENT = """
+import sys, tempfile, time
+from pathlib import Path
+import grpc
+from concurrent import futures
+from lmtier.testing.cache_server import ServerProcess
+from lmtier.testing.redis_server import RedisServer
+
+busy = grpc.server(futures.ThreadPoolExecutor(2))  # gRPC's threads run while the servers start
+busy.add_insecure_port("127.0.0.1:0")
+busy.start()
+work = Path(sys.argv[1])
+servers = [ServerProcess(work, "--tier", "cpu://?size=16MiB") for _ in range(4)] + [RedisServer(work)]
+print(" ".join(str(s.proc.pid) for s in servers), flush=True)
+time.sleep(120)
+"""
+
+
+def test_servers_started_by_a_grpc_process_start_and_die_with_it(tmp_path):
+    """The test servers start from a process whose gRPC threads run (a fork that ran Python
+    before exec there once lost the server to a closed epoll descriptor), and a parent that
+    is killed takes its servers with it."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = parent.stdout.readline()
+        assert line, "the parent process could not start its servers"
+        pids = [int(p) for p in line.split()]
+        assert all(Path(f"/proc/{pid}").exists() for pid in pids)
+    finally:
+        parent.kill()
+        parent.wait(timeout=30)
+
+    def gone(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    assert eventually(lambda: all(gone(pid) for pid in pids), 30), [p for p in pids if not gone(p)]

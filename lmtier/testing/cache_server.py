@@ -43,7 +43,7 @@ class ServerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.dir / "server.log", "ab") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.dir, env=env, preexec_fn=die_with_parent
+                die_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=self.dir, env=env
             )
         deadline = time.monotonic() + timeout
         while (self.health() != health_pb2.HealthCheckResponse.SERVING) if ready else self.health() is None:

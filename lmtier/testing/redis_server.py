@@ -7,10 +7,12 @@ on free loopback ports, until ``stop``.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -40,16 +42,24 @@ def cli(port: int, *args: str, timeout: float = 10, tls: tuple[str, ...] = ()) -
     return run.stdout.strip()
 
 
-def die_with_parent() -> None:
-    """In the child before exec (Linux): SIGKILL when the parent dies, so a test run that
-    is killed leaves no server behind."""
-    try:
-        import ctypes
-        import signal
+# Runs in the child instead of a ``preexec_fn``: Python code between fork and exec in a
+# process with gRPC's threads can meet a lock or an event-engine thread that gRPC's fork
+# handlers restart in the child (and whose epoll descriptor the child then closes: "epoll_wait
+# error: Bad file descriptor" in the server's log, and no server). A fresh interpreter sets
+# the signal, checks its parent is still the one that started it, and execs the command.
+_GUARD = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)  # the parent is already gone\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+
+def die_with_parent(cmd: list[str]) -> list[str]:
+    """``cmd``, started so that it is killed when this process dies (Linux): a test run that
+    is killed leaves no server behind."""
+    return [sys.executable, "-S", "-c", _GUARD, str(os.getpid()), *cmd]
 
 
 class RedisServer:
@@ -85,7 +95,7 @@ class RedisServer:
         args = ["redis-server", *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         args += ["--dir", str(self.dir), *self.config]
         with open(self.dir / "server.log", "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            self.proc = subprocess.Popen(die_with_parent(args), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 15
         while cli(self.port, "PING", tls=self.tls_cli) not in ("PONG", "NOAUTH Authentication required."):
             if self.proc.poll() is not None or time.monotonic() > deadline:
