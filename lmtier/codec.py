@@ -20,6 +20,12 @@ the layout, the namespace and the key, and raises a typed ``IntegrityError``; ca
 treat that as a miss. ``decode(..., lazy=True)`` leaves the payload check to the chunk,
 which does it while the reader copies the bytes out (one pass over memory instead of two).
 
+A writer that wants the payload at an aligned offset of the frame (the disk tier: O_DIRECT
+writes straight from a memory-tier slot, reads that leave the payload page-aligned in
+their buffer) passes ``align``: the header then carries a ``pad`` entry of zeros that
+ends it exactly at a multiple of ``align`` from the frame's start. It is an ordinary
+header field under the header checksum, so every reader decodes such a frame unchanged.
+
 One codec, ``raw``: the payload is the canonical bytes, so encoding copies nothing. The
 header names its codec so that a frame claiming another one is a ``FormatError`` (a miss),
 never misread. There is no compression, on the evidence: lz4 after splitting 16-bit
@@ -68,19 +74,28 @@ class Header:
     payload_sum: int
 
 
-def _header_bytes(chunk: Chunk) -> bytes:
-    return msgpack.packb(
-        {
-            "v": FRAME_VERSION,
-            "ns": chunk.namespace,
-            "key": chunk.key,
-            "layout": chunk.layout.to_dict(),
-            "tokens": chunk.num_tokens,
-            "codec": CODEC,
-            "raw_len": chunk.nbytes,
-        },
-        use_bin_type=True,
-    )
+def _header_bytes(chunk: Chunk, align: int = 0) -> bytes:
+    fields = {
+        "v": FRAME_VERSION,
+        "ns": chunk.namespace,
+        "key": chunk.key,
+        "layout": chunk.layout.to_dict(),
+        "tokens": chunk.num_tokens,
+        "codec": CODEC,
+        "raw_len": chunk.nbytes,
+    }
+    header = msgpack.packb(fields, use_bin_type=True)
+    if not align:
+        return header
+    # "pad": zeros as a msgpack bin16 (3 bytes of type and length, so 256 <= n < 65536),
+    # after its 4-byte key (a fixstr): the map's one-byte header stays one byte.
+    n = -(PREAMBLE.size + len(header) + 4 + 3) % align
+    while n < 256:
+        n += align
+    header = msgpack.packb({**fields, "pad": bytes(n)}, use_bin_type=True)
+    if (PREAMBLE.size + len(header)) % align or len(header) > MAX_HEADER:
+        raise ValueError(f"cannot align a frame's payload to {align} bytes")
+    return header
 
 
 def _preamble(header: bytes, payload_len: int, payload_sum: int) -> bytes:
@@ -93,16 +108,17 @@ def _relayed(chunk: Chunk, relay: bool) -> bool:
     return relay and chunk.checksum is not None
 
 
-def encode_parts(chunk: Chunk, *, relay: bool = False) -> list:
+def encode_parts(chunk: Chunk, *, relay: bool = False, align: int = 0) -> list:
     """The frame as a list of buffers (preamble+header, then payload runs), for writev.
 
     The payload runs are views of the chunk: nothing is copied, and a chunk whose checksum
     is known is not even hashed again. An unverified chunk is verified (``IntegrityError``
     if it fails), so a damaged chunk is never re-encoded as good. ``relay``: pass an
     unverified chunk on unchecked, under the checksum recorded when it was stored, for a
-    relay whose reader checks every frame (the cache server).
+    relay whose reader checks every frame (the cache server). ``align``: the payload starts
+    at a multiple of it (see the module docstring).
     """
-    header = _header_bytes(chunk)
+    header = _header_bytes(chunk, align)
     relayed = _relayed(chunk, relay)
     if not relayed and not chunk.verify():
         raise ChecksumError("chunk failed its checksum")
@@ -117,20 +133,20 @@ def encode(chunk: Chunk) -> bytes:
     return b"".join(p if isinstance(p, bytes) else p.tobytes() for p in encode_parts(chunk))
 
 
-def encoded_size(chunk: Chunk) -> int:
+def encoded_size(chunk: Chunk, align: int = 0) -> int:
     """Frame size of a chunk, known without encoding."""
-    return PREAMBLE.size + len(_header_bytes(chunk)) + chunk.nbytes
+    return PREAMBLE.size + len(_header_bytes(chunk, align)) + chunk.nbytes
 
 
-def encode_into(chunk: Chunk, buf: memoryview | np.ndarray, *, relay: bool = False) -> int:
+def encode_into(chunk: Chunk, buf: memoryview | np.ndarray, *, relay: bool = False, align: int = 0) -> int:
     """Write the frame of ``chunk`` into ``buf``; returns the frame length.
 
     The payload is copied with ``Chunk.copy_to``, which hashes it block by block as it
     lands (and verifies an unverified chunk on the way): one pass over memory builds the
     frame and its checksum. For writers that need the frame in their own buffer (O_DIRECT).
-    ``relay``: as for ``encode_parts``, a plain copy under the recorded checksum.
+    ``relay`` and ``align``: as for ``encode_parts``.
     """
-    header = _header_bytes(chunk)
+    header = _header_bytes(chunk, align)
     start = PREAMBLE.size + len(header)
     end = start + chunk.nbytes
     out = np.frombuffer(buf, dtype=np.uint8, count=end)

@@ -224,3 +224,23 @@ def test_a_payload_checksum_computed_by_the_reader_replaces_the_payload_pass():
     assert good.verified and good.tobytes() == chunk.tobytes()
     with pytest.raises(ChecksumError):
         codec.decode(frame, payload_checksum=xxhash.xxh3_64_intdigest(payload) ^ 1)
+
+
+@pytest.mark.parametrize("align", [512, 4096, 65536])
+@pytest.mark.parametrize("ns_bytes", [1, 200, 700])
+def test_an_aligned_frame_puts_its_payload_on_the_boundary_and_decodes_anywhere(align, ns_bytes):
+    """``align`` pads the header (a ``pad`` field under the header checksum), so that the
+    payload starts at a multiple of ``align``; any reader decodes the frame, and a flipped
+    pad byte is a checksum error like any other header byte."""
+    base = kv_chunk(LAYOUTS[2])
+    chunk = Chunk(base.key, base.layout, base.data, namespace=(bytes(range(256)) * 3)[:ns_bytes])
+    parts = codec.encode_parts(chunk, align=align)
+    frame = b"".join(bytes(p) for p in parts)
+    assert len(parts[0]) % align == 0 and len(frame) == codec.encoded_size(chunk, align)
+    assert codec.decode(frame).tobytes() == chunk.tobytes()
+    buf = np.zeros(len(frame), np.uint8)
+    assert codec.encode_into(chunk, buf, align=align) == len(frame) and buf.tobytes() == frame
+    bad = bytearray(frame)
+    bad[len(parts[0]) - 1] ^= 1  # the last pad byte
+    with pytest.raises(ChecksumError):
+        codec.decode(bytes(bad))

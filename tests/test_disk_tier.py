@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from lmtier import codec
-from lmtier.buffers import round_up
+from lmtier.buffers import ALIGN, BufferPool, round_up
 from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError, IntegrityError, TierError
 from lmtier.layout import KVLayout
@@ -26,8 +26,8 @@ from conftest import SMALL, make_namespace, make_prompt
 from tier_contract import CHUNK_BYTES, EvictingTierContract
 
 ROOT = Path(__file__).resolve().parents[1]
-# A stored chunk is its frame (the chunk plus its preamble and header) padded to 4 KiB.
-HEADER = codec.encoded_size(make_prompt(1).chunks()[0]) - CHUNK_BYTES
+# A stored chunk is its frame (a page of preamble and header, then the chunk) padded to 4 KiB.
+HEADER = codec.encoded_size(make_prompt(1).chunks()[0], ALIGN) - CHUNK_BYTES
 FRAME = round_up(CHUNK_BYTES + HEADER)
 
 
@@ -416,3 +416,59 @@ def test_a_chunk_damaged_in_memory_leaves_zeros_that_a_rebuild_steps_over(tmp_pa
     assert [c.tobytes() for c in got] == [p.chunk_bytes(i) for i in range(4) if held[i]]
     release_all(got)
     again.close()
+
+
+def _in_page_aligned_memory(chunk: Chunk, *, offset: int = 0) -> Chunk:
+    """A copy of ``chunk`` in page-aligned memory (as a memory tier's slot holds it), or
+    ``offset`` bytes past a page boundary."""
+    buf = BufferPool().acquire(chunk.nbytes + offset)
+    data = np.frombuffer(buf, dtype=np.uint8, count=chunk.nbytes, offset=offset).reshape(chunk.data.shape)
+    data[...] = chunk.data
+    return Chunk(chunk.key, chunk.layout, data, namespace=chunk.namespace, checksum=chunk.compute_checksum(),
+                 verified=False)  # fmt: skip
+
+
+def test_payloads_start_on_a_page_of_the_segment(tmp_path):
+    """Every frame's payload begins at a page boundary of its segment: O_DIRECT can write
+    it from where it lies, and a read leaves it page-aligned in its buffer."""
+    tier = new_tier(tmp_path)
+    p = make_prompt(3, seed=21)
+    tier.put(p.chunks())
+    got = tier.get(p.keys)
+    for i, chunk in enumerate(got):
+        assert chunk.data.ctypes.data % ALIGN == 0
+        assert chunk.tobytes() == p.chunk_bytes(i)
+    release_all(got)
+    for path in (tmp_path / "segments").iterdir():
+        frames, _ = tier.files.scan(str(path), 0, verify=True)
+        raw = path.read_bytes()
+        for _, offset, length in frames:
+            payload = length - CHUNK_BYTES
+            assert payload % ALIGN == 0 and codec.decode(raw[offset : offset + length]).nbytes == CHUNK_BYTES
+    tier.close()
+
+
+def test_o_direct_writes_a_page_aligned_chunk_where_it_lies(tmp_path):
+    """With O_DIRECT, a chunk in page-aligned memory (a memory tier's slot) goes to the disk
+    from its own memory: only the page of preamble and header is copied. A chunk elsewhere
+    is copied into an aligned buffer. Both read back, verified; a damaged one is refused."""
+    tier = new_tier(tmp_path, o_direct=True)
+    p = make_prompt(3, seed=22)
+    aligned, unaligned = _in_page_aligned_memory(p.chunks()[0]), _in_page_aligned_memory(p.chunks()[1], offset=64)
+    frame = tier.files.frames(aligned)
+    assert frame.buffer is None and len(frame.parts) == 2
+    assert np.shares_memory(frame.parts[1], aligned.data) and frame.parts[0].ctypes.data % ALIGN == 0
+    copied = tier.files.frames(unaligned)
+    assert copied.buffer is not None and not np.shares_memory(np.frombuffer(copied.buffer, np.uint8), unaligned.data)
+    tier.files.release([frame, copied])
+    damaged = _in_page_aligned_memory(p.chunks()[2])
+    damaged.data[0, 0, 0, 0] ^= 1
+    with pytest.raises(IntegrityError):
+        tier.files.frames(damaged)
+    tier.put([aligned, unaligned, damaged])
+    assert [tier.has(k) for k in p.keys] == [True, True, False]
+    assert tier.stats()["corrupt"] == 1
+    got = tier.get(p.keys[:2])
+    assert [c.tobytes() for c in got] == [p.chunk_bytes(0), p.chunk_bytes(1)]
+    release_all(got)
+    tier.close()

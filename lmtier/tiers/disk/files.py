@@ -51,7 +51,7 @@ import numpy as np
 
 from lmtier import codec
 from lmtier.buffers import ALIGN, BufferPool, round_up
-from lmtier.chunk import Chunk
+from lmtier.chunk import Chunk, iter_segments
 from lmtier.errors import IntegrityError
 from lmtier.shm import locked
 from lmtier.tiers.disk import pagecache
@@ -128,22 +128,33 @@ class SegmentFiles:
             raise
         return Writer(name, self.path(name), fd, self.fsync, self.write_direct)
 
+    def size(self, chunk: Chunk) -> int:
+        """The bytes ``chunk``'s frame takes in a segment, padding included."""
+        return round_up(codec.encoded_size(chunk, ALIGN))
+
     def frames(self, chunk: Chunk) -> Frame:
         """``chunk``'s frame, verified on the way in (``IntegrityError``: it came damaged
-        from memory). With O_DIRECT it is encoded into a pooled page-aligned buffer (one
-        pass copies and hashes); through the page cache the parts are views of the chunk
-        (nothing copied here; the kernel copies once)."""
+        from memory), its payload at a page boundary of the frame (``codec``'s ``align``).
+        Through the page cache the parts are views of the chunk (nothing copied here; the
+        kernel copies once). With O_DIRECT too, when the chunk's bytes lie page-aligned (a
+        memory tier's slot): the disk reads them where they are, and only the page of
+        preamble and header is copied; otherwise the frame is encoded into a pooled
+        page-aligned buffer (one pass copies and hashes)."""
         if self.write_direct:
-            length = codec.encoded_size(chunk)
+            runs = [] if chunk.nbytes % ALIGN else list(iter_segments(chunk.data))
+            if runs and all(_aligned(r) for r in runs):
+                parts = codec.encode_parts(chunk, align=ALIGN)  # verifies; the payload runs are views
+                return Frame(chunk.key, len(parts[0]) + chunk.nbytes, [_aligned_copy(parts[0]), *parts[1:]])
+            length = codec.encoded_size(chunk, ALIGN)
             buf = self.buffers.acquire(round_up(length))
             try:
-                codec.encode_into(chunk, buf)
+                codec.encode_into(chunk, buf, align=ALIGN)
                 buf[length : round_up(length)] = _ZEROS[: round_up(length) - length]
             except BaseException:
                 self.buffers.release(buf)
                 raise
             return Frame(chunk.key, length, [memoryview(buf)[: round_up(length)]], buf)
-        parts = codec.encode_parts(chunk)
+        parts = codec.encode_parts(chunk, align=ALIGN)
         length = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
         if length % ALIGN:
             parts.append(_ZEROS[: round_up(length) - length])
@@ -318,6 +329,20 @@ def header_of(head: memoryview, length: int) -> codec.Header:
     # read_header looks at the payload's length only; an untouched array costs no memory
     payload = np.empty(length - len(head), dtype=np.uint8)
     return codec.read_header(head, payload)[0]
+
+
+def _aligned(run: np.ndarray) -> bool:
+    """Whether O_DIRECT can write ``run`` where it lies: address and length page-aligned."""
+    return run.ctypes.data % ALIGN == 0 and run.nbytes % ALIGN == 0
+
+
+def _aligned_copy(data: bytes) -> np.ndarray:
+    """``data`` copied to page-aligned memory (a frame's preamble and header, for O_DIRECT)."""
+    raw = np.empty(len(data) + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    out = raw[start : start + len(data)]
+    out[:] = np.frombuffer(data, dtype=np.uint8)
+    return out
 
 
 def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:

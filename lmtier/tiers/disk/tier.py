@@ -265,7 +265,7 @@ class DiskTier(Tier):
         refused (then nothing of the batch is left in the file)."""
         if not chunks:
             return [], [], None, 0, False
-        sizes = [round_up(codec.encoded_size(c)) for c in chunks]
+        sizes = [self.files.size(c) for c in chunks]
         pieces, first = [], 0
         for i in range(1, len(chunks) + 1):
             if i == len(chunks) or sum(sizes[first : i + 1]) > WRITE_PIECE:
