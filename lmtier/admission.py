@@ -1,6 +1,6 @@
 """Which chunks earn a write, and to which tier: the save policy (pure logic, no I/O).
 
-    SavePolicy(name="reuse", min_tokens=0, keys=65536, min_reuse=0.25)
+    SavePolicy(name="always", min_tokens=0, keys=65536, min_reuse=0.25)
       seen(keys)                         a request looked these chunks up: count the sighting
       stores(prompt_tokens)              -> bool: is a prompt this long stored at all (min_tokens)
       admit_first(keys, prompt_tokens)   -> int: leading chunks to store in memory now
@@ -64,7 +64,7 @@ import xxhash
 from lmtier.errors import ConfigError
 
 POLICIES = ("always", "min_tokens", "reuse")
-DEFAULT_POLICY = "reuse"
+DEFAULT_POLICY = "always"  # StoreConfig.save_policy's default too
 MAX_COUNT = 15  # counters saturate here: 4-bit counters, held one per byte for speed
 _HALVE = bytes(i >> 1 for i in range(256))  # bytearray.translate table: every counter halved
 
@@ -185,7 +185,7 @@ class GhostFilter:
 
 
 class SavePolicy:
-    """One policy for one store: ``always``, ``min_tokens`` or ``reuse`` (the default).
+    """One policy for one store: ``always`` (the default), ``min_tokens`` or ``reuse``.
 
     ``keys``: the number of chunks the store's tiers hold together (capacity / chunk bytes),
     which sizes the sketch and the ghost filter: 20 to 40 bytes per key in all, 1.25 MiB

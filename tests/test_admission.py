@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from lmtier.admission import POLICIES, FrequencySketch, GhostFilter, SavePolicy
+from lmtier.config import StoreConfig
 from lmtier.errors import ConfigError
 
 _KEYS = random.Random(1)  # fixed: a run sees the same keys every time
@@ -96,7 +97,7 @@ def test_ghost_remembers_the_last_keys_and_forgets_older_ones():
 # -- the policies ----------------------------------------------------------------------------
 def test_policies_by_name_and_bad_settings():
     assert POLICIES == ("always", "min_tokens", "reuse")
-    assert SavePolicy().name == "reuse"
+    assert SavePolicy().name == "always" == StoreConfig().save_policy
     for bad in ({"name": "lru"}, {"min_tokens": -1}, {"min_reuse": 1.5}):
         with pytest.raises(ConfigError):
             SavePolicy(**bad)
