@@ -1,6 +1,7 @@
 """The segment files of one disk-tier directory: names, appends, reads, scans. Bytes and
 names only; what is live, and within which bound, is the index's and the tier's business.
 
+    claim(root)                           refuse a directory that is not the tier's to use
     SegmentFiles(root, o_direct, fsync)   o_direct: True, False, or None (auto: see below)
       .create() -> Writer                 a new segment, locked by this process while it appends
       .new_name() -> str                  a name no other process will make
@@ -52,7 +53,7 @@ import numpy as np
 from lmtier import codec
 from lmtier.buffers import ALIGN, BufferPool, round_up
 from lmtier.chunk import Chunk, iter_segments
-from lmtier.errors import IntegrityError
+from lmtier.errors import ConfigError, IntegrityError
 from lmtier.shm import locked
 from lmtier.tiers.disk import pagecache
 
@@ -61,11 +62,59 @@ STALE_TEMP_S = 600.0  # a file in tmp/ untouched this long belongs to no live wr
 MAX_FRAME = 1 << 31  # a frame claiming more is not ours: refuse before allocating
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _NAME = re.compile(r"[0-9]+-[0-9a-f]{12}-[0-9]+\.seg")
+# what writers leave in tmp/: a segment being made, an O_DIRECT probe, a chunk file of the
+# one-file-per-chunk layout being written
+_TEMP = re.compile(r"[0-9]+-(?:[0-9a-f]{12}-[0-9]+\.(?:seg|tmp)|odirect-probe\.tmp)")
+_LEGACY_DIR = re.compile(r"[0-9a-f]{2}")
+_LEGACY_FILE = re.compile(r"(?:[0-9a-f]{2}){1,64}\.lmt")
+SUBDIRS = ("segments", "tmp", "chunks")
 _ZEROS = bytes(ALIGN)
 
 
 def segment_name(name: str) -> bool:
     return _NAME.fullmatch(name) is not None
+
+
+def claim(root: Path) -> None:
+    """Refuse (``ConfigError``) a directory a disk tier must not take as its own, before
+    anything in it is touched: the tier removes what it does not recognise in its
+    sub-directories, so they must be real directories (a symlinked ``segments/`` would
+    lead it elsewhere), and a directory without the tier's index must hold nothing but
+    what the tier writes (a segment file, a temporary, a chunk file of the older layout):
+    a mistyped path to a project that happens to have a ``tmp/`` is refused, not emptied.
+    With the index there (or a damaged one), the directory is the tier's, and a stranger
+    in a sub-directory is removed (unlinked, never followed)."""
+    for name in SUBDIRS:
+        path = root / name
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise ConfigError(
+                f"{path} is a symlink or not a directory: a disk tier keeps only directories of its own there"
+            )
+    if os.path.lexists(root / "index.sqlite"):
+        return
+    strangers = []
+    for name, ours in (("segments", _NAME), ("tmp", _TEMP)):
+        if (root / name).is_dir():
+            strangers += [
+                e.path
+                for e in os.scandir(root / name)
+                if not (ours.fullmatch(e.name) and e.is_file(follow_symlinks=False))
+            ]
+    if (root / "chunks").is_dir():
+        for sub in os.scandir(root / "chunks"):
+            if not (_LEGACY_DIR.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
+                strangers.append(sub.path)
+                continue
+            strangers += [
+                e.path
+                for e in os.scandir(sub.path)
+                if not (_LEGACY_FILE.fullmatch(e.name) and e.is_file(follow_symlinks=False))
+            ]
+    if strangers:
+        shown = ", ".join(strangers[:3]) + (f" and {len(strangers) - 3} more" if len(strangers) > 3 else "")
+        raise ConfigError(
+            f"{root} holds files a disk tier did not write ({shown}): give the tier a directory of its own"
+        )
 
 
 @dataclass
@@ -87,6 +136,7 @@ class SegmentFiles:
         self.root = root
         self.segments = root / "segments"
         self.tmp = root / "tmp"
+        claim(root)
         self.make_dirs()
         direct_ok = supports_o_direct(self.tmp) if o_direct is not False else False
         self.write_direct = bool(o_direct)
@@ -94,6 +144,7 @@ class SegmentFiles:
         self.o_direct = self.write_direct or self.read_mode != "cache"  # O_DIRECT in use at all
         self.read_bytes = {"page_cache": 0, "o_direct": 0}  # how reads went (a statistic)
         self.fsync = fsync
+        self.max_frame = MAX_FRAME  # the tier lowers it to its size: no frame is larger
         # Enough idle buffers for a few prompts read at once, bounded in bytes: fresh
         # buffers cost page faults on every read.
         self.buffers = BufferPool(max_free=512, max_free_bytes=256 << 20)
@@ -190,7 +241,7 @@ class SegmentFiles:
                     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
                     direct = True
             for _, length in run:
-                if not codec.PREAMBLE.size <= length <= MAX_FRAME:
+                if not codec.PREAMBLE.size <= length <= self.max_frame:
                     raise IntegrityError(f"a frame of {length} bytes cannot be a chunk")
                 bufs.append(self.buffers.acquire(round_up(length)))
             views = [memoryview(b)[: round_up(n)] for b, (_, n) in zip(bufs, run, strict=True)]
@@ -232,7 +283,8 @@ class SegmentFiles:
                     continue
                 header_len = codec.header_length(head)
                 length = codec.PREAMBLE.size + header_len + int.from_bytes(head[12:20], "little")
-                if head[:4] != codec.MAGIC or header_len > codec.MAX_HEADER or pos + length > size:
+                too_long = pos + length > size or length > self.max_frame
+                if head[:4] != codec.MAGIC or header_len > codec.MAX_HEADER or too_long:
                     break
                 try:
                     if verify:
@@ -261,11 +313,13 @@ class SegmentFiles:
         container, so age decides: a new segment is renamed into place within
         milliseconds, and a file untouched for STALE_TEMP_S is no live writer's."""
         cutoff = time.time() - STALE_TEMP_S
+        if self.tmp.is_symlink():  # replaced since the tier claimed it: never follow it
+            return
         for entry in os.scandir(self.tmp):
             try:
                 if entry.stat(follow_symlinks=False).st_mtime < cutoff:
                     Path(entry.path).unlink(missing_ok=True)
-            except (FileNotFoundError, IsADirectoryError):
+            except OSError:  # gone meanwhile, a directory, or not ours to remove
                 pass
 
     def _nonce(self) -> str:

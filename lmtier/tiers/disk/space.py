@@ -23,6 +23,7 @@ ratio are in docs/architecture.md, "The disk tier").
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -31,8 +32,11 @@ from typing import TYPE_CHECKING
 
 from lmtier import codec, metrics
 from lmtier.buffers import round_up
+from lmtier.errors import ConfigError
 from lmtier.tiers.disk.files import MAX_FRAME, Frame, Writer, segment_name
 from lmtier.tiers.disk.index import Location, Segment, Txn
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from lmtier.tiers.disk.tier import DiskTier
@@ -230,6 +234,8 @@ class Space:
         """Bring the index in line with ``segments/`` (see ``DiskTier.reconcile``)."""
         known = {s.name: s for s in txn.segments()}
         on_disk: dict[str, os.DirEntry] = {}
+        if self.files.segments.is_symlink():  # replaced since the tier claimed it: never follow it
+            raise ConfigError(f"{self.files.segments} became a symlink: the disk tier will not follow it")
         for entry in os.scandir(self.files.segments):
             if segment_name(entry.name) and entry.is_file(follow_symlinks=False):
                 on_disk[entry.name] = entry
@@ -313,7 +319,10 @@ def _legacy_key(name: str) -> bytes | None:
 
 
 def _unlink(path: str) -> None:
-    Path(path).unlink(missing_ok=True)
+    try:
+        Path(path).unlink(missing_ok=True)
+    except OSError as exc:  # a stranger we may not remove (immutable, another owner's): left, ignored
+        log.warning("disk tier: cannot remove %s: %s", path, exc)
 
 
 def _truncate(path: str, size: int) -> None:

@@ -30,7 +30,7 @@ from lmtier.buffers import ALIGN, round_up
 from lmtier.chunk import Chunk
 from lmtier.errors import ConfigError, IntegrityError, TierError
 from lmtier.tiers.base import Capabilities, Tier, TierContext, TierURL, parse_bool
-from lmtier.tiers.disk.files import Frame, SegmentFiles, Writer
+from lmtier.tiers.disk.files import MAX_FRAME, Frame, SegmentFiles, Writer
 from lmtier.tiers.disk.index import DiskIndex, Location, Txn
 from lmtier.tiers.disk.space import Space
 from lmtier.units import parse_size
@@ -88,6 +88,7 @@ class DiskTier(Tier):
             self.files = SegmentFiles(self.root, o_direct, fsync)
         except OSError as exc:
             raise ConfigError(f"cannot use {self.root} as a disk tier: {exc}") from exc
+        self.files.max_frame = min(MAX_FRAME, size)  # a frame claiming more is no chunk of this tier's
         self.index = DiskIndex(str(self.root / "index.sqlite"))
         self.space = Space(self)
         self._counts = {
@@ -160,7 +161,7 @@ class DiskTier(Tier):
         with self._write_lock:
             present = self.index.present(list(order))
             todo = [c for i, c in enumerate(chunks) if c.key not in present and order[c.key] == i]
-            frames, offsets, writer, start, failed = self._append(todo)
+            frames, offsets, writer, start, failed = self._append(todo, present | set(order))
             self._commit(frames, offsets, writer, start, present, order)
         if failed:
             with self._write_lock:
@@ -252,11 +253,12 @@ class DiskTier(Tier):
         return time.perf_counter() - start
 
     # -- writing ------------------------------------------------------------------------
-    def _append(self, chunks: list[Chunk]) -> tuple[list[Frame], list[int], Writer | None, int, bool]:
+    def _append(self, chunks: list[Chunk], keep: set[bytes]) -> tuple[list[Frame], list[int], Writer | None, int, bool]:
         """Append the frames of ``chunks``, in batch order, to this process's segment.
 
-        Their sizes are known before they are encoded, so the batch's place is taken at
-        once and cut into pieces of about ``WRITE_PIECE`` bytes, each encoded and written
+        Their sizes are known before they are encoded, so room is made for them first
+        (``_make_room``: what cannot fit is not written at all), then the batch's place is
+        taken at once and cut into pieces of about ``WRITE_PIECE`` bytes, each encoded and written
         by one ``pwritev`` on the thread pool (copying and hashing release the GIL): a few
         large writes in flight together, the encoding of one piece beside the writing of
         another. A chunk that fails verification (damaged in memory) is counted and its
@@ -266,14 +268,21 @@ class DiskTier(Tier):
         if not chunks:
             return [], [], None, 0, False
         sizes = [self.files.size(c) for c in chunks]
-        pieces, first = [], 0
-        for i in range(1, len(chunks) + 1):
-            if i == len(chunks) or sum(sizes[first : i + 1]) > WRITE_PIECE:
-                pieces.append((first, i))
-                first = i
         writer, start = None, 0
         try:
             writer = self._writer_for(sum(sizes))
+            fit = self._make_room(writer, sizes, keep)
+            if fit < len(chunks):
+                self._count("dropped", len(chunks) - fit)
+                metrics.TIER_OPS.labels(self.name, "put", "dropped").inc(len(chunks) - fit)
+                chunks, sizes = chunks[:fit], sizes[:fit]
+            if not chunks:
+                return [], [], None, 0, False
+            pieces, first = [], 0
+            for i in range(1, len(chunks) + 1):
+                if i == len(chunks) or sum(sizes[first : i + 1]) > WRITE_PIECE:
+                    pieces.append((first, i))
+                    first = i
             start = writer.end
             offsets = list(itertools.accumulate(sizes[:-1], initial=start))
 
@@ -303,6 +312,27 @@ class DiskTier(Tier):
         if not kept:  # every chunk failed verification: nothing to keep
             writer.truncate(start)
         return [f for f, _ in kept], [off for _, off in kept], writer, start, False
+
+    def _make_room(self, writer: Writer, sizes: list[int], keep: set[bytes]) -> int:
+        """Before a batch is written: how many of its leading frames fit within ``size``,
+        and room made for them now (evicting and compacting, as ``_commit`` would after
+        the write), so that the segment files never outgrow ``size`` by more than what other
+        processes append meanwhile (``_commit`` checks the bound again, under the same
+        lock, before anything is recorded). A batch larger than the room is cut here: a
+        prefix is written, and a full disk is not asked for bytes that could never stay."""
+        with self.index.transaction() as txn:
+            _recorded(txn, writer)
+            room = self.space.room(txn, keep, writer)
+            fit, total = 0, 0
+            while fit < len(sizes) and total + sizes[fit] <= room:
+                total += sizes[fit]
+                fit += 1
+            if total:
+                self.space.earn(total)
+                short = txn.usage() + writer.end - txn.segment(writer.id).size + total - self.capacity
+                if short > 0:
+                    self.space.free(txn, short, keep, writer, batch=total)
+        return fit
 
     def _frame(self, chunk: Chunk, size: int) -> Frame:
         """``chunk``'s frame, or zeros in its place when it fails verification."""
@@ -375,7 +405,6 @@ class DiskTier(Tier):
                     if n < len(frames):  # cannot fit: the batch's tail goes
                         writer.truncate(offsets[n] if n else start)
                         dropped = sum(1 for f in frames[n:] if f.key not in already)
-                    self.space.earn(writer.end - start)
                     short = txn.usage() + writer.end - txn.segment(writer.id).size - self.capacity
                     if short > 0:
                         self.space.free(txn, short, keep, writer, batch=writer.end - start)
