@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv system demo test lint wheel unit bench fuzz clean
+.PHONY: venv system demo test lint wheel unit bench bench-peer fuzz clean
 
 venv:
 	@./scripts/setup-venv.sh
@@ -30,6 +30,12 @@ test: lint wheel unit
 # Every benchmark against its same-run reference: benchmarks/results/results.{json,md}, plots.
 bench: venv system
 	$(PY) benchmarks/run.py
+
+# Optional: LMCache 0.5.6 against lmtier in the same vLLM engine (its own venv, .venv-peer;
+# PEER_ARGS, e.g. "--docs 1 --tokens 1024", for a quick run).
+bench-peer: system
+	@./scripts/setup-peer-venv.sh
+	.venv-peer/bin/python benchmarks/bench_peer.py $(PEER_ARGS)
 
 # The fuzzing targets with a longer budget than CI's (FUZZ_EXAMPLES examples per target).
 FUZZ_EXAMPLES ?= 5000
