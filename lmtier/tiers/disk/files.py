@@ -1,7 +1,6 @@
 """The segment files of one disk-tier directory: names, appends, reads, scans. Bytes and
 names only; what is live, and within which bound, is the index's and the tier's business.
 
-    claim(root)                           refuse a directory that is not the tier's to use
     SegmentFiles(root, o_direct, fsync)   o_direct: True, False, or None (auto: see below)
       .create() -> Writer                 a new segment, locked by this process while it appends
       .new_name() -> str                  a name no other process will make
@@ -53,7 +52,7 @@ import numpy as np
 from lmtier import codec
 from lmtier.buffers import ALIGN, BufferPool, round_up
 from lmtier.chunk import Chunk, iter_segments
-from lmtier.errors import ConfigError, IntegrityError
+from lmtier.errors import IntegrityError
 from lmtier.shm import locked
 from lmtier.tiers.disk import pagecache
 
@@ -62,59 +61,11 @@ STALE_TEMP_S = 600.0  # a file in tmp/ untouched this long belongs to no live wr
 MAX_FRAME = 1 << 31  # a frame claiming more is not ours: refuse before allocating
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _NAME = re.compile(r"[0-9]+-[0-9a-f]{12}-[0-9]+\.seg")
-# what writers leave in tmp/: a segment being made, an O_DIRECT probe, a chunk file of the
-# one-file-per-chunk layout being written
-_TEMP = re.compile(r"[0-9]+-(?:[0-9a-f]{12}-[0-9]+\.(?:seg|tmp)|odirect-probe\.tmp)")
-_LEGACY_DIR = re.compile(r"[0-9a-f]{2}")
-_LEGACY_FILE = re.compile(r"(?:[0-9a-f]{2}){1,64}\.lmt")
-SUBDIRS = ("segments", "tmp", "chunks")
 _ZEROS = bytes(ALIGN)
 
 
 def segment_name(name: str) -> bool:
     return _NAME.fullmatch(name) is not None
-
-
-def claim(root: Path) -> None:
-    """Refuse (``ConfigError``) a directory a disk tier must not take as its own, before
-    anything in it is touched: the tier removes what it does not recognise in its
-    sub-directories, so they must be real directories (a symlinked ``segments/`` would
-    lead it elsewhere), and a directory without the tier's index must hold nothing but
-    what the tier writes (a segment file, a temporary, a chunk file of the older layout):
-    a mistyped path to a project that happens to have a ``tmp/`` is refused, not emptied.
-    With the index there (or a damaged one), the directory is the tier's, and a stranger
-    in a sub-directory is removed (unlinked, never followed)."""
-    for name in SUBDIRS:
-        path = root / name
-        if path.is_symlink() or (path.exists() and not path.is_dir()):
-            raise ConfigError(
-                f"{path} is a symlink or not a directory: a disk tier keeps only directories of its own there"
-            )
-    if os.path.lexists(root / "index.sqlite"):
-        return
-    strangers = []
-    for name, ours in (("segments", _NAME), ("tmp", _TEMP)):
-        if (root / name).is_dir():
-            strangers += [
-                e.path
-                for e in os.scandir(root / name)
-                if not (ours.fullmatch(e.name) and e.is_file(follow_symlinks=False))
-            ]
-    if (root / "chunks").is_dir():
-        for sub in os.scandir(root / "chunks"):
-            if not (_LEGACY_DIR.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
-                strangers.append(sub.path)
-                continue
-            strangers += [
-                e.path
-                for e in os.scandir(sub.path)
-                if not (_LEGACY_FILE.fullmatch(e.name) and e.is_file(follow_symlinks=False))
-            ]
-    if strangers:
-        shown = ", ".join(strangers[:3]) + (f" and {len(strangers) - 3} more" if len(strangers) > 3 else "")
-        raise ConfigError(
-            f"{root} holds files a disk tier did not write ({shown}): give the tier a directory of its own"
-        )
 
 
 @dataclass
@@ -136,7 +87,6 @@ class SegmentFiles:
         self.root = root
         self.segments = root / "segments"
         self.tmp = root / "tmp"
-        claim(root)
         self.make_dirs()
         direct_ok = supports_o_direct(self.tmp) if o_direct is not False else False
         self.write_direct = bool(o_direct)

@@ -30,6 +30,7 @@ from lmtier.buffers import ALIGN, round_up
 from lmtier.chunk import Chunk
 from lmtier.errors import ConfigError, IntegrityError, TierError
 from lmtier.tiers.base import Capabilities, Tier, TierContext, TierURL, parse_bool
+from lmtier.tiers.disk.claim import claim
 from lmtier.tiers.disk.files import MAX_FRAME, Frame, SegmentFiles, Writer
 from lmtier.tiers.disk.index import DiskIndex, Location, Txn
 from lmtier.tiers.disk.space import Space
@@ -85,6 +86,7 @@ class DiskTier(Tier):
         # never split: one batch, one sequential write).
         self.segment_bytes = max(ALIGN, min(segment, round_up(size // MIN_SEGMENTS)))
         try:
+            claim(self.root)
             self.files = SegmentFiles(self.root, o_direct, fsync)
         except OSError as exc:
             raise ConfigError(f"cannot use {self.root} as a disk tier: {exc}") from exc
