@@ -388,6 +388,7 @@ class LMTierConnector(KVConnectorBase_V1):
             metrics.export(self.config.metrics_port + 1 + self._rank)
         names = sorted(kv_caches, key=_layer_index)
         self._engine = CopyEngine([kv_caches[n] for n in names], self.layout, self.block_size, self.num_blocks)
+        self.store.warm()  # the memory tier's first pages mapped before the first load needs them
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the forward pass (vLLM calls it then; ``start_load_kv`` may run after the

@@ -4,7 +4,7 @@
     lookup(keys) -> int          leading chunks present across all tiers
     get(keys) -> list[Chunk]     the leading run of chunks found; caller releases them
     put(chunks) -> int           stores; returns the leading chunks the first tier holds
-    delete(keys), flush(timeout), persist(timeout), close(), stats()
+    delete(keys), warm(), flush(timeout), persist(timeout), close(), stats()
 
 Longer than 400 lines: the store is the one home of caching policy, and its parts (the
 tiers it opens, lookup and promotion, the write queue, failures) share one state.
@@ -401,6 +401,15 @@ class TieredStore:
                 log.exception("background write failed")
             finally:
                 jobs.task_done()
+
+    def warm(self) -> None:
+        """Have the tiers that can (the memory tier: its slab mapped and its first pages
+        faulted in) get ready for the first load now, off its path. For an engine that has
+        just started; never raises."""
+        for tier in self.tiers:
+            warm = getattr(tier, "warm", None)
+            if warm is not None:
+                self._call(tier, "warm", warm, default=None)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued background write is done; False on timeout."""

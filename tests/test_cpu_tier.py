@@ -138,6 +138,28 @@ def _resident_bytes(array: np.ndarray) -> int:
     return sum(v & 1 for v in vec) * page
 
 
+def test_warm_maps_the_first_pages_before_any_chunk_arrives(monkeypatch):
+    """An engine warms its store when it starts: the slab's first ``PREFAULT_AHEAD`` bytes
+    are mapped before the first load copies lower-tier hits into it, and no more."""
+    from lmtier.store import TieredStore
+    from lmtier.tiers import cpu
+
+    monkeypatch.setattr(cpu, "PREFAULT_AHEAD", 8 << 20)
+    tier = CpuTier(size=64 << 20, slot=1 << 20)
+    assert tier._slab is None  # nothing is mapped until asked
+    store = TieredStore([tier])
+    store.warm()
+    assert eventually(lambda: tier._prefault.done >= 8 << 20)
+    assert 8 << 20 <= _resident_bytes(tier._slab) < 32 << 20
+    p = make_prompt(2)
+    store.put(p.chunks())
+    got = store.get(p.keys)
+    assert [c.tobytes() for c in got] == [p.chunk_bytes(i) for i in range(2)]
+    release_all(got)
+    store.close()
+    store.warm()  # a closed store's tiers stay closed
+
+
 def test_the_slab_is_faulted_in_ahead_of_the_slots_in_use_and_no_further(monkeypatch):
     from lmtier.tiers import cpu
 

@@ -129,6 +129,16 @@ class CpuTier(Tier):
                 self._prefault.need(0)
         return self._slab
 
+    def warm(self) -> None:
+        """Map the slab now and start faulting its first ``PREFAULT_AHEAD`` bytes in, as its
+        first use would: an engine calls it once it is up, so that a new instance's first
+        load (lower-tier hits copied into memory) writes into mapped memory instead of
+        paying a page fault per 4 KiB on the load's path (0.4 GB/s on a virtual machine
+        here). Commits no more memory than the first use would."""
+        with self._state():
+            if not self._closed:
+                self._ensure_slab()
+
     @property
     def shared_name(self) -> str | None:
         """The shared-memory segment holding the slab, when it is shared."""
