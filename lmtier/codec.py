@@ -128,9 +128,9 @@ def encode_parts(chunk: Chunk, *, relay: bool = False, align: int = 0) -> list:
     return [_preamble(header, chunk.nbytes, chunk.checksum) + header, *payload]
 
 
-def encode(chunk: Chunk) -> bytes:
-    """The frame as one ``bytes`` object."""
-    return b"".join(p if isinstance(p, bytes) else p.tobytes() for p in encode_parts(chunk))
+def encode(chunk: Chunk, align: int = 0) -> bytes:
+    """The frame as one ``bytes`` object (``align``: as for ``encode_parts``)."""
+    return b"".join(p if isinstance(p, bytes) else p.tobytes() for p in encode_parts(chunk, align=align))
 
 
 def encoded_size(chunk: Chunk, align: int = 0) -> int:

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from lmtier import codec
+from lmtier.buffers import ALIGN
 from lmtier.chunk import Chunk
 from lmtier.layout import KVLayout
 from lmtier.testing.cache_server import ServerProcess
@@ -133,7 +134,8 @@ def shift_layers(src: Path, dst: Path) -> int:
             chunk = codec.decode(f.read(length))
             # [layers, 2, tokens, row bytes]: layer l gets layer l-1's keys and values
             shifted = np.roll(np.array(chunk.data), 1, axis=0)
-            frame = codec.encode(Chunk(chunk.key, chunk.layout, shifted, namespace=chunk.namespace))
+            # as the disk tier writes it: the payload on a page (the header padded)
+            frame = codec.encode(Chunk(chunk.key, chunk.layout, shifted, namespace=chunk.namespace), ALIGN)
             assert len(frame) == length
             f.seek(offset)
             f.write(frame)
