@@ -407,9 +407,7 @@ class TieredStore:
         faulted in) get ready for the first load now, off its path. For an engine that has
         just started; never raises."""
         for tier in self.tiers:
-            warm = getattr(tier, "warm", None)
-            if warm is not None:
-                self._call(tier, "warm", warm, default=None)
+            self._call(tier, "warm", tier.warm, default=None)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued background write is done; False on timeout."""

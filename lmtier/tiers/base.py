@@ -121,6 +121,10 @@ class Tier(ABC):
     def touch(self, keys: Sequence[bytes]) -> None:  # noqa: B027 (a no-op unless ``touch``)
         """Mark ``keys`` used, the first most recent; with ``touch`` only."""
 
+    def warm(self) -> None:  # noqa: B027 (a no-op unless a tier has something to prepare)
+        """Get ready for the first read or write now, off its path (an engine that has just
+        started calls it through ``TieredStore.warm``)."""
+
     # -- derived conveniences -----------------------------------------------------------
     def has(self, key: bytes) -> bool:
         return self.contains([key]) == 1

@@ -130,6 +130,11 @@ class DeferredTier(Tier):
         if tier is not None:
             tier.touch(keys)
 
+    def warm(self) -> None:
+        tier = self.opened
+        if tier is not None:
+            tier.warm()
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
