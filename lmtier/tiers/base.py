@@ -17,6 +17,13 @@ the store and the server, never probed for):
                     write-through hands the writer leased chunks; write-back needs it
     shared_memory   its slab is a named segment that same-host readers map (``shared_name``)
 
+Two optional methods let a lower tier read a chunk straight into an upper tier's memory,
+so that promoting a hit costs no copy (a no-op and a plain ``get`` by default):
+
+    place(key, nbytes) -> Placement | None     memory for a chunk about to be read (a slot)
+    get_into(keys, place) -> list[Chunk|None]  ``get``, reading payloads where ``place`` says;
+                                               a chunk so read is the upper tier's (its lease)
+
 Batches are in prompt order: ``keys[i]`` extends ``keys[i - 1]``. Tiers are thread-safe
 and synchronous; the ``TieredStore`` adds background work and failure handling on top.
 A tier may hand out unverified chunks that check their checksum when read (see
@@ -35,8 +42,10 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 from urllib.parse import parse_qsl, quote, urlsplit
+
+import numpy as np
 
 from lmtier.breaker import Backoff
 from lmtier.chunk import Chunk
@@ -51,6 +60,23 @@ class Capabilities:
     touch: bool = False
     leases: bool = False
     shared_memory: bool = False
+
+
+class Placement(Protocol):
+    """Memory an upper tier sets aside for one chunk (``Tier.place``): the reader fills
+    ``view`` and then commits (the chunk, as the upper tier now holds it, leased to the
+    caller) or aborts (the memory goes back). Exactly one of the two, once."""
+
+    key: bytes
+    view: np.ndarray  # writable uint8, the payload's length
+    committed: bool  # the upper tier holds the chunk now
+
+    def commit(self, chunk: Chunk) -> Chunk | None: ...
+
+    def abort(self) -> None: ...
+
+
+Placer = Callable[[bytes, int], "Placement | None"]  # ``Tier.place`` of an upper tier, as a lower one calls it
 
 
 @dataclass(frozen=True)
@@ -124,6 +150,16 @@ class Tier(ABC):
     def warm(self) -> None:  # noqa: B027 (a no-op unless a tier has something to prepare)
         """Get ready for the first read or write now, off its path (an engine that has just
         started calls it through ``TieredStore.warm``)."""
+
+    def place(self, key: bytes, nbytes: int) -> Placement | None:
+        """Memory for ``key``'s ``nbytes`` of payload that a lower tier reads into, or None
+        (this tier holds the key already, has no room, or cannot offer it)."""
+        return None
+
+    def get_into(self, keys: Sequence[bytes], place: Placer) -> list[Chunk | None]:
+        """``get``, where the tier may read a payload into memory ``place`` hands out
+        (committing it: the chunk returned is then the placer's); plain ``get`` by default."""
+        return self.get(keys)
 
     # -- derived conveniences -----------------------------------------------------------
     def has(self, key: bytes) -> bool:

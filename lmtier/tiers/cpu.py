@@ -56,12 +56,12 @@ PREFAULT_AHEAD = 256 << 20  # memory faulted in beyond the highest slot handed o
 class _Entry:
     __slots__ = ("checksum", "dead", "layout", "leases", "namespace", "nbytes", "reads", "ready", "slots")
 
-    def __init__(self, slots: list[int], chunk: Chunk) -> None:
+    def __init__(self, slots: list[int], nbytes: int, chunk: Chunk | None = None) -> None:
         self.slots = slots
-        self.nbytes = chunk.nbytes
-        self.layout: KVLayout = chunk.layout
-        self.namespace = chunk.namespace
-        self.checksum: int | None = chunk.checksum
+        self.nbytes = nbytes
+        self.layout: KVLayout | None = chunk.layout if chunk is not None else None  # None: being placed
+        self.namespace = chunk.namespace if chunk is not None else b""
+        self.checksum: int | None = chunk.checksum if chunk is not None else None
         self.leases = 1  # the writer's, until the bytes are in place
         self.reads = 0  # gets that found it: what a write-back policy asks at eviction
         self.ready = False
@@ -187,7 +187,7 @@ class CpuTier(Tier):
                     self._counts["dropped"] += dropped
                     metrics.TIER_OPS.labels(self.name, "put", "dropped").inc(dropped)
                     break
-                entry = _Entry(slots, chunk)
+                entry = _Entry(slots, chunk.nbytes, chunk)
                 self._index[chunk.key] = entry
                 plan.append((chunk, entry))
                 touched.append(chunk.key)
@@ -234,6 +234,49 @@ class CpuTier(Tier):
         with self._lock:
             self._counts["hits"] += hits
             self._counts["misses"] += len(keys) - hits
+        return out
+
+    def place(self, key: bytes, nbytes: int) -> _Placement | None:
+        """One slot, page-aligned, for a lower tier to read ``key``'s payload into: the
+        read is the promotion (no copy). None when the key is here (or being written),
+        when the payload would span slots, or when nothing can be evicted to make room.
+        The slot is invisible to readers until the placement commits."""
+        if self._closed or not 0 < nbytes <= self.slot_bytes:
+            return None
+        with self._state():
+            if key in self._index:
+                return None
+            slab = self._ensure_slab()
+            slots = self._allocate(1)
+            if slots is None:
+                return None
+            entry = _Entry(slots, nbytes)
+            self._index[key] = entry
+        start = slots[0] * self.slot_bytes
+        return _Placement(self, key, entry, slab[start : start + nbytes])
+
+    def _placed(self, key: bytes, entry: _Entry, chunk: Chunk | None) -> Chunk | None:
+        """A placement ends: committed with ``chunk`` (the bytes read into the slot, already
+        verified or carrying the checksum to verify them by), or aborted (None)."""
+        digest = None
+        if chunk is not None and chunk.nbytes == entry.nbytes:
+            digest = chunk.checksum if chunk.checksum is not None else checksum(chunk.data)
+        with self._lock:
+            mine = self._index.get(key) is entry and not self._closed
+            if digest is None or not mine:
+                if mine:
+                    self._drop(key)
+                self._unlease(entry)
+                return None
+            entry.layout, entry.namespace, entry.checksum = chunk.layout, chunk.namespace, digest  # type: ignore[union-attr]
+            entry.ready = True
+            entry.reads += 1
+            self._counts["stored"] += 1
+            slab = self._slab
+        metrics.TIER_OPS.labels(self.name, "put", "stored").inc()
+        metrics.TIER_BYTES.labels(self.name, "put").inc(entry.nbytes)
+        out = self._chunk(key, entry, self._slot_views(slab, entry))  # the writer's lease, now the reader's
+        out.verified = chunk.verified  # type: ignore[union-attr]
         return out
 
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -400,6 +443,32 @@ class CpuTier(Tier):
                 self._drop(key)
             self._counts["corrupt"] += 1
         metrics.INTEGRITY_FAILURES.labels(self.name).inc()
+
+
+class _Placement:
+    """A slot set aside by ``CpuTier.place`` (see ``lmtier.tiers.base.Placement``)."""
+
+    __slots__ = ("_done", "_entry", "_tier", "committed", "key", "view")
+
+    def __init__(self, tier: CpuTier, key: bytes, entry: _Entry, view: np.ndarray) -> None:
+        self._tier, self.key, self._entry, self.view = tier, key, entry, view
+        self._done = self.committed = False
+
+    def commit(self, chunk: Chunk) -> Chunk | None:
+        """``chunk``: the payload read into ``view`` (its header's layout and checksum);
+        returns the tier's chunk over the slot, leased to the caller (None if the tier
+        closed or dropped the slot meanwhile)."""
+        if self._done:
+            raise RuntimeError("placement already ended")
+        self._done = True
+        out = self._tier._placed(self.key, self._entry, chunk)
+        self.committed = out is not None
+        return out
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._tier._placed(self.key, self._entry, None)
 
 
 def _allocate(nbytes: int, pin: bool | None) -> tuple[np.ndarray, mmap.mmap | None]:

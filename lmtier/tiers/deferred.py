@@ -26,7 +26,7 @@ from typing import Any
 
 from lmtier.breaker import Backoff
 from lmtier.chunk import Chunk
-from lmtier.tiers.base import Capabilities, Tier, TierContext, TierURL
+from lmtier.tiers.base import Capabilities, Placement, Placer, Tier, TierContext, TierURL
 
 log = logging.getLogger(__name__)
 FIRST_BACKOFF_S = 0.5
@@ -103,6 +103,14 @@ class DeferredTier(Tier):
     def get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
         tier = self.opened
         return tier.get(keys) if tier is not None else [None] * len(keys)
+
+    def get_into(self, keys: Sequence[bytes], place: Placer) -> list[Chunk | None]:
+        tier = self.opened
+        return tier.get_into(keys, place) if tier is not None else [None] * len(keys)
+
+    def place(self, key: bytes, nbytes: int) -> Placement | None:
+        tier = self.opened
+        return tier.place(key, nbytes) if tier is not None else None
 
     def put(self, chunks: Sequence[Chunk]) -> None:
         tier = self.opened

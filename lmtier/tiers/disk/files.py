@@ -7,7 +7,8 @@ names only; what is live, and within which bound, is the index's and the tier's 
       .frames(chunk) -> Frame             a chunk's frame, ready to write (verified on the way)
       .filler(size) -> Frame              zeros in the place of a chunk that is not written
       .release(frames)                    their pooled buffers back
-      .read(path, run) -> [view]          one preadv of consecutive frames, one pooled buffer each
+      .read(path, run, places) -> [view]  one preadv of consecutive frames, one pooled buffer each
+                                          (or a payload read into the memory placed for it)
       .scan(path, start, verify) -> ([(key, offset, length)], end)   the good frames from ``start``
       .owner_alive(path) -> bool          whether a live writer still appends to a segment
       .remove_dead_temporaries()          what crashed writers left in tmp/
@@ -176,11 +177,13 @@ class SegmentFiles:
                 frame.buffer = None
 
     # -- reading ------------------------------------------------------------------------
-    def read(self, path: str, run: list[tuple[int, int]]) -> list[memoryview | None]:
+    def read(self, path: str, run: list[tuple[int, int]], places: list | None = None) -> list[memoryview | None]:
         """Frames ``run`` = [(offset, length)], consecutive in the file, with one ``preadv``
         into one pooled buffer each. Returns a view of each frame (its buffer is
         ``view.obj``, for the caller to release), None for one the file ends inside.
-        Raises ``FileNotFoundError`` when the segment is gone (evicted)."""
+        ``places[i]``: page-aligned memory for frame ``i``'s payload (its pages after the
+        first; the view is then of the first page). ``FileNotFoundError``: segment gone."""
+        places = places or [None] * len(run)
         direct = self.read_mode == "direct"
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
         bufs = []
@@ -190,11 +193,18 @@ class SegmentFiles:
                 if not pagecache.resident(fd, run[0][0], span):  # not in the cache (or cannot tell)
                     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
                     direct = True
-            for _, length in run:
+            views = []
+            for (_, length), place in zip(run, places, strict=True):
                 if not codec.PREAMBLE.size <= length <= self.max_frame:
                     raise IntegrityError(f"a frame of {length} bytes cannot be a chunk")
-                bufs.append(self.buffers.acquire(round_up(length)))
-            views = [memoryview(b)[: round_up(n)] for b, (_, n) in zip(bufs, run, strict=True)]
+                if place is None:
+                    bufs.append(self.buffers.acquire(round_up(length)))
+                    views.append(memoryview(bufs[-1])[: round_up(length)])
+                else:
+                    if place.nbytes != length - ALIGN or length % ALIGN:
+                        raise ValueError("a placed payload takes whole pages after the frame's first")
+                    bufs.append(self.buffers.acquire(ALIGN))
+                    views += [memoryview(bufs[-1])[:ALIGN], memoryview(place).cast("B")]
             got = _preadv_all(fd, views, run[0][0])
         except BaseException:
             for b in bufs:
@@ -205,9 +215,9 @@ class SegmentFiles:
         self.read_bytes["o_direct" if direct else "page_cache"] += got  # racy, but only a statistic
         out: list[memoryview | None] = []
         pos = 0
-        for buf, (_, length) in zip(bufs, run, strict=True):
+        for buf, (_, length), place in zip(bufs, run, places, strict=True):
             if got - pos >= length:
-                out.append(memoryview(buf)[:length])
+                out.append(memoryview(buf)[: length if place is None else ALIGN])
             else:
                 self.buffers.release(buf)
                 out.append(None)

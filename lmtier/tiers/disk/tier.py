@@ -27,9 +27,9 @@ from typing import Any
 
 from lmtier import codec, metrics
 from lmtier.buffers import ALIGN, round_up
-from lmtier.chunk import Chunk
+from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError, IntegrityError, TierError
-from lmtier.tiers.base import Capabilities, Tier, TierContext, TierURL, parse_bool
+from lmtier.tiers.base import Capabilities, Placement, Placer, Tier, TierContext, TierURL, parse_bool
 from lmtier.tiers.disk.claim import claim
 from lmtier.tiers.disk.files import MAX_FRAME, Frame, SegmentFiles, Writer
 from lmtier.tiers.disk.index import DiskIndex, Location, Txn
@@ -126,16 +126,29 @@ class DiskTier(Tier):
         return n
 
     def get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
+        return self.get_into(keys, None)
+
+    def get_into(self, keys: Sequence[bytes], place: Placer | None) -> list[Chunk | None]:
+        """``get``; with ``place``, a frame whose payload starts on its second page (every
+        frame this tier writes, for a payload of whole pages) is read with one ``preadv``
+        of [its first page, the placed memory]: the payload lands where ``place`` put it."""
         for key in keys:
             _check_key(key)
         out: list[Chunk | None] = [None] * len(keys)
+        try:
+            return self._get(keys, out, place)
+        except BaseException:
+            release_all(out)
+            raise
+
+    def _get(self, keys: Sequence[bytes], out: list[Chunk | None], place: Placer | None) -> list[Chunk | None]:
         locations = self.index.locate(keys)
-        vanished, corrupt = self._read(keys, locations, out)
+        vanished, corrupt = self._read(keys, locations, out, place=place)
         if vanished:  # moved by a compaction meanwhile, or evicted: look once more
             again = self.index.locate([keys[i] for i in vanished])
             retry = {k: loc for k, loc in again.items() if loc != locations[k]}
             if retry:
-                _, more = self._read(keys, retry, out, only=set(vanished))
+                _, more = self._read(keys, retry, out, only=set(vanished), place=place)
                 corrupt += more
             gone = {locations[keys[i]].name for i in vanished if keys[i] not in retry}
         else:
@@ -452,6 +465,7 @@ class DiskTier(Tier):
         locations: dict[bytes, Location],
         out: list[Chunk | None],
         only: set[int] | None = None,
+        place: Placer | None = None,
     ) -> tuple[list[int], list[tuple[bytes, Location]]]:
         """Read the chunks at ``locations`` into ``out`` (positions of ``keys``): frames
         that follow each other in a segment come in one preadv. Returns the positions whose
@@ -474,39 +488,73 @@ class DiskTier(Tier):
             end = (seg, off + round_up(loc.len))
 
         def one(run: list[int]) -> tuple[list[int], list[tuple[bytes, Location]]]:
-            return self._read_run([keys[i] for i in run], [locations[keys[i]] for i in run], run, out)
+            return self._read_run([keys[i] for i in run], [locations[keys[i]] for i in run], run, out, place)
 
         done = list(self._pool().map(one, runs)) if len(runs) > 1 else [one(r) for r in runs]
         return [i for v, _ in done for i in v], [c for _, cs in done for c in cs]
 
     def _read_run(
-        self, keys: list[bytes], locs: list[Location], positions: list[int], out: list[Chunk | None]
+        self,
+        keys: list[bytes],
+        locs: list[Location],
+        positions: list[int],
+        out: list[Chunk | None],
+        place: Placer | None = None,
     ) -> tuple[list[int], list[tuple[bytes, Location]]]:
         path = self.files.path(locs[0].name)
+        places = [_place(place, key, loc.len) for key, loc in zip(keys, locs, strict=True)]
         try:
-            views = self.files.read(path, [(loc.off, loc.len) for loc in locs])
+            views = self.files.read(path, [(loc.off, loc.len) for loc in locs], [p and p.view for p in places])
         except FileNotFoundError:
+            _abort(places)
             return positions, []
         except IntegrityError:
+            _abort(places)
             return [], list(zip(keys, locs, strict=True))
         except OSError as exc:
+            _abort(places)
             metrics.TIER_ERRORS.labels(self.name, "get").inc()
             log.warning("disk tier %s: cannot read %s: %s", self.name, path, exc)
             return [], []
+        except BaseException:
+            _abort(places)
+            raise
         corrupt = []
-        for key, loc, i, view in zip(keys, locs, positions, views, strict=True):
+        plain: list[int] = []  # placed frames whose payload was not on their second page
+        for n, (key, loc, i, view, p) in enumerate(zip(keys, locs, positions, views, places, strict=True)):
             if view is None:
+                _abort([p])
                 corrupt.append((key, loc))
                 continue
             buf = view.obj
             try:
                 # Verified here, in the I/O thread: hashing releases the GIL, so it runs
                 # beside the other reads instead of adding a pass to the reader's copy.
-                out[i] = codec.decode(view, key=key, on_release=lambda b=buf: self.files.buffers.release(b))
+                if p is None:
+                    out[i] = codec.decode(view, key=key, on_release=lambda b=buf: self.files.buffers.release(b))
+                    continue
+                if codec.PREAMBLE.size + codec.header_length(view) != ALIGN:
+                    plain.append(n)  # a frame written before frames were aligned
+                    p.abort()
+                else:
+                    head = view[:ALIGN]
+                    out[i] = p.commit(codec.decode(head, payload=p.view, key=key))
             except IntegrityError as exc:
-                self.files.buffers.release(buf)
+                _abort([p])
                 log.warning("disk tier %s: dropping damaged chunk %s: %s", self.name, key.hex()[:16], exc)
                 corrupt.append((key, loc))
+                if p is None:
+                    self.files.buffers.release(buf)
+            except BaseException:
+                _abort([p])
+                raise
+            finally:
+                if p is not None:
+                    self.files.buffers.release(buf)
+        if plain:
+            again = ([keys[n] for n in plain], [locs[n] for n in plain], [positions[n] for n in plain])
+            _, more = self._read_run(*again, out)
+            corrupt += more
         return [], corrupt
 
     def _heal(self, corrupt: list[tuple[bytes, Location]], gone: set[str]) -> None:
@@ -568,6 +616,24 @@ def _still_there(writer: Writer) -> bool:
         return os.stat(writer.path).st_ino == os.fstat(writer.fd).st_ino
     except OSError:
         return False
+
+
+def _place(place: Placer | None, key: bytes, length: int) -> Placement | None:
+    """Memory for a frame's payload, when it can be read there: the frame is a page of
+    preamble and header and whole pages of payload (the view page-aligned, for O_DIRECT)."""
+    if place is None or length <= ALIGN or length % ALIGN:
+        return None
+    p = place(key, length - ALIGN)
+    if p is not None and p.view.ctypes.data % ALIGN:
+        p.abort()
+        return None
+    return p
+
+
+def _abort(places: list[Placement | None]) -> None:
+    for p in places:
+        if p is not None:
+            p.abort()
 
 
 def _check_key(key: bytes) -> bytes:

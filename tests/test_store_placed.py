@@ -1,0 +1,139 @@
+"""A lower tier's hit read straight into the memory tier's slot (``Tier.place`` and
+``Tier.get_into``): the read is the promotion, nothing is copied, and a damaged, odd or
+unplaceable frame is still a miss or a plain read, never wrong KV or a lost slot."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lmtier import codec
+from lmtier.buffers import ALIGN
+from lmtier.chunk import release_all
+from lmtier.store import TieredStore
+from lmtier.tiers.cpu import CpuTier
+from lmtier.tiers.disk import DiskTier
+
+from conftest import make_prompt
+from test_disk_tier import flip
+from tier_contract import CHUNK_BYTES
+
+ROOM = 64 * (CHUNK_BYTES + ALIGN)
+
+
+def written(tmp_path, n: int, seed: int = 0, **disk):
+    """A prompt of ``n`` chunks stored on a disk tier by another store (another process, in
+    effect), and that tier reopened."""
+    p = make_prompt(n, seed=seed)
+    with TieredStore([CpuTier(size=16 * CHUNK_BYTES, slot=CHUNK_BYTES), DiskTier(tmp_path, size=ROOM, **disk)]) as s:
+        assert s.put(p.chunks()) == n
+        assert s.flush()
+    return p, DiskTier(tmp_path, size=ROOM, **disk)
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_a_disk_hit_lands_in_a_memory_slot_with_no_copy(tmp_path, o_direct):
+    p, disk = written(tmp_path, 6, o_direct=o_direct)
+    hot = CpuTier(size=8 * CHUNK_BYTES, slot=CHUNK_BYTES)
+    with TieredStore([hot, disk]) as store:
+        chunks = [c for batch in store.iter_get(p.keys, batch=2) for c in batch]
+        assert [c.tobytes() for c in chunks] == [p.chunk_bytes(i) for i in range(6)]
+        assert all(hot.locate(c) is not None for c in chunks)  # views of the slab: no copy made
+        assert all(c.verified for c in chunks)  # hashed as they were read
+        assert hot.contains(p.keys) == 6  # promoted at once, not by a queued write
+        release_all(chunks)
+        assert disk.files.buffers.outstanding == 0
+        assert store.stats()["tiers"][0]["stored"] == 6
+        again = store.get(p.keys)  # now memory hits
+        assert [c.tobytes() for c in again] == [p.chunk_bytes(i) for i in range(6)]
+        release_all(again)
+
+
+def test_get_reads_into_the_memory_tier_too(tmp_path):
+    p, disk = written(tmp_path, 3, seed=1)
+    hot = CpuTier(size=8 * CHUNK_BYTES, slot=CHUNK_BYTES)
+    with TieredStore([hot, disk]) as store:
+        chunks = store.get(p.keys)
+        assert [c.tobytes() for c in chunks] == [p.chunk_bytes(i) for i in range(3)]
+        assert all(hot.locate(c) is not None for c in chunks)
+        release_all(chunks)
+        assert hot.contains(p.keys) == 3
+
+
+def test_a_damaged_payload_read_into_a_slot_is_a_miss_and_gives_the_slot_back(tmp_path):
+    p, disk = written(tmp_path, 4, seed=2)
+    flip(disk, p.keys[2], -10)  # one bit near the end of chunk 2's payload
+    hot = CpuTier(size=4 * CHUNK_BYTES, slot=CHUNK_BYTES)
+    with TieredStore([hot, disk]) as store:
+        chunks = [c for batch in store.iter_get(p.keys, batch=4) for c in batch]
+        assert [c.tobytes() for c in chunks] == [p.chunk_bytes(0), p.chunk_bytes(1)]
+        release_all(chunks)
+        assert hot.contains(p.keys) == 2 and not hot.has(p.keys[2])  # chunk 3 is good: it may stay
+        assert disk.stats()["corrupt"] == 1
+        other = make_prompt(4, seed=3)  # every slot can be used again: none was lost
+        hot.put(other.chunks())
+        assert hot.contains(other.keys) == 4
+
+
+def test_a_frame_whose_payload_is_not_on_its_second_page_is_read_whole(tmp_path, monkeypatch):
+    """Frames whose header takes more than a page (written by another version, say) are
+    read whole into the disk's buffer and copied up, as before."""
+    encode_parts, encoded_size = codec.encode_parts, codec.encoded_size
+    monkeypatch.setattr(codec, "encode_parts", lambda chunk, **kw: encode_parts(chunk, **{**kw, "align": 2 * ALIGN}))
+    monkeypatch.setattr(codec, "encoded_size", lambda chunk, align=0: encoded_size(chunk, 2 * ALIGN))
+    p, disk = written(tmp_path, 3, seed=4)
+    monkeypatch.undo()
+    length = disk.locate(p.keys[0])[2]
+    assert length == 2 * ALIGN + CHUNK_BYTES  # the payload is on the frame's third page
+    hot = CpuTier(size=8 * CHUNK_BYTES, slot=2 * CHUNK_BYTES)  # room enough to be offered a slot
+    with TieredStore([hot, disk]) as store:
+        chunks = [c for batch in store.iter_get(p.keys, batch=3) for c in batch]
+        assert [c.tobytes() for c in chunks] == [p.chunk_bytes(i) for i in range(3)]
+        release_all(chunks)
+        assert hot.contains(p.keys) == 3 and hot.used_bytes == 3 * hot.slot_bytes
+        assert disk.files.buffers.outstanding == 0 and disk.stats()["corrupt"] == 0
+
+
+def test_with_no_room_to_place_the_hit_is_served_from_the_disk_buffer(tmp_path):
+    p, disk = written(tmp_path, 3, seed=5)
+    hot = CpuTier(size=2 * CHUNK_BYTES, slot=CHUNK_BYTES)
+    squatters = make_prompt(2, seed=6)
+    hot.put(squatters.chunks())
+    held = hot.get(squatters.keys)  # leased: nothing can be evicted
+    with TieredStore([hot, disk]) as store:
+        chunks = [c for batch in store.iter_get(p.keys, batch=3) for c in batch]
+        assert [c.tobytes() for c in chunks] == [p.chunk_bytes(i) for i in range(3)]
+        assert all(hot.locate(c) is None for c in chunks)
+        release_all(chunks)
+        release_all(held)
+        assert disk.files.buffers.outstanding == 0
+
+
+def test_a_placement_is_invisible_until_committed_and_never_leaks_its_slot():
+    hot = CpuTier(size=2 * CHUNK_BYTES, slot=CHUNK_BYTES)
+    p = make_prompt(2, seed=7)
+    a = hot.place(p.keys[0], CHUNK_BYTES)
+    assert a is not None and a.view.ctypes.data % ALIGN == 0
+    assert hot.place(p.keys[0], CHUNK_BYTES) is None  # being written
+    assert hot.place(p.keys[1], 2 * CHUNK_BYTES) is None  # would span slots
+    assert hot.contains(p.keys[:1]) == 0 and hot.get(p.keys[:1]) == [None]
+    a.abort()
+    a.abort()  # once is enough; twice is harmless
+    assert hot.used_bytes == 0
+
+    b = hot.place(p.keys[0], CHUNK_BYTES)
+    chunk = p.chunks()[0]
+    b.view[:] = np.frombuffer(p.chunk_bytes(0), dtype=np.uint8)
+    short = make_prompt(1, seed=8).chunks()[0]
+    wrong = hot.place(p.keys[1], CHUNK_BYTES - ALIGN)
+    assert wrong.commit(short) is None  # a chunk of another size than the slot was set for
+    got = b.commit(chunk)
+    assert got is not None and b.committed and got.tobytes() == p.chunk_bytes(0)
+    with pytest.raises(RuntimeError):
+        b.commit(chunk)
+    got.release()
+    assert hot.contains(p.keys) == 1 and hot.used_bytes == CHUNK_BYTES
+
+    late = hot.place(p.keys[1], CHUNK_BYTES)
+    hot.close()
+    assert late.commit(p.chunks()[1]) is None and not late.committed
