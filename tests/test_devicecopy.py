@@ -1,0 +1,127 @@
+"""IndexCopier (the GPU data path's gather and scatter) on CPU tensors, over every KV
+cache layout vLLM allocates: the views are built with vLLM's own stride computation
+(``compute_layout_strides``), for each ``KVCacheLayout``, each dtype, MLA, and engine
+blocks split into kernel blocks. The reference is a plain per-block loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.v1 import kv_cache_interface as kv_interface
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from lmtier.devicecopy import IndexCopier
+from lmtier.errors import LayoutError
+from lmtier.layout import KVLayout
+from lmtier.transfer import CopyEngine
+
+LAYERS, BLOCKS, BLOCK = 3, 12, 4
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
+
+
+def vllm_layers(layout: KVCacheLayout, dtype: torch.dtype, *, mla: bool = False, kernel_block: int | None = None):
+    """Per-layer [B, H, N, C] views over one random byte buffer, strided as vLLM lays out
+    ``layout`` (one allocation for every layer, as its cross-layer layouts are)."""
+    cls = kv_interface.MLAAttentionSpec if mla else kv_interface.FullAttentionSpec
+    spec = cls(block_size=BLOCK, num_kv_heads=1 if mla else 2, head_size=24 if mla else 8, dtype=dtype)
+    shape = (LAYERS, *kv_interface.compute_layer_kv_cache_shape_bytes(spec, BLOCKS, kernel_block))
+    strides = kv_interface.compute_layout_strides(spec, BLOCKS, LAYERS, layout, kernel_block)
+    size = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+    raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    if dtype.is_floating_point and dtype.itemsize > 1:  # no NaN bit patterns: comparisons stay exact
+        raw = raw & 0x3F
+    full = torch.as_strided(raw, shape, strides)
+    kv = KVLayout(LAYERS, spec.num_kv_heads, spec.head_size, dtype=str(dtype).removeprefix("torch."), mla=mla)
+    return [full[i].view(dtype) for i in range(LAYERS)], kv, raw
+
+
+def reference(layers, layout: KVLayout, block_ids, ratio: int = 1) -> torch.Tensor:
+    """Canonical bytes [layers, kv, tokens, heads, row], block by block, token by token."""
+    out = []
+    for layer in layers:
+        raw = layer.view(torch.uint8)  # [B, H, N, C bytes]
+        rows = [raw[b * ratio + r, :, n] for b in block_ids for r in range(ratio) for n in range(raw.shape[2])]
+        tokens = torch.stack(rows)  # [T, H, C]
+        out.append(tokens.unflatten(2, (layout.kv_factor, -1)).permute(2, 0, 1, 3))
+    return torch.stack(out).contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
+def test_gather_and_scatter_match_a_per_block_loop_on_every_layout_and_dtype(layout, dtype):
+    layers, kv, raw = vllm_layers(layout, dtype)
+    copier = IndexCopier(layers, kv, BLOCK, BLOCKS)
+    staging = copier.staging(3 * BLOCK)
+    copier.gather([7, 2, 5], staging)
+    assert torch.equal(staging, reference(layers, kv, [7, 2, 5]))
+    before = raw.clone()
+    expected = [layer.view(torch.uint8).clone() for layer in layers]
+    for e in expected:
+        e[[1, 9, 3]] = e[[7, 2, 5]].clone()
+    copier.scatter([1, 9, 3], staging)
+    assert all(torch.equal(layer.view(torch.uint8), e) for layer, e in zip(layers, expected, strict=True))
+    assert (raw != before).any()  # something moved, through the views into the one buffer
+
+
+@pytest.mark.parametrize(
+    "layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLNHC, KVCacheLayout.BHLNC], ids=lambda x: x.name
+)
+def test_mla_latents_and_a_layer_at_a_time(layout):
+    layers, kv, _ = vllm_layers(layout, torch.bfloat16, mla=True)
+    copier = IndexCopier(layers, kv, BLOCK, BLOCKS)
+    staging = copier.staging(BLOCK)
+    copier.gather([4], staging)
+    assert torch.equal(staging, reference(layers, kv, [4]))
+    assert staging.view(LAYERS, BLOCK, -1).shape[-1] == kv.token_row_bytes
+    others = [layers[0][0].clone(), layers[2][0].clone()]
+    copier.scatter([0], staging, layers=[1])
+    assert torch.equal(layers[1][0], layers[1][4])
+    assert torch.equal(layers[0][0], others[0]) and torch.equal(layers[2][0], others[1])
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC], ids=lambda x: x.name)
+def test_engine_blocks_split_into_kernel_blocks(layout):
+    layers, kv, _ = vllm_layers(layout, torch.float16, kernel_block=BLOCK // 2)
+    assert layers[0].shape[0] == 2 * BLOCKS
+    copier = IndexCopier(layers, kv, BLOCK, BLOCKS)
+    staging = copier.staging(2 * BLOCK)
+    copier.gather([3, 8], staging)
+    assert torch.equal(staging, reference(layers, kv, [3, 8], ratio=2))
+
+
+def test_a_batch_of_chunks_is_each_chunk_gathered_on_its_own():
+    layers, kv, _ = vllm_layers(KVCacheLayout.LBNHC, torch.bfloat16)
+    copier = IndexCopier(layers, kv, BLOCK, BLOCKS)
+    blocks = [6, 1, 11, 0, 3, 8]  # three chunks of two blocks
+    batch = copier.staging(2 * BLOCK, chunks=3)
+    copier.gather_batch(blocks, batch, 3)
+    for c in range(3):
+        one = copier.staging(2 * BLOCK)
+        copier.gather(blocks[2 * c : 2 * c + 2], one)
+        assert torch.equal(batch[c], one)
+
+
+def test_the_index_path_and_the_cpu_engine_path_agree():
+    """The CPU engines' copy path (proven against real vLLM engines) and the index path
+    make the same canonical bytes from the same cache."""
+    layers, kv, _ = vllm_layers(KVCacheLayout.LBNHC, torch.bfloat16)
+    staging = IndexCopier(layers, kv, BLOCK, BLOCKS).staging(2 * BLOCK)
+    IndexCopier(layers, kv, BLOCK, BLOCKS).gather([9, 4], staging)
+    out = torch.empty(kv.tensor_shape(2 * BLOCK), dtype=torch.bfloat16)
+    CopyEngine(layers, kv, BLOCK, BLOCKS).gather([9, 4], out)
+    assert torch.equal(staging.flatten(), out.view(torch.uint8).flatten())
+
+
+def test_wrong_staging_or_layout_is_refused():
+    layers, kv, _ = vllm_layers(KVCacheLayout.LBHNC, torch.bfloat16)
+    copier = IndexCopier(layers, kv, BLOCK, BLOCKS)
+    with pytest.raises(LayoutError, match="staging"):
+        copier.gather([1, 2], copier.staging(BLOCK))  # room for one block
+    with pytest.raises(LayoutError, match="staging"):
+        copier.scatter([1], copier.staging(BLOCK).float())
+    with pytest.raises(LayoutError, match="whole chunks"):
+        copier.gather_batch([1, 2, 3], copier.staging(BLOCK, chunks=2), 2)
+    with pytest.raises(LayoutError, match="heads"):
+        IndexCopier(layers, KVLayout(LAYERS, 4, 8, dtype="bfloat16"), BLOCK, BLOCKS)
+    with pytest.raises(LayoutError, match="kernel blocks"):
+        IndexCopier(layers, kv, BLOCK, BLOCKS - 1)
