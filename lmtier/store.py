@@ -192,6 +192,8 @@ class TieredStore:
         into = {p.key for p in placements if p.committed}
         if into:
             metrics.PROMOTIONS.labels(first.name).inc(sum(c.key in into for c in chunks))
+            # the prompt's order, head most recent (the I/O threads commit in any order)
+            self._call(first, "touch", first.touch, [c.key for c in chunks if c.key in into], default=None)
             source = [0 if c.key in into and level == 1 else level for c, level in zip(chunks, source, strict=True)]
         return chunks, source
 
@@ -262,14 +264,19 @@ class TieredStore:
 
         def top_up() -> None:
             nonlocal submitted
-            while submitted < len(batches) and len(pending) <= ahead:
-                pending.append(self._reader().submit(self._read_batch, batches[submitted]))
+            while submitted < len(batches) and len(pending) <= ahead and not self._closed:
+                try:
+                    pending.append(self._reader().submit(self._read_batch, batches[submitted]))
+                except RuntimeError:  # the store closed meanwhile: what is left misses
+                    return
                 submitted += 1
 
         late = False
         try:
             for wanted in batches:
                 top_up()
+                if not pending:
+                    return
                 future = pending[0]
                 try:
                     current = future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))

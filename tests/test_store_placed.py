@@ -4,6 +4,9 @@ unplaceable frame is still a miss or a plain read, never wrong KV or a lost slot
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -135,5 +138,74 @@ def test_a_placement_is_invisible_until_committed_and_never_leaks_its_slot():
     assert hot.contains(p.keys) == 1 and hot.used_bytes == CHUNK_BYTES
 
     late = hot.place(p.keys[1], CHUNK_BYTES)
-    hot.close()
-    assert late.commit(p.chunks()[1]) is None and not late.committed
+    late.view[:] = np.frombuffer(p.chunk_bytes(1), dtype=np.uint8)
+    hot.close()  # the bytes read are good: this reader gets them, the closed tier keeps nothing
+    served = late.commit(p.chunks()[1])
+    assert served.tobytes() == p.chunk_bytes(1) and hot.contains(p.keys[1:]) == 0
+    served.release()
+
+
+def test_a_key_deleted_while_its_read_runs_is_still_served(tmp_path):
+    p, disk = written(tmp_path, 4, seed=9)
+    hot = CpuTier(size=8 * CHUNK_BYTES, slot=CHUNK_BYTES)
+    place = hot.place
+
+    def racing(key, nbytes):  # fault injection: another thread's delete lands mid-read
+        placed = place(key, nbytes)
+        if key == p.keys[1]:
+            hot.delete([key])
+        return placed
+
+    hot.place = racing
+    with TieredStore([hot, disk]) as store:
+        chunks = store.get(p.keys)
+        assert [c.tobytes() for c in chunks] == [p.chunk_bytes(i) for i in range(4)]
+        release_all(chunks)
+        assert not hot.has(p.keys[1]) and hot.used_bytes == 3 * CHUNK_BYTES  # its slot came back
+
+
+def test_a_load_cut_short_evicts_nothing_for_chunks_it_cannot_serve(tmp_path):
+    """The disk holds a prompt's tail but not its head: the load is a miss, and the memory
+    tier keeps what it held (no slot is taken for chunks no prefix reaches)."""
+    p, disk = written(tmp_path, 4, seed=10)
+    disk.delete(p.keys[:1])
+    hot = CpuTier(size=4 * CHUNK_BYTES, slot=CHUNK_BYTES)
+    resident = make_prompt(4, seed=11)
+    hot.put(resident.chunks())
+    with TieredStore([hot, disk]) as store:
+        assert store.get(p.keys) == []
+        assert hot.contains(resident.keys) == 4
+
+
+def test_placed_chunks_keep_the_prefix_order_for_eviction(tmp_path):
+    """Read into memory in one batch, a prompt's head is the most recent: memory pressure
+    takes its tail first, and what stays is still a usable prefix."""
+    p, disk = written(tmp_path, 6, seed=12)
+    hot = CpuTier(size=8 * CHUNK_BYTES, slot=CHUNK_BYTES)
+    with TieredStore([hot, disk]) as store:
+        release_all(store.get(p.keys))
+        hot.put(make_prompt(4, seed=13).chunks())  # evicts two of the six: the last two
+        assert hot.contains(p.keys) == 4
+
+
+def test_closing_the_store_during_a_load_ends_it_without_an_error(tmp_path):
+    p, disk = written(tmp_path, 6, seed=14)
+    slow, started = disk.get_into, threading.Event()
+
+    def get_into(keys, place):  # fault injection: a slow disk, so that close lands mid-load
+        if keys[0] != p.keys[0]:
+            started.set()
+            time.sleep(0.3)
+        return slow(keys, place)
+
+    disk.get_into = get_into
+    store = TieredStore([CpuTier(size=8 * CHUNK_BYTES, slot=CHUNK_BYTES), disk])
+    loads = store.iter_get(p.keys, batch=1)
+    first = next(loads)
+    assert started.wait(10)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    rest = [c for batch in loads for c in batch]  # ends, early or not, but never raises
+    release_all(first + rest)
+    closer.join(30)
+    assert not closer.is_alive() and [c.key for c in first] == p.keys[:1]

@@ -51,6 +51,7 @@ from lmtier.units import parse_size
 DEFAULT_SIZE = 1024**3
 DEFAULT_SLOT = 2 * 1024**2
 PREFAULT_AHEAD = 256 << 20  # memory faulted in beyond the highest slot handed out so far
+PAGE = 4096  # a placed slot is page-aligned: a lower tier may read into it with O_DIRECT
 
 
 class _Entry:
@@ -241,12 +242,14 @@ class CpuTier(Tier):
         read is the promotion (no copy). None when the key is here (or being written),
         when the payload would span slots, or when nothing can be evicted to make room.
         The slot is invisible to readers until the placement commits."""
-        if self._closed or not 0 < nbytes <= self.slot_bytes:
+        if self._closed or not 0 < nbytes <= self.slot_bytes or self.slot_bytes % PAGE:
             return None
         with self._state():
             if key in self._index:
                 return None
             slab = self._ensure_slab()
+            if slab.ctypes.data % PAGE:
+                return None
             slots = self._allocate(1)
             if slots is None:
                 return None
@@ -255,27 +258,31 @@ class CpuTier(Tier):
         start = slots[0] * self.slot_bytes
         return _Placement(self, key, entry, slab[start : start + nbytes])
 
-    def _placed(self, key: bytes, entry: _Entry, chunk: Chunk | None) -> Chunk | None:
+    def _placed(self, key: bytes, entry: _Entry, view: np.ndarray, chunk: Chunk | None) -> Chunk | None:
         """A placement ends: committed with ``chunk`` (the bytes read into the slot, already
-        verified or carrying the checksum to verify them by), or aborted (None)."""
+        verified or carrying the checksum to verify them by), or aborted (None). A slot
+        whose key was deleted meanwhile (or whose tier closed) still serves this reader:
+        the bytes are good; it is freed when the reader lets go."""
         digest = None
         if chunk is not None and chunk.nbytes == entry.nbytes:
             digest = chunk.checksum if chunk.checksum is not None else checksum(chunk.data)
         with self._lock:
             mine = self._index.get(key) is entry and not self._closed
-            if digest is None or not mine:
+            if digest is None:
                 if mine:
                     self._drop(key)
                 self._unlease(entry)
                 return None
             entry.layout, entry.namespace, entry.checksum = chunk.layout, chunk.namespace, digest  # type: ignore[union-attr]
-            entry.ready = True
-            entry.reads += 1
-            self._counts["stored"] += 1
-            slab = self._slab
-        metrics.TIER_OPS.labels(self.name, "put", "stored").inc()
-        metrics.TIER_BYTES.labels(self.name, "put").inc(entry.nbytes)
-        out = self._chunk(key, entry, self._slot_views(slab, entry))  # the writer's lease, now the reader's
+            if mine:
+                entry.ready = True
+                entry.reads += 1
+                self._counts["stored"] += 1
+        if mine:
+            metrics.TIER_OPS.labels(self.name, "put", "stored").inc()
+            metrics.TIER_BYTES.labels(self.name, "put").inc(entry.nbytes)
+            metrics.TIER_USED_BYTES.labels(self.name).set(self.used_bytes)
+        out = self._chunk(key, entry, [view])  # the writer's lease, now the reader's
         out.verified = chunk.verified  # type: ignore[union-attr]
         return out
 
@@ -461,14 +468,14 @@ class _Placement:
         if self._done:
             raise RuntimeError("placement already ended")
         self._done = True
-        out = self._tier._placed(self.key, self._entry, chunk)
+        out = self._tier._placed(self.key, self._entry, self.view, chunk)
         self.committed = out is not None
         return out
 
     def abort(self) -> None:
         if not self._done:
             self._done = True
-            self._tier._placed(self.key, self._entry, None)
+            self._tier._placed(self.key, self._entry, self.view, None)
 
 
 def _allocate(nbytes: int, pin: bool | None) -> tuple[np.ndarray, mmap.mmap | None]:

@@ -143,6 +143,10 @@ class DiskTier(Tier):
 
     def _get(self, keys: Sequence[bytes], out: list[Chunk | None], place: Placer | None) -> list[Chunk | None]:
         locations = self.index.locate(keys)
+        if place is not None:  # only the leading run found can be served: place nothing after it
+            lead = set(itertools.takewhile(locations.__contains__, keys))
+            outer = place
+            place = lambda key, nbytes: outer(key, nbytes) if key in lead else None  # noqa: E731
         vanished, corrupt = self._read(keys, locations, out, place=place)
         if vanished:  # moved by a compaction meanwhile, or evicted: look once more
             again = self.index.locate([keys[i] for i in vanished])
