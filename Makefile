@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv system demo test lint wheel unit bench bench-peer fuzz clean
+.PHONY: venv system demo test lint wheel unit bench bench-peer gpu-check fuzz clean
 
 venv:
 	@./scripts/setup-venv.sh
@@ -36,6 +36,11 @@ bench: venv system
 bench-peer: system
 	@./scripts/setup-peer-venv.sh
 	.venv-peer/bin/python benchmarks/bench_peer.py $(PEER_ARGS)
+
+# On a CUDA machine, from a copy of the repository alone (no venv, no network): the GPU
+# suite (tests/gpu) and benchmarks/bench_gpu.py; report in $(OUT)/gpu-check.json.
+gpu-check:
+	@OUT=$${OUT:-gpu-check} ./scripts/gpu-check.sh
 
 # The fuzzing targets with a longer budget than CI's (FUZZ_EXAMPLES examples per target).
 FUZZ_EXAMPLES ?= 5000

@@ -486,21 +486,22 @@ class LMTierConnector(KVConnectorBase_V1):
             return
         if self._save_buffers is None:
             self._save_buffers = _SaveBuffers(self.layout, self.chunk_tokens, self._engine.device.type == "cuda")
+        written = self._engine.mark()  # (GPU) where the forward pass wrote this step's KV
         for plan in meta.saves:
             with self._copy_cond:
                 self._saving.add(plan.req_id)
                 self._copying[plan.req_id] = self._copying.get(plan.req_id, 0) + 1
-            if not self._enqueue_save(plan):  # the queue is full: a future miss, never a stall
+            if not self._enqueue_save(plan, written):  # the queue is full: a future miss, never a stall
                 self._copied_one(plan.req_id)
                 metrics.ENGINE_TOKENS.labels(ENGINE, "dropped").inc(len(plan.keys[self._rank]) * self.chunk_tokens)
 
-    def _enqueue_save(self, plan: SavePlan) -> bool:
+    def _enqueue_save(self, plan: SavePlan, written: Any = None) -> bool:
         if self._saves is None or self._saver_pid != os.getpid():
             self._saves = queue.Queue(maxsize=max(1, self.config.write_queue))
             self._saver_pid = os.getpid()
             threading.Thread(target=self._save_loop, name="lmtier-save", daemon=True).start()
         try:
-            self._saves.put_nowait(plan)
+            self._saves.put_nowait((plan, written))
         except queue.Full:
             return False
         return True
@@ -521,16 +522,17 @@ class LMTierConnector(KVConnectorBase_V1):
     def _save_loop(self) -> None:
         assert self._saves is not None and self._save_buffers is not None
         while True:
-            plan = self._saves.get()
+            plan, written = self._saves.get()
             try:
-                self._save(plan)
+                self._save(plan, written)
             except Exception:
                 log.exception("lmtier background save failed for %s", plan.req_id)
             finally:
                 self._saves.task_done()
 
-    def _save(self, plan: SavePlan) -> None:
-        """Copy the plan's chunks out of the engine's blocks, let the blocks go, store."""
+    def _save(self, plan: SavePlan, written: Any = None) -> None:
+        """Copy the plan's chunks out of the engine's blocks (on a GPU, once the compute
+        stream has passed ``written``), let the blocks go, store."""
         keys = plan.keys[self._rank]
         bufs: list[torch.Tensor] = []
         try:
@@ -541,7 +543,7 @@ class LMTierConnector(KVConnectorBase_V1):
                         break
                     bufs.append(buf)
                     per = self.blocks_per_chunk
-                    self._engine.gather(plan.block_ids[i * per : (i + 1) * per], buf)
+                    self._engine.gather(plan.block_ids[i * per : (i + 1) * per], buf, after=written)
             finally:
                 self._copied_one(plan.req_id)
             if len(bufs) < len(keys):

@@ -8,17 +8,23 @@ allocator may cut each of its blocks into several kernel blocks; the ratio is re
 the tensor's block count. Nothing is assumed that the tensors do not confirm: a
 mismatch with the expected ``KVLayout`` is an error at registration, not wrong KV later.
 
-    gather(block_ids, out)      blocks of every layer -> out [layers, kv, tokens, heads, dim]
+    gather(block_ids, out, after=None)     blocks of every layer -> out [layers, kv, tokens, heads, dim]
     scatter(block_ids, src, layers=None)   the reverse, for all or some layers
+    mark() -> event | None                 (CUDA) the compute stream's point a save must wait for
 
 Block ids are the engine's (manager) block ids, in token order; ``block_ids`` must cover
 whole blocks, so a chunk is a whole number of blocks (``chunk_tokens`` a multiple of the
-block size). On CUDA the copies run on the engine's device with ``non_blocking`` copies
-through pinned memory on a dedicated stream that first waits on the compute stream; an
-event marks completion (``synchronize``). On CPU the copies run in numpy over the same
-views, with each head's ``head_dim`` values as one opaque element (``V{bytes}``): the
-copy is a transpose of 64 - 256 byte pieces, and numpy moves those as whole items,
-about twice as fast as torch's element-wise strided copy. Layers whose content is not
+block size). On CUDA the blocks are gathered on the device (``IndexCopier``: one
+``index_select`` per layer into a contiguous staging buffer) and leave it in one copy to
+pinned host memory; loads are the reverse (one copy to the device, one ``index_copy_`` per
+layer). Saves and loads each have their own copy stream. A save's stream first waits on
+the event ``mark()`` recorded where the engine wrote the KV (on the compute stream, from
+the thread that runs the forward pass: a save thread's own current stream is not the
+compute stream); the thread that asked waits for its copy, the forward pass never does.
+On CPU the copies run in numpy over the same views, with each head's ``head_dim`` values
+as one opaque element (``V{bytes}``): the copy is a transpose of 64 - 256 byte pieces,
+and numpy moves those as whole items, about twice as fast as torch's element-wise
+strided copy. Layers whose content is not
 contiguous in memory take the torch path on CPU too.
 """
 
@@ -30,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmtier.devicecopy import IndexCopier
 from lmtier.errors import LayoutError
 from lmtier.layout import KVLayout
 
@@ -73,8 +80,11 @@ class CopyEngine:
         self.block_size = block_size
         self.ratio = kernel_blocks // num_blocks  # kernel blocks per engine block
         self.device = first.device
-        self._stream: Any = None
-        self._event: Any = None
+        self._streams: dict[str, tuple[Any, Any]] = {}  # "save" / "load" -> (stream, event), CUDA
+        self._index: IndexCopier | None = None
+        if self.device.type == "cuda" and all(t.stride(3) == 1 for t in self.layers):
+            self._index = IndexCopier(layers, layout, block_size, num_blocks)
+        self._staging: dict[str, torch.Tensor] = {}  # per stream: one device buffer, grown as needed
         # CPU: each layer as numpy items of one head's values; [kv, blocks, N, H] (MLA: [blocks, N])
         self._items: list[np.ndarray] | None = None
         if self.device.type == "cpu" and all(t.stride(3) == 1 for t in self.layers):
@@ -152,11 +162,19 @@ class CopyEngine:
         return src, dst
 
     # -- moving ---------------------------------------------------------------------------
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor | np.ndarray) -> None:
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor | np.ndarray, after: Any = None) -> None:
         """Copy the KV of ``block_ids`` (every layer) into ``out``, a CPU tensor in the
         canonical layout for ``len(block_ids) x block_size`` tokens, or (on a CPU engine)
-        its bytes ``[layers, kv, tokens, row bytes]`` as a numpy array."""
+        its bytes ``[layers, kv, tokens, row bytes]`` as a numpy array. ``after``: the
+        event of ``mark()`` (CUDA), else the calling thread's current stream is waited on."""
         self._check_shape("gather into", out, len(block_ids) * self.block_size)
+        if self._index is not None:
+            with self._on_copy_stream("save", after):
+                staging = self._stage("save", len(block_ids) * self.block_size)
+                self._index.gather(block_ids, staging)
+                out.view(torch.uint8).view(staging.shape).copy_(staging, non_blocking=True)  # one DMA
+            self.synchronize("save")
+            return
         runs = self._kernel_runs(block_ids)
         if self._items is not None and _inner_contiguous(out):
             chunk = self._chunk_items(out)
@@ -165,12 +183,12 @@ class CopyEngine:
                     engine, part = self._item_views(i, chunk, first, count, where)
                     part[...] = engine
             return
-        with self._on_copy_stream():
+        with self._on_copy_stream("save"):
             for i, layer in enumerate(self.layers):
                 for first, count, where in runs:
                     src, dst = self._views(layer, out[i], first, count, where)
                     dst.copy_(src, non_blocking=True)
-        self.synchronize()
+        self.synchronize("save")
 
     def scatter(
         self,
@@ -185,8 +203,18 @@ class CopyEngine:
         layers or the given ones (layer-by-layer loading). ``before_layer(i)`` is called
         before layer ``i`` is copied (a ``Chunk.layer_check`` verifies it there)."""
         self._check_shape("scatter from", src, len(block_ids) * self.block_size)
-        runs = self._kernel_runs(block_ids)
         which = layers if layers is not None else range(len(self.layers))
+        if self._index is not None:
+            with self._on_copy_stream("load"):
+                staging = self._stage("load", len(block_ids) * self.block_size)
+                staging.copy_(src.view(torch.uint8).reshape(staging.shape), non_blocking=True)  # one DMA
+                for i in which:
+                    if before_layer is not None:
+                        before_layer(i)
+                    self._index.scatter(block_ids, staging, layers=[i])
+            self.synchronize("load")
+            return
+        runs = self._kernel_runs(block_ids)
         if self._items is not None and _inner_contiguous(src):
             chunk = self._chunk_items(src)
             for i in which:
@@ -196,30 +224,54 @@ class CopyEngine:
                     engine, part = self._item_views(i, chunk, first, count, where)
                     engine[...] = part
             return
-        with self._on_copy_stream():
+        with self._on_copy_stream("load"):
             for i in which:
                 if before_layer is not None:
                     before_layer(i)
                 for first, count, where in runs:
                     engine_view, chunk_view = self._views(self.layers[i], src[i], first, count, where)
                     engine_view.copy_(chunk_view, non_blocking=True)
-        self.synchronize()
+        self.synchronize("load")
 
     # -- CUDA plumbing ----------------------------------------------------------------------
-    def _on_copy_stream(self):
+    def mark(self) -> Any:
+        """(CUDA) An event recorded now on the calling thread's current stream: call it from
+        the thread that ran the forward pass, and hand it to ``gather(after=)`` on another.
+        None on CPU."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _stage(self, role: str, tokens: int) -> torch.Tensor:
+        """The role's device staging buffer, for ``tokens`` tokens (reused; one per role,
+        so a save and a load never share one)."""
+        assert self._index is not None
+        want = self._index.staging(tokens)
+        have = self._staging.get(role)
+        if have is None or have.numel() < want.numel():
+            have = self._staging[role] = want.view(-1)
+        return have[: want.numel()].view(want.shape)
+
+    def _on_copy_stream(self, role: str, after: Any = None):
         if self.device.type != "cuda":
             return _NullContext()
-        if self._stream is None:  # made lazily: no CUDA state before it is needed
-            self._stream = torch.cuda.Stream(device=self.device)
-            self._event = torch.cuda.Event()
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written by compute first
-        return torch.cuda.stream(self._stream)
+        if role not in self._streams:  # made lazily: no CUDA state before it is needed
+            self._streams[role] = (torch.cuda.Stream(device=self.device), torch.cuda.Event())
+        stream = self._streams[role][0]
+        if after is not None:
+            stream.wait_event(after)  # the KV the forward pass wrote, before this copy reads it
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(stream)
 
-    def synchronize(self) -> None:
-        """Wait until the copies issued so far are complete (no-op on CPU)."""
-        if self._stream is not None:
-            self._event.record(self._stream)
-            self._event.synchronize()
+    def synchronize(self, role: str | None = None) -> None:
+        """Wait until the copies issued so far (by ``role``, or all) are complete (no-op on CPU)."""
+        for name, (stream, event) in list(self._streams.items()):
+            if role is None or name == role:
+                event.record(stream)
+                event.synchronize()
 
 
 def _inner_contiguous(kv: torch.Tensor | np.ndarray) -> bool:

@@ -13,6 +13,10 @@ from lmtier.chunk import Chunk
 from lmtier.keys import Namespace
 from lmtier.layout import KVLayout
 
+# tests/gpu needs a CUDA device: `make gpu-check` runs it (LMTIER_GPU_CHECK=1); the CPU
+# suite collects it only to keep it importable (test_gpu_check.py).
+collect_ignore = [] if os.environ.get("LMTIER_GPU_CHECK") else ["gpu"]
+
 # Small enough to make many chunks per test, large enough to span several pages.
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
 CHUNK_TOKENS = 16

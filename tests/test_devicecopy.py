@@ -1,7 +1,7 @@
 """IndexCopier (the GPU data path's gather and scatter) on CPU tensors, over every KV
-cache layout vLLM allocates: the views are built with vLLM's own stride computation
-(``compute_layout_strides``), for each ``KVCacheLayout``, each dtype, MLA, and engine
-blocks split into kernel blocks. The reference is a plain per-block loop."""
+cache layout vLLM allocates (each ``KVCacheLayout``, built by ``lmtier.testing.layouts``
+and checked here against vLLM's own ``compute_layout_strides``), each dtype, MLA, and
+engine blocks split into kernel blocks. The reference is a plain per-block loop."""
 
 from __future__ import annotations
 
@@ -13,26 +13,38 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from lmtier.devicecopy import IndexCopier
 from lmtier.errors import LayoutError
 from lmtier.layout import KVLayout
+from lmtier.testing.layouts import ORDERS, paged_layers, strides
 from lmtier.transfer import CopyEngine
 
 LAYERS, BLOCKS, BLOCK = 3, 12, 4
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 
 
-def vllm_layers(layout: KVCacheLayout, dtype: torch.dtype, *, mla: bool = False, kernel_block: int | None = None):
-    """Per-layer [B, H, N, C] views over one random byte buffer, strided as vLLM lays out
-    ``layout`` (one allocation for every layer, as its cross-layer layouts are)."""
+def cache(order: str, dtype: torch.dtype, *, mla: bool = False, kernel_block: int | None = None):
+    """Per-layer [B, H, N, C] views as vLLM lays out ``order`` (see ``lmtier.testing.layouts``,
+    whose strides are checked against vLLM's below), and the layout they hold."""
+    ratio = BLOCK // kernel_block if kernel_block else 1
+    heads, head = (1, 24) if mla else (2, 8)
+    kv = KVLayout(LAYERS, heads, head, dtype=str(dtype).removeprefix("torch."), mla=mla)
+    layers, raw = paged_layers(
+        order, layers=LAYERS, blocks=BLOCKS * ratio, heads=heads, tokens=BLOCK // ratio,
+        content=head * kv.kv_factor, dtype=dtype, seed=7,
+    )  # fmt: skip
+    return layers, kv, raw
+
+
+@pytest.mark.parametrize("kernel_block", [None, BLOCK // 2])
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
+def test_the_synthetic_caches_have_vllms_own_strides(layout, mla, kernel_block):
     cls = kv_interface.MLAAttentionSpec if mla else kv_interface.FullAttentionSpec
-    spec = cls(block_size=BLOCK, num_kv_heads=1 if mla else 2, head_size=24 if mla else 8, dtype=dtype)
+    spec = cls(block_size=BLOCK, num_kv_heads=1 if mla else 2, head_size=24 if mla else 8, dtype=torch.float16)
+    want = kv_interface.compute_layout_strides(spec, BLOCKS, LAYERS, layout, kernel_block)
+    layers, _, _ = cache(layout.name, torch.float16, mla=mla, kernel_block=kernel_block)
     shape = (LAYERS, *kv_interface.compute_layer_kv_cache_shape_bytes(spec, BLOCKS, kernel_block))
-    strides = kv_interface.compute_layout_strides(spec, BLOCKS, LAYERS, layout, kernel_block)
-    size = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
-    raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
-    if dtype.is_floating_point and dtype.itemsize > 1:  # no NaN bit patterns: comparisons stay exact
-        raw = raw & 0x3F
-    full = torch.as_strided(raw, shape, strides)
-    kv = KVLayout(LAYERS, spec.num_kv_heads, spec.head_size, dtype=str(dtype).removeprefix("torch."), mla=mla)
-    return [full[i].view(dtype) for i in range(LAYERS)], kv, raw
+    assert layout.name in ORDERS and strides(shape, ORDERS[layout.name]) == want
+    as_bytes = layers[0].view(torch.uint8)
+    assert tuple(as_bytes.shape) == shape[1:] and as_bytes.stride() == want[1:]
 
 
 def reference(layers, layout: KVLayout, block_ids, ratio: int = 1) -> torch.Tensor:
@@ -49,7 +61,7 @@ def reference(layers, layout: KVLayout, block_ids, ratio: int = 1) -> torch.Tens
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
 def test_gather_and_scatter_match_a_per_block_loop_on_every_layout_and_dtype(layout, dtype):
-    layers, kv, raw = vllm_layers(layout, dtype)
+    layers, kv, raw = cache(layout.name, dtype)
     copier = IndexCopier(layers, kv, BLOCK, BLOCKS)
     staging = copier.staging(3 * BLOCK)
     copier.gather([7, 2, 5], staging)
@@ -67,7 +79,7 @@ def test_gather_and_scatter_match_a_per_block_loop_on_every_layout_and_dtype(lay
     "layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLNHC, KVCacheLayout.BHLNC], ids=lambda x: x.name
 )
 def test_mla_latents_and_a_layer_at_a_time(layout):
-    layers, kv, _ = vllm_layers(layout, torch.bfloat16, mla=True)
+    layers, kv, _ = cache(layout.name, torch.bfloat16, mla=True)
     copier = IndexCopier(layers, kv, BLOCK, BLOCKS)
     staging = copier.staging(BLOCK)
     copier.gather([4], staging)
@@ -81,7 +93,7 @@ def test_mla_latents_and_a_layer_at_a_time(layout):
 
 @pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC], ids=lambda x: x.name)
 def test_engine_blocks_split_into_kernel_blocks(layout):
-    layers, kv, _ = vllm_layers(layout, torch.float16, kernel_block=BLOCK // 2)
+    layers, kv, _ = cache(layout.name, torch.float16, kernel_block=BLOCK // 2)
     assert layers[0].shape[0] == 2 * BLOCKS
     copier = IndexCopier(layers, kv, BLOCK, BLOCKS)
     staging = copier.staging(2 * BLOCK)
@@ -90,7 +102,7 @@ def test_engine_blocks_split_into_kernel_blocks(layout):
 
 
 def test_a_batch_of_chunks_is_each_chunk_gathered_on_its_own():
-    layers, kv, _ = vllm_layers(KVCacheLayout.LBNHC, torch.bfloat16)
+    layers, kv, _ = cache("LBNHC", torch.bfloat16)
     copier = IndexCopier(layers, kv, BLOCK, BLOCKS)
     blocks = [6, 1, 11, 0, 3, 8]  # three chunks of two blocks
     batch = copier.staging(2 * BLOCK, chunks=3)
@@ -104,7 +116,7 @@ def test_a_batch_of_chunks_is_each_chunk_gathered_on_its_own():
 def test_the_index_path_and_the_cpu_engine_path_agree():
     """The CPU engines' copy path (proven against real vLLM engines) and the index path
     make the same canonical bytes from the same cache."""
-    layers, kv, _ = vllm_layers(KVCacheLayout.LBNHC, torch.bfloat16)
+    layers, kv, _ = cache("LBNHC", torch.bfloat16)
     staging = IndexCopier(layers, kv, BLOCK, BLOCKS).staging(2 * BLOCK)
     IndexCopier(layers, kv, BLOCK, BLOCKS).gather([9, 4], staging)
     out = torch.empty(kv.tensor_shape(2 * BLOCK), dtype=torch.bfloat16)
@@ -113,7 +125,7 @@ def test_the_index_path_and_the_cpu_engine_path_agree():
 
 
 def test_wrong_staging_or_layout_is_refused():
-    layers, kv, _ = vllm_layers(KVCacheLayout.LBHNC, torch.bfloat16)
+    layers, kv, _ = cache("LBHNC", torch.bfloat16)
     copier = IndexCopier(layers, kv, BLOCK, BLOCKS)
     with pytest.raises(LayoutError, match="staging"):
         copier.gather([1, 2], copier.staging(BLOCK))  # room for one block

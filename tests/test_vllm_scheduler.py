@@ -234,9 +234,9 @@ def hold_copies(worker: LMTierConnector) -> threading.Event:
     """Fault injection: the worker's copies out of the paged cache wait for the event."""
     gate, gather = threading.Event(), worker._engine.gather
 
-    def held(*args):
+    def held(*args, **kwargs):
         assert gate.wait(30)
-        gather(*args)
+        gather(*args, **kwargs)
 
     worker._engine.gather = held
     return gate
