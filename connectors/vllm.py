@@ -74,7 +74,7 @@ from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.store import TieredStore, deadline_after, load_batch
 from lmtier.tiers.base import TierContext
-from lmtier.transfer import CopyEngine, check_chunk_size
+from lmtier.transfer import CopyEngine, LayerLoad, check_chunk_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -208,6 +208,15 @@ def _layer_index(name: str) -> int:
 
 
 class LMTierConnector(KVConnectorBase_V1):
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """With layer_loads, attention layers wait for their own layer's copy: full CUDA
+        graphs would skip those waits on replay, so vLLM must run piecewise ones."""
+        try:
+            return engine_config(dict(extra_config or {}), EXTRA_KEYS, "kv_connector_extra_config").layer_loads
+        except Exception:  # a bad config fails where the connector is made, with its message
+            return False
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
@@ -253,6 +262,11 @@ class LMTierConnector(KVConnectorBase_V1):
         self._requests: dict[str, _Request] = {}
         # worker side
         self._engine: CopyEngine | None = None
+        self._layer_of: dict[str, int] = {}  # attention layer name -> the engine's layer index
+        self._layered = False  # layer_loads on a GPU engine
+        self._staged: list[tuple[list[int], torch.Tensor]] = []  # a step's loads, once read
+        self._layer_load: LayerLoad | None = None  # their copies, landing layer by layer
+        self._load_holds: list[Chunk] = []  # the chunks they copy from, held until landed
         self._rank = 0
         self._failed_blocks: set[int] = set()
         self._save_buffers: _SaveBuffers | None = None
@@ -388,6 +402,8 @@ class LMTierConnector(KVConnectorBase_V1):
             metrics.export(self.config.metrics_port + 1 + self._rank)
         names = sorted(kv_caches, key=_layer_index)
         self._engine = CopyEngine([kv_caches[n] for n in names], self.layout, self.block_size, self.num_blocks)
+        self._layer_of = {n: i for i, n in enumerate(names)}
+        self._layered = self.config.layer_loads  # on a CPU engine: the same path, landed at once
         self.store.warm()  # the memory tier's first pages mapped before the first load needs them
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
@@ -405,10 +421,32 @@ class LMTierConnector(KVConnectorBase_V1):
         if not isinstance(meta, LMTierMetadata) or self._engine is None:
             return
         self.handle_preemptions(meta)  # also here: a runner that does not call it
+        self._finish_loads()  # the last step's layer copies (landed long since)
         # one deadline for the step's loads: past it, what has not arrived is recomputed
         deadline = deadline_after(self.config.load_deadline)
         for plan in meta.loads:
             self._failed_blocks |= self._read(plan, deadline)
+        if self._staged:  # layer_loads: every chunk read and verified; copy layer by layer
+            items, self._staged = self._staged, []
+            try:
+                self._layer_load = self._engine.load_layers(items)
+            except Exception:
+                log.exception("lmtier: layer-by-layer load failed; the engine recomputes it")
+                self._failed_blocks.update(b for blocks, _ in items for b in blocks)
+                self._layer_load = None
+                self._finish_loads()
+
+    def _finish_loads(self, wait: bool = True) -> None:
+        """Let go of the chunks a layer-by-layer load copied from, once it has landed (or
+        at once when ``wait``: the copies are ordered before this step's kernels anyway)."""
+        load = self._layer_load
+        if load is not None:
+            if not wait and not load.done():
+                return
+            load.finish()
+            self._layer_load = None
+        release_all(self._load_holds)
+        self._load_holds = []
 
     def _read(self, plan: LoadPlan, deadline: float | None) -> set[int]:
         """Read the plan's chunks in order, verify each and copy it into its blocks.
@@ -463,24 +501,36 @@ class LMTierConnector(KVConnectorBase_V1):
         engine's chunk is verified before it is staged."""
         if chunk.layout != self.layout:
             return False
-        if self._engine.device.type == "cpu":
+        if self._engine.device.type == "cpu" and not self._layered:
             check = chunk.layer_check()
             self._engine.scatter(blocks, chunk.data[:, :, tok0:tok1], before_layer=check)
             return check.passed()
         if not chunk.verify():
             return False
         kv = _as_tensor(np.ascontiguousarray(chunk.data), self.layout)
-        self._engine.scatter(blocks, kv.narrow(self.layout.token_axis, tok0, tok1 - tok0))
+        kv = kv.narrow(self.layout.token_axis, tok0, tok1 - tok0)
+        if self._layered:  # copied in start_load_kv once every chunk is read, layer by layer
+            self._staged.append((blocks, kv))
+            self._load_holds.append(chunk.share())
+            return True
+        self._engine.scatter(blocks, kv)
         return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        """With layer_loads on a GPU: the compute stream waits (a stream wait, not a host
+        one) for this layer's copies. Otherwise loads completed in start_load_kv."""
+        load = self._layer_load
+        if load is not None:
+            load.wait(self._layer_of.get(layer_name, len(self._layer_of) - 1))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saves copy whole chunks in wait_for_save, once every layer is computed
 
     def wait_for_save(self) -> None:
         """Hand this step's save plans to the saver thread; the step goes on at once."""
+        if self._layer_load is not None:  # whatever a layer did not wait for, later kernels do
+            self._layer_load.wait(len(self._layer_of) - 1)
+            self._finish_loads(wait=False)
         meta = self._connector_metadata
         if not isinstance(meta, LMTierMetadata) or self._engine is None or not meta.saves:
             return
@@ -584,6 +634,7 @@ class LMTierConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         try:
+            self._finish_loads()
             self.flush()
             self.store.persist()  # write-back: what only memory holds reaches the lower tiers
         except Exception:

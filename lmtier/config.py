@@ -68,6 +68,17 @@ def _float(value: Any) -> float:
     return float(value)
 
 
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
 def _str(value: Any) -> str:
     if not isinstance(value, str):
         raise TypeError("expected a string")
@@ -96,6 +107,7 @@ INTEGER = Parser(_int, "an integer")
 OPTIONAL_INTEGER = Parser(_optional_int, "an integer")  # none, off or "": None
 CHUNK_TOKENS = Parser(_chunk_tokens, "an integer")  # "auto": 0
 NUMBER = Parser(_float, "a number")
+BOOL = Parser(_bool, "true or false")
 STRING = Parser(_str, "a string")
 STRINGS = Parser(_strings, "a list of strings")
 SIZE = Parser(parse_size, "a size such as 8MiB")  # bytes, or a number and a unit
@@ -141,6 +153,12 @@ class StoreConfig:
     # Seconds a load may take before the engine recomputes what has not arrived (0: no
     # deadline). Bounds what a slow tier costs a request.
     load_deadline: float = setting(0.0, NUMBER)
+    # GPU engines: a step's loads are copied layer by layer on a copy stream while the
+    # forward pass runs, each attention layer waiting (a stream wait) for its own layer;
+    # vLLM then runs piecewise CUDA graphs (full graphs would skip those waits). Off: loads
+    # are complete before the forward pass starts. A CPU engine runs the same path with
+    # every layer landed before the forward pass (whole-chunk verification first).
+    layer_loads: bool = setting(False, BOOL)
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, str):

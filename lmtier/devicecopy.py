@@ -23,7 +23,8 @@ dtype, fp8 included, moves the same way.
       .staging(tokens, chunks=1)       an empty staging buffer on the cache's device
 
 Block ids are the engine's (manager) block ids in token order; each stands for
-``ratio`` consecutive kernel blocks, as in ``lmtier.transfer``.
+``ratio`` consecutive kernel blocks, as in ``lmtier.transfer``; ``kernel_index(block_ids)``
+makes that index once, for calls that reuse it (``gather`` and ``scatter`` take either).
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ class IndexCopier:
         raw = layer.view(torch.uint8)  # [B, H, N, C bytes], any strides, C contiguous
         return raw.unflatten(3, (self.layout.kv_factor, self.row)).permute(3, 0, 2, 1, 4)
 
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def _index(self, block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """The kernel blocks of ``block_ids``, on the device (a tensor: made already)."""
+        if isinstance(block_ids, torch.Tensor):
+            return block_ids
         ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
         kernel = (ids[:, None] * self.ratio + torch.arange(self.ratio)).flatten()
         return kernel.to(self.device, non_blocking=True)
@@ -80,7 +84,7 @@ class IndexCopier:
         if staging.device != self.device:
             raise LayoutError(f"staging on {staging.device}, the cache on {self.device}")
 
-    def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
+    def gather(self, block_ids: Sequence[int] | torch.Tensor, staging: torch.Tensor) -> None:
         """One ``index_select`` per layer, straight into the staging buffer."""
         index = self._index(block_ids)
         self._check(staging, len(index), 1)
@@ -103,7 +107,14 @@ class IndexCopier:
             staging[:, i].copy_(blocks.reshape(self.layout.kv_factor, chunks, per, *blocks.shape[3:]).transpose(0, 1))
         return None
 
-    def scatter(self, block_ids: Sequence[int], staging: torch.Tensor, layers: Sequence[int] | None = None) -> None:
+    def kernel_index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """``block_ids`` as the index tensor ``gather`` and ``scatter`` take instead (made
+        once for many calls: each list costs a small copy to the device)."""
+        return self._index(block_ids)
+
+    def scatter(
+        self, block_ids: Sequence[int] | torch.Tensor, staging: torch.Tensor, layers: Sequence[int] | None = None
+    ) -> None:
         """One ``index_copy_`` per layer from the staging buffer into the engine's blocks."""
         index = self._index(block_ids)
         self._check(staging, len(index), 1)

@@ -11,6 +11,7 @@ mismatch with the expected ``KVLayout`` is an error at registration, not wrong K
     gather(block_ids, out, after=None)     blocks of every layer -> out [layers, kv, tokens, heads, dim]
     scatter(block_ids, src, layers=None)   the reverse, for all or some layers
     mark() -> event | None                 (CUDA) the compute stream's point a save must wait for
+    load_layers([(block_ids, src)]) -> LayerLoad   scatters issued layer by layer (below)
 
 Block ids are the engine's (manager) block ids, in token order; ``block_ids`` must cover
 whole blocks, so a chunk is a whole number of blocks (``chunk_tokens`` a multiple of the
@@ -233,6 +234,36 @@ class CopyEngine:
                     engine_view.copy_(chunk_view, non_blocking=True)
         self.synchronize("load")
 
+    def load_layers(self, items: Sequence[tuple[Sequence[int], torch.Tensor]]) -> LayerLoad:
+        """Copy each item's canonical KV (a host tensor for ``len(block_ids)`` blocks) into
+        its blocks, every item's layer 0 first, then every item's layer 1, and so on. On
+        CUDA the copies (one to the device and one ``index_copy_`` per item and layer) are
+        issued on the load stream with an event after each layer, and this returns at once:
+        ``LayerLoad.wait(i)`` makes the current (compute) stream wait for layer ``i``. The
+        host tensors must stay as they are until ``LayerLoad.finish()``. Elsewhere the
+        copies are done when this returns."""
+        index = self._index
+        if index is None:  # a CPU engine (its loads take scatter; this path is for tests)
+            index = IndexCopier(self.layers, self.layout, self.block_size, self.layers[0].shape[0] // self.ratio)
+        for block_ids, src in items:
+            self._check_shape("load from", src, len(block_ids) * self.block_size)
+        with self._on_copy_stream("load"):
+            plan = []
+            for block_ids, src in items:
+                staging = index.staging(len(block_ids) * self.block_size)
+                host = src.view(torch.uint8).reshape(staging.shape)  # a view, or a copy that plan keeps
+                plan.append((index.kernel_index(block_ids), staging, host))
+            events = []
+            for i in range(len(self.layers)):
+                for kernel, staging, host in plan:
+                    if staging.data_ptr() != host.data_ptr():
+                        staging[i].copy_(host[i], non_blocking=True)
+                    index.scatter(kernel, staging, layers=[i])
+                if self.device.type == "cuda":
+                    events.append(torch.cuda.Event())
+                    events[-1].record(self._streams["load"][0])
+        return LayerLoad(events, plan)
+
     # -- CUDA plumbing ----------------------------------------------------------------------
     def mark(self) -> Any:
         """(CUDA) An event recorded now on the calling thread's current stream: call it from
@@ -272,6 +303,29 @@ class CopyEngine:
             if role is None or name == role:
                 event.record(stream)
                 event.synchronize()
+
+
+class LayerLoad:
+    """The layers of a ``CopyEngine.load_layers`` call, as they land (CUDA: an event per
+    layer on the load stream; elsewhere all landed already)."""
+
+    def __init__(self, events: list[Any], keep: list[Any]) -> None:
+        self._events = events
+        self._keep = keep  # staging buffers and host views, alive until the copies are done
+
+    def wait(self, layer: int) -> None:
+        """Make the current stream wait for ``layer`` (a stream wait: the host goes on)."""
+        if self._events:
+            torch.cuda.current_stream().wait_event(self._events[layer])
+
+    def done(self) -> bool:
+        return not self._events or bool(self._events[-1].query())
+
+    def finish(self) -> None:
+        """Wait for the last copy; the host tensors may be reused after it."""
+        if self._events:
+            self._events[-1].synchronize()
+        self._keep = []
 
 
 def _inner_contiguous(kv: torch.Tensor | np.ndarray) -> bool:

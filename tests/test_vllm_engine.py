@@ -257,6 +257,16 @@ def assert_b_hit_what_a_stored(a, b, ref) -> None:
         assert out["cached"] == expected_hit(out["prompt_len"], out["prompt_len"] + len(a_out["tokens"]) - 1)
 
 
+def test_layer_by_layer_loads_answer_as_vllms_own_prefix_hits(model, single_process, tmp_path):
+    """layer_loads (the GPU path's layer-by-layer copies; a CPU engine lands every layer
+    before the forward pass, each chunk verified whole first), in a real engine: a new
+    instance over A's disk answers bit for bit as vLLM's own prefix-cache hits."""
+    disk = single_process["disk"]
+    lmtier = {"tiers": ["cpu://?size=256MiB", f"file://{disk}?size=1GiB"], "chunk_tokens": CHUNK, "layer_loads": True}
+    b = engine(tmp_path, model, "b_layers", None, lmtier=lmtier)
+    assert_b_hit_what_a_stored(single_process["a"], b, single_process["reference"])
+
+
 def test_two_instances_share_through_redis_alone(model, single_process, tmp_path):
     server = RedisServer(tmp_path)
     try:

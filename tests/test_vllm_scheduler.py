@@ -303,8 +303,13 @@ def test_a_request_preempted_while_its_blocks_are_copied_holds_the_next_step(vll
     assert not step.is_alive()
 
 
-def test_one_damaged_layer_of_one_chunk_fails_exactly_that_chunk(vllm_config):
-    vllm_config.kv_transfer_config.kv_connector_extra_config["tiers"] = ["cpu://?size=64MiB"]
+@pytest.mark.parametrize("layer_loads", [False, True], ids=["whole", "layer_by_layer"])
+def test_one_damaged_layer_of_one_chunk_fails_exactly_that_chunk(vllm_config, layer_loads):
+    """Also with layer_loads (the GPU path's layer-by-layer copies, run synchronously on a
+    CPU engine): the same blocks fail, the same bytes land, the chunks are let go."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    extra.update(tiers=["cpu://?size=64MiB"], layer_loads=layer_loads)
+    assert LMTierConnector.requires_piecewise_for_cudagraph(extra) is layer_loads
     scheduler = Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config(),
@@ -322,7 +327,11 @@ def test_one_damaged_layer_of_one_chunk_fails_exactly_that_chunk(vllm_config):
     memory._slab[entry.slots[0] * memory.slot_bytes + 1 * layer_bytes + 5] ^= 0x10  # layer 1 of chunk 2
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
+    for name in LAYERS:
+        worker.wait_for_layer_load(name)
     assert worker.get_block_ids_with_load_errors() == set(load.block_ids[4:6])  # chunk 2's blocks, no more
+    worker.wait_for_save()
+    assert worker._load_holds == [] and all(e.leases == 0 for e in memory._index.values())
     # chunk 3, after the damaged one, arrived: K of its token 70 (its block 1, slot 6), layer 0
     k = torch.from_numpy(data[3].copy()).view(torch.bfloat16).reshape(connector_shape(worker))
     assert torch.equal(caches[LAYERS[0]][load.block_ids[7], :, 6, :64].view(torch.int16), k[0, 0, 70].view(torch.int16))

@@ -110,6 +110,34 @@ def test_a_save_sees_what_the_compute_stream_wrote_last(cuda):
     compute.synchronize()
 
 
+def test_layer_loads_land_before_the_kernels_that_wait_for_them(cuda):
+    """``load_layers`` returns at once; a compute stream that waits on layer ``i`` (as an
+    attention layer does through wait_for_layer_load) reads exactly the loaded bytes."""
+    (cpu, cpu_raw), (gpu, gpu_raw), layout = both("BLNHC", torch.bfloat16)
+    srcs = []
+    for _ in range(2):
+        src = host(layout, 2 * BLOCK, torch.bfloat16, True)
+        src.copy_(torch.randn(src.shape).to(torch.bfloat16))
+        srcs.append(src)
+    items = [([8, 20], srcs[0]), ([33, 2], srcs[1])]
+    reference = CopyEngine(cpu, layout, BLOCK, BLOCKS)
+    for blocks, src in items:
+        reference.scatter(blocks, src)
+    engine = CopyEngine(gpu, layout, BLOCK, BLOCKS)
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        load = engine.load_layers(items)
+        seen = []
+        for i, layer in enumerate(gpu):
+            load.wait(i)
+            seen.append(layer[[8, 20, 33, 2]].clone())  # what an attention layer would read
+    compute.synchronize()
+    load.finish()
+    assert torch.equal(gpu_raw.cpu(), cpu_raw)
+    for i, got in enumerate(seen):
+        assert torch.equal(got.cpu(), cpu[i][[8, 20, 33, 2]])
+
+
 def test_a_load_is_complete_for_the_next_kernel(cuda):
     (_, _), (gpu, _), layout = both("BLHNC", torch.bfloat16)
     engine = CopyEngine(gpu, layout, BLOCK, BLOCKS)
