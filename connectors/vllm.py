@@ -74,7 +74,7 @@ from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.store import TieredStore, deadline_after, load_batch
 from lmtier.tiers.base import TierContext
-from lmtier.transfer import CopyEngine, LayerLoad, check_chunk_size
+from lmtier.transfer import CopyEngine, HostBuffers, LayerLoad, check_chunk_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -269,7 +269,7 @@ class LMTierConnector(KVConnectorBase_V1):
         self._load_holds: list[Chunk] = []  # the chunks they copy from, held until landed
         self._rank = 0
         self._failed_blocks: set[int] = set()
-        self._save_buffers: _SaveBuffers | None = None
+        self._save_buffers: HostBuffers | None = None
         self._saves: queue.Queue | None = None
         self._saver_pid = -1
         # requests with save plans, until reported finished: blocks copying per request,
@@ -535,7 +535,8 @@ class LMTierConnector(KVConnectorBase_V1):
         if not isinstance(meta, LMTierMetadata) or self._engine is None or not meta.saves:
             return
         if self._save_buffers is None:
-            self._save_buffers = _SaveBuffers(self.layout, self.chunk_tokens, self._engine.device.type == "cuda")
+            cuda = self._engine.device.type == "cuda"
+            self._save_buffers = HostBuffers(self.layout, self.chunk_tokens, cuda, SAVE_BUFFER_BYTES)
         written = self._engine.mark()  # (GPU) where the forward pass wrote this step's KV
         for plan in meta.saves:
             with self._copy_cond:
@@ -587,13 +588,14 @@ class LMTierConnector(KVConnectorBase_V1):
         bufs: list[torch.Tensor] = []
         try:
             try:
-                for i in range(len(keys)):
+                for _ in keys:
                     buf = self._save_buffers.acquire()
                     if buf is None:  # every buffer is on its way to the store: a future miss
                         break
                     bufs.append(buf)
-                    per = self.blocks_per_chunk
-                    self._engine.gather(plan.block_ids[i * per : (i + 1) * per], buf, after=written)
+                per = self.blocks_per_chunk
+                blocks = [plan.block_ids[i * per : (i + 1) * per] for i in range(len(bufs))]
+                self._engine.gather_many(blocks, bufs, after=written)
             finally:
                 self._copied_one(plan.req_id)
             if len(bufs) < len(keys):
@@ -639,34 +641,6 @@ class LMTierConnector(KVConnectorBase_V1):
             self.store.persist()  # write-back: what only memory holds reaches the lower tiers
         except Exception:
             log.exception("lmtier flush at shutdown failed")
-
-
-class _SaveBuffers:
-    """Host buffers, one chunk each, for KV on its way from the engine to the store:
-    reused (fresh memory costs page faults on the critical path), pinned on CUDA, and
-    bounded (``SAVE_BUFFER_BYTES``, at least two)."""
-
-    def __init__(self, layout: KVLayout, chunk_tokens: int, pinned: bool) -> None:
-        self.shape = layout.tensor_shape(chunk_tokens)
-        self.dtype = getattr(torch, layout.dtype)
-        self.pinned = pinned
-        self.limit = max(2, SAVE_BUFFER_BYTES // layout.chunk_bytes(chunk_tokens))
-        self._free: list[torch.Tensor] = []
-        self._made = 0
-        self._lock = threading.Lock()
-
-    def acquire(self) -> torch.Tensor | None:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-            if self._made >= self.limit:
-                return None
-            self._made += 1
-        return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pinned)
-
-    def release(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
 
 
 def _as_tensor(data: np.ndarray, layout: KVLayout) -> torch.Tensor:

@@ -9,6 +9,7 @@ the tensor's block count. Nothing is assumed that the tensors do not confirm: a
 mismatch with the expected ``KVLayout`` is an error at registration, not wrong KV later.
 
     gather(block_ids, out, after=None)     blocks of every layer -> out [layers, kv, tokens, heads, dim]
+    gather_many([block_ids], [out], after=None)   several chunks: on CUDA one gather, one wait
     scatter(block_ids, src, layers=None)   the reverse, for all or some layers
     mark() -> event | None                 (CUDA) the compute stream's point a save must wait for
     load_layers([(block_ids, src)]) -> LayerLoad   scatters issued layer by layer (below)
@@ -31,6 +32,7 @@ contiguous in memory take the torch path on CPU too.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -191,6 +193,26 @@ class CopyEngine:
                     dst.copy_(src, non_blocking=True)
         self.synchronize("save")
 
+    def gather_many(self, block_ids: Sequence[Sequence[int]], outs: Sequence[torch.Tensor], after: Any = None) -> None:
+        """``gather`` of several chunks (one block list and one host tensor each, all of one
+        size). On CUDA: one ``index_select`` per layer for all of them, one copy out per
+        chunk, one wait at the end."""
+        if self._index is None or len(outs) < 2:
+            for ids, out in zip(block_ids, outs, strict=True):
+                self.gather(ids, out, after)
+            return
+        tokens = len(block_ids[0]) * self.block_size
+        for ids, out in zip(block_ids, outs, strict=True):
+            if len(ids) * self.block_size != tokens:
+                raise LayoutError("gather_many takes chunks of one size")
+            self._check_shape("gather into", out, tokens)
+        with self._on_copy_stream("save", after):
+            staging = self._stage("save", tokens, len(outs))
+            self._index.gather_batch([b for ids in block_ids for b in ids], staging, len(outs))
+            for out, part in zip(outs, staging, strict=True):
+                out.view(torch.uint8).view(part.shape).copy_(part, non_blocking=True)
+        self.synchronize("save")
+
     def scatter(
         self,
         block_ids: Sequence[int],
@@ -275,11 +297,11 @@ class CopyEngine:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def _stage(self, role: str, tokens: int) -> torch.Tensor:
-        """The role's device staging buffer, for ``tokens`` tokens (reused; one per role,
-        so a save and a load never share one)."""
+    def _stage(self, role: str, tokens: int, chunks: int = 1) -> torch.Tensor:
+        """The role's device staging buffer, for ``chunks`` chunks of ``tokens`` tokens
+        (reused; one per role, so a save and a load never share one)."""
         assert self._index is not None
-        want = self._index.staging(tokens)
+        want = self._index.staging(tokens, chunks)
         have = self._staging.get(role)
         if have is None or have.numel() < want.numel():
             have = self._staging[role] = want.view(-1)
@@ -303,6 +325,39 @@ class CopyEngine:
             if role is None or name == role:
                 event.record(stream)
                 event.synchronize()
+
+
+class HostBuffers:
+    """Host buffers, one chunk each, for KV on its way from the engine to the store:
+    reused (fresh memory costs page faults, and pinning costs a system call, on the
+    critical path), pinned for a GPU engine, and bounded: at most ``max_bytes`` (at least
+    two buffers); ``acquire`` returns None beyond that, never blocks."""
+
+    def __init__(self, layout: KVLayout, chunk_tokens: int, pinned: bool, max_bytes: int) -> None:
+        self.shape = layout.tensor_shape(chunk_tokens)
+        self.dtype = getattr(torch, layout.dtype)
+        self.pinned = pinned
+        self.limit = max(2, max_bytes // layout.chunk_bytes(chunk_tokens))
+        self._free: list[torch.Tensor] = []
+        self._made = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> torch.Tensor | None:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if self._made >= self.limit:
+                return None
+            self._made += 1
+        return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pinned)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+    @property
+    def made(self) -> int:
+        return self._made
 
 
 class LayerLoad:

@@ -9,7 +9,7 @@ import torch
 from lmtier.chunk import Chunk, checksum
 from lmtier.errors import LayoutError
 from lmtier.layout import KVLayout
-from lmtier.transfer import CopyEngine, check_chunk_size
+from lmtier.transfer import CopyEngine, HostBuffers, check_chunk_size
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 BLOCKS, BLOCK = 10, 4
@@ -154,3 +154,25 @@ def test_a_layer_check_refuses_layers_out_of_order_or_missing():
     check(0)
     with pytest.raises(ValueError, match="1 of 3 layers"):
         check.passed()
+
+
+def test_host_buffers_are_reused_and_bounded():
+    buffers = HostBuffers(LAYOUT, 2 * BLOCK, pinned=False, max_bytes=3 * LAYOUT.chunk_bytes(2 * BLOCK))
+    held = [buffers.acquire() for _ in range(3)]
+    assert all(b is not None and b.shape == LAYOUT.tensor_shape(2 * BLOCK) for b in held)
+    assert buffers.acquire() is None  # the bound: a future miss, never a wait
+    buffers.release(held[1])
+    assert buffers.acquire() is held[1] and buffers.made == 3
+    assert HostBuffers(LAYOUT, BLOCK, pinned=False, max_bytes=0).limit == 2  # at least two
+
+
+def test_gather_many_is_each_chunk_gathered():
+    layers = paged()
+    engine = CopyEngine(layers, LAYOUT, BLOCK, BLOCKS)
+    outs = [torch.empty(LAYOUT.tensor_shape(2 * BLOCK), dtype=torch.bfloat16) for _ in range(3)]
+    blocks = [[1, 8], [3, 3], [9, 0]]
+    engine.gather_many(blocks, outs)
+    for ids, out in zip(blocks, outs, strict=True):
+        one = torch.empty_like(out)
+        engine.gather(ids, one)
+        assert torch.equal(one, out)

@@ -15,7 +15,7 @@ import torch
 
 from lmtier.layout import KVLayout
 from lmtier.testing.layouts import ORDERS, paged_layers
-from lmtier.transfer import CopyEngine
+from lmtier.transfer import CopyEngine, HostBuffers
 
 LAYERS, BLOCKS, BLOCK = 4, 64, 16
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
@@ -86,6 +86,39 @@ def test_one_engine_moves_loads_and_saves_of_every_size(cuda):
         back = host(layout, n * BLOCK, torch.float16, True)
         engine.gather(list(range(n)), back)
         assert torch.equal(back.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_a_batch_of_saves_equals_the_cpu_path_chunk_by_chunk(cuda):
+    (cpu, _), (gpu, _), layout = both("BLHNC", torch.bfloat16)
+    blocks = [[1, 50], [7, 7], [63, 0], [12, 13]]
+    outs = [host(layout, 2 * BLOCK, torch.bfloat16, True) for _ in blocks]
+    CopyEngine(gpu, layout, BLOCK, BLOCKS).gather_many(blocks, outs)
+    reference = CopyEngine(cpu, layout, BLOCK, BLOCKS)
+    for ids, out in zip(blocks, outs, strict=True):
+        ref = host(layout, 2 * BLOCK, torch.bfloat16, False)
+        reference.gather(ids, ref)
+        assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_pinned_host_buffers_stay_bounded_under_pressure(cuda):
+    layout = KVLayout(LAYERS, 4, 32, dtype="bfloat16")
+    buffers = HostBuffers(layout, BLOCK, pinned=True, max_bytes=8 * layout.chunk_bytes(BLOCK))
+    got, lock = [], threading.Lock()
+
+    def grab() -> None:
+        for _ in range(10):
+            buf = buffers.acquire()
+            if buf is not None:
+                assert buf.is_pinned()
+                with lock:
+                    got.append(buf)
+
+    threads = [threading.Thread(target=grab) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and buffers.made == 8 and buffers.acquire() is None
 
 
 def test_a_save_sees_what_the_compute_stream_wrote_last(cuda):
