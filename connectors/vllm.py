@@ -401,7 +401,8 @@ class LMTierConnector(KVConnectorBase_V1):
         if self.config.metrics_port:
             metrics.export(self.config.metrics_port + 1 + self._rank)
         names = sorted(kv_caches, key=_layer_index)
-        self._engine = CopyEngine([kv_caches[n] for n in names], self.layout, self.block_size, self.num_blocks)
+        caches = [_typed(kv_caches[n], self.layout) for n in names]
+        self._engine = CopyEngine(caches, self.layout, self.block_size, self.num_blocks)
         self._layer_of = {n: i for i, n in enumerate(names)}
         self._layered = self.config.layer_loads  # on a CPU engine: the same path, landed at once
         self.store.warm()  # the memory tier's first pages mapped before the first load needs them
@@ -434,6 +435,9 @@ class LMTierConnector(KVConnectorBase_V1):
                 log.exception("lmtier: layer-by-layer load failed; the engine recomputes it")
                 self._failed_blocks.update(b for blocks, _ in items for b in blocks)
                 self._layer_load = None
+                # copies issued before the failure may still read the chunks and write the
+                # blocks: they end before the chunks go back and before the recompute writes
+                self._engine.synchronize("load")
                 self._finish_loads()
 
     def _finish_loads(self, wait: bool = True) -> None:
@@ -620,6 +624,7 @@ class LMTierConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished requests whose blocks no save still reads: exactly those with save
         plans (``request_finished`` held their blocks), once their copies are done."""
+        self._finish_loads(wait=False)  # a layer-by-layer load that has landed lets its chunks go
         with self._copy_cond:
             for req_id in finished_req_ids:
                 if req_id in self._saving:
@@ -641,6 +646,15 @@ class LMTierConnector(KVConnectorBase_V1):
             self.store.persist()  # write-back: what only memory holds reaches the lower tiers
         except Exception:
             log.exception("lmtier flush at shutdown failed")
+
+
+def _typed(cache: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """vLLM allocates fp8 caches as uint8 (its fp8 kernels reinterpret them): view them in
+    the layout's one-byte dtype, so that the layout check compares like with like."""
+    want = getattr(torch, layout.dtype)
+    if cache.dtype == torch.uint8 and want != torch.uint8 and want.itemsize == 1:
+        return cache.view(want)
+    return cache
 
 
 def _as_tensor(data: np.ndarray, layout: KVLayout) -> torch.Tensor:
@@ -670,6 +684,8 @@ def _layout_of(vllm_config: VllmConfig) -> KVLayout:
     dtype = model.dtype if cache_dtype in (None, "auto") else cache_dtype
     if str(dtype) in ("fp8", "fp8_e4m3"):
         dtype = "float8_e4m3fn"
+    elif str(dtype) == "fp8_e5m2":
+        dtype = "float8_e5m2"
     layers = model.get_num_layers(parallel)
     if getattr(model, "use_mla", False):
         return KVLayout(layers, 1, model.get_head_size(), dtype, mla=True)

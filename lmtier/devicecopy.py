@@ -20,6 +20,7 @@ dtype, fp8 included, moves the same way.
       .gather_batch(block_ids, staging, chunks)   the same for ``chunks`` chunks at once:
                                        staging [chunks, layers, kv, tokens, heads, row]
       .scatter(block_ids, staging, layers=None)   the reverse of gather, all or some layers
+      .scatter_layer(kernel, layer, staging)      one layer's bytes [kv, tokens, heads, row]
       .staging(tokens, chunks=1)       an empty staging buffer on the cache's device
 
 Block ids are the engine's (manager) block ids in token order; each stands for
@@ -71,14 +72,15 @@ class IndexCopier:
         kernel = (ids[:, None] * self.ratio + torch.arange(self.ratio)).flatten()
         return kernel.to(self.device, non_blocking=True)
 
-    def staging(self, tokens: int, chunks: int = 1) -> torch.Tensor:
+    def staging_shape(self, tokens: int, chunks: int = 1) -> tuple[int, ...]:
         shape = (self.layout.num_layers, self.layout.kv_factor, tokens, self.layout.num_kv_heads, self.row)
-        return torch.empty((chunks, *shape) if chunks > 1 else shape, dtype=torch.uint8, device=self.device)
+        return (chunks, *shape) if chunks > 1 else shape
+
+    def staging(self, tokens: int, chunks: int = 1) -> torch.Tensor:
+        return torch.empty(self.staging_shape(tokens, chunks), dtype=torch.uint8, device=self.device)
 
     def _check(self, staging: torch.Tensor, kernel_blocks: int, chunks: int) -> None:
-        tokens = kernel_blocks * self.tokens // chunks
-        want = tuple(self.staging(0, chunks).shape)
-        want = (*want[:-3], tokens, *want[-2:])
+        want = self.staging_shape(kernel_blocks * self.tokens // chunks, chunks)
         if staging.dtype != torch.uint8 or tuple(staging.shape) != want or not staging.is_contiguous():
             raise LayoutError(f"staging {staging.dtype} {tuple(staging.shape)}, expected contiguous uint8 {want}")
         if staging.device != self.device:
@@ -121,3 +123,10 @@ class IndexCopier:
         kv, n, h = self.layout.kv_factor, self.tokens, self.layout.num_kv_heads
         for i in layers if layers is not None else range(len(self._views)):
             self._views[i].index_copy_(1, index, staging[i].view(kv, len(index), n, h, self.row))
+
+    def scatter_layer(self, kernel: torch.Tensor, layer: int, staging: torch.Tensor) -> None:
+        """One layer's bytes ``staging`` [kv, tokens, heads, row] (contiguous) into the
+        blocks of ``kernel`` (``kernel_index``): one ``index_copy_``, no checks (the
+        caller's loop is per layer and per chunk: it made the shapes)."""
+        n, h = self.tokens, self.layout.num_kv_heads
+        self._views[layer].index_copy_(1, kernel, staging.view(self.layout.kv_factor, len(kernel), n, h, self.row))

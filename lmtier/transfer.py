@@ -32,6 +32,7 @@ contiguous in memory take the torch path on CPU too.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -168,8 +169,9 @@ class CopyEngine:
     def gather(self, block_ids: Sequence[int], out: torch.Tensor | np.ndarray, after: Any = None) -> None:
         """Copy the KV of ``block_ids`` (every layer) into ``out``, a CPU tensor in the
         canonical layout for ``len(block_ids) x block_size`` tokens, or (on a CPU engine)
-        its bytes ``[layers, kv, tokens, row bytes]`` as a numpy array. ``after``: the
-        event of ``mark()`` (CUDA), else the calling thread's current stream is waited on."""
+        its bytes ``[layers, kv, tokens, row bytes]`` as a numpy array. ``after`` (CUDA):
+        the event of ``mark()``, required when another thread than the forward pass's asks
+        (without it the calling thread's current stream is waited on, not the compute one)."""
         self._check_shape("gather into", out, len(block_ids) * self.block_size)
         if self._index is not None:
             with self._on_copy_stream("save", after):
@@ -231,10 +233,11 @@ class CopyEngine:
             with self._on_copy_stream("load"):
                 staging = self._stage("load", len(block_ids) * self.block_size)
                 staging.copy_(src.view(torch.uint8).reshape(staging.shape), non_blocking=True)  # one DMA
+                kernel = self._index.kernel_index(block_ids)  # once, not once per layer
                 for i in which:
                     if before_layer is not None:
                         before_layer(i)
-                    self._index.scatter(block_ids, staging, layers=[i])
+                    self._index.scatter(kernel, staging, layers=[i])
             self.synchronize("load")
             return
         runs = self._kernel_runs(block_ids)
@@ -257,34 +260,41 @@ class CopyEngine:
         self.synchronize("load")
 
     def load_layers(self, items: Sequence[tuple[Sequence[int], torch.Tensor]]) -> LayerLoad:
-        """Copy each item's canonical KV (a host tensor for ``len(block_ids)`` blocks) into
-        its blocks, every item's layer 0 first, then every item's layer 1, and so on. On
-        CUDA the copies (one to the device and one ``index_copy_`` per item and layer) are
-        issued on the load stream with an event after each layer, and this returns at once:
-        ``LayerLoad.wait(i)`` makes the current (compute) stream wait for layer ``i``. The
-        host tensors must stay as they are until ``LayerLoad.finish()``. Elsewhere the
-        copies are done when this returns."""
+        """Copy each item's canonical KV (a host tensor for ``len(block_ids)`` blocks; a
+        token slice of a chunk is fine) into its blocks, every item's layer 0 first, then
+        every item's layer 1, and so on. On CUDA the copies go on the load stream through
+        one device buffer the size of one item's layer (reused: the copy in and the
+        ``index_copy_`` out are ordered on that stream), with an event after each layer,
+        and this returns at once: ``LayerLoad.wait(i)`` makes the current (compute) stream
+        wait for layer ``i``. The host tensors must stay as they are until
+        ``LayerLoad.finish()``. Elsewhere the copies are done when this returns."""
         index = self._index
         if index is None:  # a CPU engine (its loads take scatter; this path is for tests)
             index = IndexCopier(self.layers, self.layout, self.block_size, self.layers[0].shape[0] // self.ratio)
+        kv, heads, row = self.layout.kv_factor, self.layout.num_kv_heads, index.row
         for block_ids, src in items:
             self._check_shape("load from", src, len(block_ids) * self.block_size)
+        longest = max((len(ids) * self.block_size for ids, _ in items), default=0)
         with self._on_copy_stream("load"):
+            stage = torch.empty(kv * longest * heads * row, dtype=torch.uint8, device=self.device)
             plan = []
             for block_ids, src in items:
-                staging = index.staging(len(block_ids) * self.block_size)
-                host = src.view(torch.uint8).reshape(staging.shape)  # a view, or a copy that plan keeps
-                plan.append((index.kernel_index(block_ids), staging, host))
+                host = src.view(torch.uint8)  # [L, kv, T, H, row] (MLA: [L, T, row]), any token slice
+                plan.append(
+                    (index.kernel_index(block_ids), host.unsqueeze(1).unsqueeze(3) if self.layout.mla else host)
+                )
             events = []
             for i in range(len(self.layers)):
-                for kernel, staging, host in plan:
-                    if staging.data_ptr() != host.data_ptr():
-                        staging[i].copy_(host[i], non_blocking=True)
-                    index.scatter(kernel, staging, layers=[i])
+                for kernel, host in plan:
+                    tokens = host.shape[2]
+                    dst = stage[: kv * tokens * heads * row].view(kv, tokens, heads, row)
+                    for k in range(kv):  # K, then V: each a contiguous run of the chunk's layer
+                        dst[k].copy_(host[i, k], non_blocking=True)
+                    index.scatter_layer(kernel, i, dst)
                 if self.device.type == "cuda":
                     events.append(torch.cuda.Event())
                     events[-1].record(self._streams["load"][0])
-        return LayerLoad(events, plan)
+        return LayerLoad(events, [stage, plan])
 
     # -- CUDA plumbing ----------------------------------------------------------------------
     def mark(self) -> Any:
@@ -301,11 +311,13 @@ class CopyEngine:
         """The role's device staging buffer, for ``chunks`` chunks of ``tokens`` tokens
         (reused; one per role, so a save and a load never share one)."""
         assert self._index is not None
-        want = self._index.staging(tokens, chunks)
+        shape = self._index.staging_shape(tokens, chunks)
+        size = math.prod(shape)
         have = self._staging.get(role)
-        if have is None or have.numel() < want.numel():
-            have = self._staging[role] = want.view(-1)
-        return have[: want.numel()].view(want.shape)
+        if have is None or have.numel() < size:
+            self._staging.pop(role, None)  # the old one goes first: peak is the new size alone
+            have = self._staging[role] = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return have[:size].view(shape)
 
     def _on_copy_stream(self, role: str, after: Any = None):
         if self.device.type != "cuda":

@@ -137,3 +137,20 @@ def test_wrong_staging_or_layout_is_refused():
         IndexCopier(layers, KVLayout(LAYERS, 4, 8, dtype="bfloat16"), BLOCK, BLOCKS)
     with pytest.raises(LayoutError, match="kernel blocks"):
         IndexCopier(layers, kv, BLOCK, BLOCKS - 1)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("order", ["LBNHC", "BHLNC"])
+def test_layer_loads_equal_scatters_with_token_slices_of_chunks(order, mla):
+    """CopyEngine.load_layers (the layer-by-layer loads), with the token slices the
+    connector passes for partial chunks, lands what scatter does, chunk by chunk."""
+    (layers, kv, raw), (same, _, same_raw) = (cache(order, torch.bfloat16, mla=mla, kernel_block=BLOCK // 2)
+                                              for _ in range(2))  # fmt: skip
+    chunk = torch.randn(kv.tensor_shape(3 * BLOCK)).to(torch.bfloat16)
+    other = torch.randn(kv.tensor_shape(BLOCK)).to(torch.bfloat16)
+    items = [([4, 9], chunk.narrow(kv.token_axis, BLOCK, 2 * BLOCK)), ([1], other)]
+    CopyEngine(layers, kv, BLOCK, BLOCKS).load_layers(items).finish()
+    reference = CopyEngine(same, kv, BLOCK, BLOCKS)
+    for ids, src in items:
+        reference.scatter(ids, src.contiguous())
+    assert torch.equal(raw, same_raw) and not torch.equal(raw, cache(order, torch.bfloat16, mla=mla)[2])

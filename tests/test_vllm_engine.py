@@ -146,13 +146,15 @@ def shift_layers(src: Path, dst: Path) -> int:
 def single_process(model, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("single")
     disk = tmp / "disk"
-    return {
+    runs = {
         "reference": reference(tmp, model),
         "a": engine(tmp, model, "a", disk),
         "b": engine(tmp, model, "b", disk),
         "disk": disk,
         "tmp": tmp,
     }
+    shutil.copytree(disk, tmp / "pristine")  # A's and B's chunks, for tests after one that damages ``disk``
+    return {**runs, "pristine": tmp / "pristine"}
 
 
 def test_a_second_instance_hits_what_the_first_stored_and_answers_identically(single_process):
@@ -261,7 +263,8 @@ def test_layer_by_layer_loads_answer_as_vllms_own_prefix_hits(model, single_proc
     """layer_loads (the GPU path's layer-by-layer copies; a CPU engine lands every layer
     before the forward pass, each chunk verified whole first), in a real engine: a new
     instance over A's disk answers bit for bit as vLLM's own prefix-cache hits."""
-    disk = single_process["disk"]
+    disk = tmp_path / "disk"
+    shutil.copytree(single_process["pristine"], disk)
     lmtier = {"tiers": ["cpu://?size=256MiB", f"file://{disk}?size=1GiB"], "chunk_tokens": CHUNK, "layer_loads": True}
     b = engine(tmp_path, model, "b_layers", None, lmtier=lmtier)
     assert_b_hit_what_a_stored(single_process["a"], b, single_process["reference"])

@@ -19,8 +19,10 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from lmtier.chunk import Chunk
-from lmtier.connectors.vllm import LMTierConnector, LMTierMetadata
+from lmtier.connectors.vllm import LMTierConnector, LMTierMetadata, _typed
+from lmtier.layout import KVLayout
 from lmtier.testing.tinymodel import build
+from lmtier.transfer import CopyEngine
 
 from conftest import flip_byte
 
@@ -364,3 +366,20 @@ def test_cpu_engines_with_another_block_size_or_instruction_set_never_share_chun
     assert _engine_identity(vllm_config) != here
     connector = LMTierConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config())
     assert connector.namespaces[0].engine == _engine_identity(vllm_config)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_caches_that_vllm_allocates_as_bytes_are_taken_as_fp8(dtype):
+    """vLLM allocates an fp8 KV cache as uint8: the worker reads it as the layout's fp8
+    type (no LayoutError at registration) and moves the same bytes."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=dtype)
+    caches = [torch.randint(0, 256, (NUM_BLOCKS, 2, BLOCK, 16), dtype=torch.uint8) for _ in range(2)]
+    typed = [_typed(c, layout) for c in caches]
+    assert all(
+        t.dtype == getattr(torch, dtype) and t.data_ptr() == c.data_ptr() for t, c in zip(typed, caches, strict=True)
+    )
+    engine = CopyEngine(typed, layout, BLOCK, NUM_BLOCKS)
+    out = torch.empty(layout.tensor_shape(BLOCK), dtype=getattr(torch, dtype))
+    engine.gather([3], out)
+    assert torch.equal(out.view(torch.uint8)[1, 0, 5], caches[1][3, :, 5, :8])  # K of token 5, layer 1
+    assert _typed(caches[0], KVLayout(2, 2, 8, dtype="bfloat16")) is caches[0]  # others untouched
