@@ -14,8 +14,9 @@ Extra-config keys (all optional): ``tiers``, ``chunk_tokens``, ``hash``, ``salt`
 stored where: ``lmtier.admission``), ``metrics_port`` (Prometheus ``/metrics`` from the
 engine's processes: the scheduler on this port, worker rank r on ``port + 1 + r``),
 ``load_deadline`` (seconds a step's loads may take; the rest is recomputed),
-``config`` (a config file), ``model_id`` (the model's
-name in the namespace; default: the engine's model path or name). Unset keys come from
+``layer_loads`` (GPU: copy loads layer by layer beside the forward pass), ``config`` (a
+config file), ``model_id`` (the model's name in the namespace; default: the engine's
+model path or name). Unset keys come from
 ``LMTIER_*`` environment variables, then lmtier's defaults.
 
 Deciding and moving live apart, as vLLM splits them:

@@ -383,3 +383,26 @@ def test_fp8_caches_that_vllm_allocates_as_bytes_are_taken_as_fp8(dtype):
     engine.gather([3], out)
     assert torch.equal(out.view(torch.uint8)[1, 0, 5], caches[1][3, :, 5, :8])  # K of token 5, layer 1
     assert _typed(caches[0], KVLayout(2, 2, 8, dtype="bfloat16")) is caches[0]  # others untouched
+
+
+def test_the_connector_implements_every_abstract_hook_of_the_installed_vllm_as_declared():
+    """Against the vLLM installed here (not a copy of its API): every abstract method of
+    its connector base class is overridden, with the same parameters in the same order
+    and of the same kinds, so that a vLLM that calls a hook by keyword reaches it."""
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    abstract = sorted(KVConnectorBase_V1.__abstractmethods__)
+    assert abstract and not LMTierConnector.__abstractmethods__
+    for name in abstract:
+        assert name in vars(LMTierConnector), f"{name} is not overridden"
+        want = inspect.signature(getattr(KVConnectorBase_V1, name)).parameters
+        have = inspect.signature(getattr(LMTierConnector, name)).parameters
+        assert [(p.name, p.kind) for p in want.values()] == [(p.name, p.kind) for p in have.values()], name
+    # the optional hooks lmtier implements keep vLLM's signatures too
+    for name in ("request_finished", "get_finished", "get_block_ids_with_load_errors", "register_kv_caches",
+                 "handle_preemptions", "shutdown", "requires_piecewise_for_cudagraph"):  # fmt: skip
+        want = inspect.signature(getattr(KVConnectorBase_V1, name)).parameters
+        have = inspect.signature(getattr(LMTierConnector, name)).parameters
+        assert list(want) == list(have), name
