@@ -71,6 +71,7 @@ from lmtier import metrics
 from lmtier.chunk import Chunk, release_all
 from lmtier.config import StoreConfig, engine_config, engine_keys, resolve_chunk_tokens
 from lmtier.connectors import announce
+from lmtier.connectors.vllm_stats import Interval, LMTierPromMetrics, LMTierStats, hit_sources
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
 from lmtier.store import TieredStore, deadline_after, load_batch
@@ -126,6 +127,7 @@ class _Request:
 
     request: Any
     hit_chunks: int = 0  # leading chunks every rank holds (at the last lookup)
+    sources: list[tuple[str, int]] = field(default_factory=list)  # (tier scheme, chunks): rank 0's hit
     local_tokens: int = 0  # the engine's own prefix-cache hit
     external_tokens: int = 0  # tokens planned to load
     load_pending: bool = False
@@ -264,6 +266,7 @@ class LMTierConnector(KVConnectorBase_V1):
         # worker side
         self._engine: CopyEngine | None = None
         self._layer_of: dict[str, int] = {}  # attention layer name -> the engine's layer index
+        self._interval = Interval()  # figures for vLLM's metrics since the last report
         self._layered = False  # layer_loads on a GPU engine
         self._staged: list[tuple[list[int], torch.Tensor]] = []  # a step's loads, once read
         self._layer_load: LayerLoad | None = None  # their copies, landing layer by layer
@@ -301,7 +304,10 @@ class LMTierConnector(KVConnectorBase_V1):
         prompt_len = len(request.prompt_token_ids or [])
         try:
             keys = self._keys_for(state, prompt_len) if state.load else None
-            state.hit_chunks = min(self.store.lookup(k) for k in keys) if keys and keys[0] else 0
+            state.hit_chunks, state.sources = 0, []
+            if keys and keys[0]:
+                state.sources = [(t.scheme, n) for t, n in self.store.lookup_tiers(keys[0])]
+                state.hit_chunks = min([sum(n for _, n in state.sources), *(self.store.lookup(k) for k in keys[1:])])
         except Exception:  # never break the scheduler: a lookup that fails is a miss
             log.exception("lmtier lookup failed for %s", request.request_id)
             state.hit_chunks = 0
@@ -315,6 +321,36 @@ class LMTierConnector(KVConnectorBase_V1):
             metrics.ENGINE_TOKENS.labels(ENGINE, "requested").inc(prompt_len)
             metrics.ENGINE_TOKENS.labels(ENGINE, "hit").inc(max(loadable, num_computed_tokens))
         return state.external_tokens, False
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """The tokens lmtier supplies, by the tier that holds them (host, disk, or a shared
+        tier: unspecified), for vLLM's ``prompt_tokens_cached_by_source``."""
+        state = self._requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return hit_sources(state.sources, self.chunk_tokens, state.local_tokens, num_external_tokens)
+
+    # -- lmtier's figures in vLLM's metrics (lmtier.connectors.vllm_stats) ---------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LMTierStats:
+        return LMTierStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> LMTierPromMetrics:
+        return LMTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_stats(self) -> LMTierStats | None:
+        """The worker's loads, saves and tier reads since it last reported (the scheduler
+        side reports nothing: the workers' figures are the ones that moved KV)."""
+        if self._engine is None:
+            return None
+        return self._interval.take(self.store.read_counts())
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -489,8 +525,10 @@ class LMTierConnector(KVConnectorBase_V1):
         failed.update(plan.block_ids[covered : plan.num_blocks])
         loaded = plan.num_blocks - plan.first_block - len(failed)
         metrics.ENGINE_TOKENS.labels(ENGINE, "loaded").inc(loaded * size)
+        self._interval.count("loaded", loaded * size)
         if failed:  # the engine recomputes what did not arrive
             metrics.ENGINE_TOKENS.labels(ENGINE, "failed").inc(len(failed) * size)
+            self._interval.count("failed", len(failed) * size)
             log.warning(
                 "lmtier: %d of %d blocks of %s not loaded; the engine recomputes them",
                 len(failed),
@@ -549,7 +587,9 @@ class LMTierConnector(KVConnectorBase_V1):
                 self._copying[plan.req_id] = self._copying.get(plan.req_id, 0) + 1
             if not self._enqueue_save(plan, written):  # the queue is full: a future miss, never a stall
                 self._copied_one(plan.req_id)
-                metrics.ENGINE_TOKENS.labels(ENGINE, "dropped").inc(len(plan.keys[self._rank]) * self.chunk_tokens)
+                dropped = len(plan.keys[self._rank]) * self.chunk_tokens
+                metrics.ENGINE_TOKENS.labels(ENGINE, "dropped").inc(dropped)
+                self._interval.count("dropped", dropped)
 
     def _enqueue_save(self, plan: SavePlan, written: Any = None) -> bool:
         if self._saves is None or self._saver_pid != os.getpid():
@@ -605,6 +645,7 @@ class LMTierConnector(KVConnectorBase_V1):
                 self._copied_one(plan.req_id)
             if len(bufs) < len(keys):
                 metrics.ENGINE_TOKENS.labels(ENGINE, "dropped").inc((len(keys) - len(bufs)) * self.chunk_tokens)
+                self._interval.count("dropped", (len(keys) - len(bufs)) * self.chunk_tokens)
             ns = self.namespaces[self._rank]
             shape = self.layout.byte_shape(self.chunk_tokens)
             chunks = [
@@ -614,6 +655,7 @@ class LMTierConnector(KVConnectorBase_V1):
             if chunks:
                 self.store.put(chunks)  # copies into the first tier; lower tiers read it back from there
                 metrics.ENGINE_TOKENS.labels(ENGINE, "stored").inc(len(chunks) * self.chunk_tokens)
+                self._interval.count("stored", len(chunks) * self.chunk_tokens)
         finally:
             for buf in bufs:
                 self._save_buffers.release(buf)

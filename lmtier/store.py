@@ -164,14 +164,29 @@ class TieredStore:
 
     # -- the hot path -------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
+        return sum(n for _, n in self.lookup_tiers(keys))
+
+    def lookup_tiers(self, keys: Sequence[bytes]) -> list[tuple[Tier, int]]:
+        """``lookup``, by tier: the leading run found, as (tier, chunks) in prompt order
+        (a prefix may be spread over tiers; on a tie the faster tier is named)."""
+        runs: list[tuple[Tier, int]] = []
         found = 0
         while found < len(keys):
             rest = keys[found:]
-            best = max(self._call(t, "contains", t.contains, rest, default=0) for t in self.tiers)
+            best, tier = max(
+                ((self._call(t, "contains", t.contains, rest, default=0), t) for t in self.tiers), key=lambda c: c[0]
+            )
             if best == 0:
                 break
+            runs.append((tier, best))
             found += best
-        return found
+        return runs
+
+    def read_counts(self) -> dict[str, tuple[int, int]]:
+        """Chunks read per tier since the store opened, (hits, misses): cheap, for engines
+        that report intervals."""
+        with self._counts_lock:
+            return {t.name: (self._gets[id(t)][0], self._gets[id(t)][1]) for t in self.tiers}
 
     def get(self, keys: Sequence[bytes]) -> list[Chunk]:
         chunks, source = self._get_placed(keys)

@@ -89,9 +89,14 @@ class VllmServer:
             "prompt": "p",
         }
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples whose labels include ``labels``."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
-        return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+        total = 0.0
+        for found, value in re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+            if all(f'{k}="{v}"' in found for k, v in labels.items()):
+                total += float(value)
+        return total
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -119,9 +124,18 @@ def test_two_vllm_http_servers_share_a_prompt_through_one_disk_tier(tmp_path):
     try:
         loaded = second.complete(model, PROMPT)
         external = second.metric("vllm:external_prefix_cache_hits_total")
+        # lmtier's own figures in vLLM's /metrics (the connector's stats hooks), reported
+        # by the engine on its next stats interval
+        deadline = time.monotonic() + 30
+        while second.metric("vllm:lmtier_tokens_total", result="loaded") < 1024 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        lmtier_loaded = second.metric("vllm:lmtier_tokens_total", result="loaded")
+        disk_hits = second.metric("vllm:lmtier_tier_reads_total", tier="disk", result="hits")
+        by_source = second.metric("vllm:prompt_tokens_cached_by_source_total", source="disk")
     finally:
         second.stop()
     assert loaded["cached"] == 1024 and external == 1024
+    assert lmtier_loaded == 1024 and disk_hits == 1024 // CHUNK and by_source == 1024
     problems, exact = compare_answers([loaded], [own_hit], [computed])
     assert not problems and exact == 1, problems
     assert "lmtier: vllm connector: tiers" in (tmp_path / "second.log").read_text()

@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -123,6 +124,8 @@ def test_a_hit_loads_whole_chunks_and_the_engine_computes_the_partial_tail(sched
     assert (load.first_block, load.num_blocks) == (0, 6)
     assert load.block_ids == request_blocks(scheduler, "r")[:6]
     assert meta.saves == []  # nothing new is complete: the hit chunks are not saved again
+    sources = scheduler.connector.get_external_cache_hit_sources(request, 384)
+    assert sources == {CacheHitSource.DISK: 384}  # the fixture's one tier is a disk
 
 
 def test_a_whole_prompt_hit_leaves_the_last_token_to_the_engine(scheduler):
@@ -402,7 +405,8 @@ def test_the_connector_implements_every_abstract_hook_of_the_installed_vllm_as_d
         assert [(p.name, p.kind) for p in want.values()] == [(p.name, p.kind) for p in have.values()], name
     # the optional hooks lmtier implements keep vLLM's signatures too
     for name in ("request_finished", "get_finished", "get_block_ids_with_load_errors", "register_kv_caches",
-                 "handle_preemptions", "shutdown", "requires_piecewise_for_cudagraph"):  # fmt: skip
+                 "handle_preemptions", "shutdown", "requires_piecewise_for_cudagraph", "get_kv_connector_stats",
+                 "build_kv_connector_stats", "build_prom_metrics", "get_external_cache_hit_sources"):  # fmt: skip
         want = inspect.signature(getattr(KVConnectorBase_V1, name)).parameters
         have = inspect.signature(getattr(LMTierConnector, name)).parameters
         assert list(want) == list(have), name

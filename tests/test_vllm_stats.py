@@ -1,0 +1,69 @@
+"""lmtier's figures for vLLM's metrics (lmtier.connectors.vllm_stats): what a worker
+reports per interval, how vLLM adds workers up, what /metrics counts, and where an
+external hit came from. The end-to-end check (vLLM's /metrics after a hit) is in
+test_vllm_http.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from lmtier.connectors.vllm import LMTierConnector
+from lmtier.connectors.vllm_stats import Interval, LMTierStats, hit_sources
+
+
+def test_an_interval_reports_what_changed_then_starts_over():
+    interval = Interval()
+    assert interval.take({"cpu": (0, 0), "disk": (0, 0)}) is None  # nothing happened
+    interval.count("loaded", 512)
+    interval.count("stored", 256)
+    stats = interval.take({"cpu": (2, 6), "disk": (6, 0)})
+    assert stats.data == {"tokens": {"loaded": 512, "stored": 256},
+                          "tiers": {"cpu": {"hits": 2, "misses": 6}, "disk": {"hits": 6, "misses": 0}}}  # fmt: skip
+    again = interval.take({"cpu": (3, 6), "disk": (6, 0)})
+    assert again.data == {"tokens": {}, "tiers": {"cpu": {"hits": 1, "misses": 0}}}
+    assert interval.take({"cpu": (3, 6), "disk": (6, 0)}) is None
+
+
+def test_workers_add_up_and_the_log_line_is_flat():
+    a = LMTierStats({"tokens": {"loaded": 128}, "tiers": {"cpu": {"hits": 1, "misses": 0}}})
+    b = LMTierStats({"tokens": {"loaded": 128, "failed": 64}, "tiers": {"cpu": {"hits": 2}, "disk": {"misses": 1}}})
+    both = a.aggregate(b)
+    assert both.data == {"tokens": {"loaded": 256, "failed": 64},
+                         "tiers": {"cpu": {"hits": 3, "misses": 0}, "disk": {"misses": 1}}}  # fmt: skip
+    assert both.reduce() == {"loaded_tokens": 256, "failed_tokens": 64, "cpu_hits": 3, "cpu_misses": 0,
+                             "disk_misses": 1}  # fmt: skip
+    assert a.data["tokens"] == {"loaded": 128}  # adding up leaves the parts as they were
+    assert LMTierStats().is_empty() and not both.is_empty()
+    rebuilt = LMTierConnector.build_kv_connector_stats(both.to_dict())  # as vLLM's front end does
+    assert isinstance(rebuilt, LMTierStats) and rebuilt.data == both.data
+
+
+def test_the_prometheus_counters_count_per_engine_tier_and_result():
+    registry = CollectorRegistry()
+
+    def counter(**kw):
+        return Counter(**kw, registry=registry)
+
+    types = {Counter: counter, Gauge: Gauge, Histogram: Histogram}
+    config = SimpleNamespace(kv_transfer_config=None)  # all a connector's metrics read of it
+    prom = LMTierConnector.build_prom_metrics(config, types, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
+    prom.observe({"tokens": {"loaded": 1024, "failed": 0}, "tiers": {"disk": {"hits": 8, "misses": 0}}}, 0)
+    prom.observe({"tokens": {"loaded": 256}, "tiers": {}}, 1)
+    get = registry.get_sample_value
+    assert get("vllm:lmtier_tokens_total", {"model_name": "m", "engine": "0", "result": "loaded"}) == 1024
+    assert get("vllm:lmtier_tokens_total", {"model_name": "m", "engine": "1", "result": "loaded"}) == 256
+    assert get("vllm:lmtier_tokens_total", {"model_name": "m", "engine": "0", "result": "failed"}) is None
+    labels = {"model_name": "m", "engine": "0", "tier": "disk", "result": "hits"}
+    assert get("vllm:lmtier_tier_reads_total", labels) == 8
+
+
+def test_an_external_hit_is_split_by_the_tier_of_each_chunk():
+    runs = [("cpu", 2), ("file", 3), ("redis", 1)]  # 6 chunks of 100 tokens
+    assert hit_sources(runs, 100, 0, 600) == {CacheHitSource.HOST: 200, CacheHitSource.DISK: 300,
+                                              CacheHitSource.EXTERNAL_UNSPECIFIED: 100}  # fmt: skip
+    # the engine's own prefix hit covers the first 250 tokens; 300 are loaded
+    assert hit_sources(runs, 100, 250, 300) == {CacheHitSource.DISK: 250, CacheHitSource.EXTERNAL_UNSPECIFIED: 50}
+    assert sum(hit_sources([("cpu", 1)], 100, 0, 150).values()) == 150  # never less than vLLM counts
