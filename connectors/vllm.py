@@ -267,7 +267,7 @@ class LMTierConnector(KVConnectorBase_V1):
         self._engine: CopyEngine | None = None
         self._layer_of: dict[str, int] = {}  # attention layer name -> the engine's layer index
         self._interval = Interval()  # figures for vLLM's metrics since the last report
-        self._layered = False  # layer_loads on a GPU engine
+        self._layered = False  # layer_loads (a CPU engine runs the same path, landed at once)
         self._staged: list[tuple[list[int], torch.Tensor]] = []  # a step's loads, once read
         self._layer_load: LayerLoad | None = None  # their copies, landing layer by layer
         self._load_holds: list[Chunk] = []  # the chunks they copy from, held until landed
@@ -344,6 +344,12 @@ class LMTierConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> LMTierPromMetrics:
         return LMTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def _count(self, result: str, tokens: int) -> None:
+        """Worker-side tokens (loaded, failed, stored, dropped): lmtier's own metric and
+        this interval's figures for vLLM's."""
+        metrics.ENGINE_TOKENS.labels(ENGINE, result).inc(tokens)
+        self._interval.count(result, tokens)
 
     def get_kv_connector_stats(self) -> LMTierStats | None:
         """The worker's loads, saves and tier reads since it last reported (the scheduler
@@ -524,11 +530,9 @@ class LMTierConnector(KVConnectorBase_V1):
             batches.close()
         failed.update(plan.block_ids[covered : plan.num_blocks])
         loaded = plan.num_blocks - plan.first_block - len(failed)
-        metrics.ENGINE_TOKENS.labels(ENGINE, "loaded").inc(loaded * size)
-        self._interval.count("loaded", loaded * size)
+        self._count("loaded", loaded * size)
         if failed:  # the engine recomputes what did not arrive
-            metrics.ENGINE_TOKENS.labels(ENGINE, "failed").inc(len(failed) * size)
-            self._interval.count("failed", len(failed) * size)
+            self._count("failed", len(failed) * size)
             log.warning(
                 "lmtier: %d of %d blocks of %s not loaded; the engine recomputes them",
                 len(failed),
@@ -587,9 +591,7 @@ class LMTierConnector(KVConnectorBase_V1):
                 self._copying[plan.req_id] = self._copying.get(plan.req_id, 0) + 1
             if not self._enqueue_save(plan, written):  # the queue is full: a future miss, never a stall
                 self._copied_one(plan.req_id)
-                dropped = len(plan.keys[self._rank]) * self.chunk_tokens
-                metrics.ENGINE_TOKENS.labels(ENGINE, "dropped").inc(dropped)
-                self._interval.count("dropped", dropped)
+                self._count("dropped", len(plan.keys[self._rank]) * self.chunk_tokens)
 
     def _enqueue_save(self, plan: SavePlan, written: Any = None) -> bool:
         if self._saves is None or self._saver_pid != os.getpid():
@@ -644,8 +646,7 @@ class LMTierConnector(KVConnectorBase_V1):
             finally:
                 self._copied_one(plan.req_id)
             if len(bufs) < len(keys):
-                metrics.ENGINE_TOKENS.labels(ENGINE, "dropped").inc((len(keys) - len(bufs)) * self.chunk_tokens)
-                self._interval.count("dropped", (len(keys) - len(bufs)) * self.chunk_tokens)
+                self._count("dropped", (len(keys) - len(bufs)) * self.chunk_tokens)
             ns = self.namespaces[self._rank]
             shape = self.layout.byte_shape(self.chunk_tokens)
             chunks = [
@@ -654,8 +655,7 @@ class LMTierConnector(KVConnectorBase_V1):
             ]
             if chunks:
                 self.store.put(chunks)  # copies into the first tier; lower tiers read it back from there
-                metrics.ENGINE_TOKENS.labels(ENGINE, "stored").inc(len(chunks) * self.chunk_tokens)
-                self._interval.count("stored", len(chunks) * self.chunk_tokens)
+                self._count("stored", len(chunks) * self.chunk_tokens)
         finally:
             for buf in bufs:
                 self._save_buffers.release(buf)

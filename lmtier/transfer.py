@@ -89,6 +89,7 @@ class CopyEngine:
         if self.device.type == "cuda" and all(t.stride(3) == 1 for t in self.layers):
             self._index = IndexCopier(layers, layout, block_size, num_blocks)
         self._staging: dict[str, torch.Tensor] = {}  # per stream: one device buffer, grown as needed
+        self._host_index: IndexCopier | None = None  # a CPU engine's, for load_layers only
         # CPU: each layer as numpy items of one head's values; [kv, blocks, N, H] (MLA: [blocks, N])
         self._items: list[np.ndarray] | None = None
         if self.device.type == "cpu" and all(t.stride(3) == 1 for t in self.layers):
@@ -268,9 +269,10 @@ class CopyEngine:
         and this returns at once: ``LayerLoad.wait(i)`` makes the current (compute) stream
         wait for layer ``i``. The host tensors must stay as they are until
         ``LayerLoad.finish()``. Elsewhere the copies are done when this returns."""
-        index = self._index
-        if index is None:  # a CPU engine (its loads take scatter; this path is for tests)
-            index = IndexCopier(self.layers, self.layout, self.block_size, self.layers[0].shape[0] // self.ratio)
+        if self._index is None and self._host_index is None:  # a CPU engine with layer_loads
+            self._host_index = IndexCopier(self.layers, self.layout, self.block_size, len(self.layers[0]) // self.ratio)
+        index = self._index or self._host_index
+        assert index is not None
         kv, heads, row = self.layout.kv_factor, self.layout.num_kv_heads, index.row
         for block_ids, src in items:
             self._check_shape("load from", src, len(block_ids) * self.block_size)
