@@ -267,7 +267,7 @@ def test_a_bad_url_leaves_no_tier_open(tmp_path, bad, says):
 
     def opening(tier):
         if tier.scheme == "cpu":
-            assert tier.shared_name  # the slab, made now, as a server's first probe makes it
+            assert tier.shared_name  # the slab, made now, as a starting server's warm-up makes it
         opened.append(tier.scheme)
         assert held(tmp_path), f"{tier.name} holds no file: the check below would prove nothing"
         return tier

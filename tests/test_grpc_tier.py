@@ -525,6 +525,52 @@ def test_a_growing_segment_reserves_its_memory_as_its_slots_are_taken(tmp_path, 
 
 
 # -- health, reflection, readiness, metrics ----------------------------------------------------------
+def test_readiness_probes_evict_nothing_from_full_tiers(tmp_path):
+    """A server at capacity in memory and on disk probes its tiers every few milliseconds:
+    each probe proves its tier answers, and none evicts a chunk (a server used to lose one
+    chunk to every probe once full) or leaves a file behind."""
+    disk = tmp_path / "disk"
+    chunk = SMALL.chunk_bytes(16)
+    srv, port = start(tiers=(f"cpu://?size={4 * chunk}&slot={chunk}", f"file://{disk}?size={16 * chunk}&segment=64KiB"))
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=off")
+    try:
+        cpu, files = srv.store.tiers
+        for seed in range(8):  # more than either tier holds
+            tier.put(make_prompt(4, seed=seed).chunks())
+            srv.store.flush()
+        evictions = cpu.stats()["evictions"], files.stats()["evictions"]
+        assert min(evictions) > 0, "both tiers must be full for this to prove anything"
+        held = (list(cpu._index), files.keys())
+        for _ in range(20):
+            assert srv.probe()
+        assert (list(cpu._index), files.keys()) == held
+        assert (cpu.stats()["evictions"], files.stats()["evictions"]) == evictions
+        assert list((disk / "tmp").iterdir()) == []
+    finally:
+        tier.close()
+        srv.stop(0)
+
+
+def test_a_probe_fails_for_a_closed_memory_tier_and_an_unwritable_disk(tmp_path):
+    from lmtier.tiers.cpu import CpuTier
+    from lmtier.tiers.disk import DiskTier
+
+    memory = CpuTier(size=1 << 20, slot=64 << 10)
+    memory.probe(b"k" * 16)
+    memory.close()
+    with pytest.raises(TierError, match="closed"):
+        memory.probe(b"k" * 16)
+    files = DiskTier(tmp_path / "disk", size=1 << 20)
+    try:
+        files.probe(b"k" * 16)
+        shutil.rmtree(tmp_path / "disk" / "tmp")
+        (tmp_path / "disk" / "tmp").write_bytes(b"not a directory")
+        with pytest.raises(OSError):
+            files.probe(b"k" * 16)
+    finally:
+        files.close()
+
+
 def test_health_reflection_metrics_and_readiness_follow_the_tiers(tmp_path):
     disk = tmp_path / "disk"
     srv, port = start(
@@ -618,6 +664,37 @@ def test_a_single_tenant_server_lends_its_memory_until_the_client_lets_go(tmp_pa
         srv.service.leases.reap()
         assert srv.service.leases.held == 0
         release_all(got)
+    finally:
+        tier.close()
+        srv.stop(0)
+
+
+def test_a_write_follows_the_releases_sent_before_it(tmp_path, monkeypatch):
+    """Chunks let go, then a write: the server sees the release first (a slow one made
+    slower here), so it may evict them in recency order, never around chunks it would
+    still count as lent (whose successors would be stranded)."""
+    srv, port = start(tiers=("cpu://?size=16MiB&slot=64KiB",), shm_dir=str(tmp_path))
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}")
+    release, put, lent_at_put = srv.service.leases.release, srv.store.put, []
+
+    def slow_release(*args):
+        time.sleep(0.1)
+        release(*args)
+
+    def put_seen(chunks):
+        lent_at_put.append(srv.service.leases.held)
+        return put(chunks)
+
+    monkeypatch.setattr(srv.service.leases, "release", slow_release)
+    monkeypatch.setattr(srv.store, "put", put_seen)
+    try:
+        first, second = make_prompt(4, seed=55), make_prompt(2, seed=56)
+        tier.put(first.chunks())
+        got = tier.get(first.keys)
+        assert srv.service.leases.held > 0
+        release_all(got)
+        tier.put(second.chunks())
+        assert lent_at_put == [0, 0]
     finally:
         tier.close()
         srv.stop(0)

@@ -38,6 +38,7 @@ misspelt option is an error rather than silently ignored.
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -49,7 +50,10 @@ import numpy as np
 
 from lmtier.breaker import Backoff
 from lmtier.chunk import Chunk
-from lmtier.errors import ConfigError, MissingDependency
+from lmtier.errors import ConfigError, MissingDependency, TierError
+from lmtier.layout import KVLayout
+
+PROBE_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16")  # a 1 KiB probe chunk
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,23 @@ class Tier(ABC):
         """``get``, where the tier may read a payload into memory ``place`` hands out
         (committing it: the chunk returned is then the placer's); plain ``get`` by default."""
         return self.get(keys)
+
+    def probe(self, key: bytes) -> None:
+        """Prove the tier answers (a server's readiness); raise if it does not. By default a
+        tiny chunk round trip under ``key``: written, read back, compared, deleted. A tier
+        in which that would evict what it holds when full (memory, local disk) checks
+        itself without storing a chunk."""
+        data = np.frombuffer(os.urandom(PROBE_LAYOUT.chunk_bytes(4)), dtype=np.uint8)
+        self.put([Chunk.from_buffer(key, PROBE_LAYOUT, 4, data, namespace=bytes(16))])
+        got = self.get([key])
+        try:
+            if got[0] is None or got[0].tobytes() != data.tobytes():
+                raise TierError(f"tier {self.name} did not give back what it was given")
+        finally:
+            for chunk in got:
+                if chunk is not None:
+                    chunk.release()
+        self.delete([key])
 
     # -- derived conveniences -----------------------------------------------------------
     def has(self, key: bytes) -> bool:

@@ -42,7 +42,7 @@ import numpy as np
 from lmtier import metrics
 from lmtier.buffers import BufferPool, Prefault
 from lmtier.chunk import Chunk, checksum, iter_segments
-from lmtier.errors import ConfigError, IntegrityError
+from lmtier.errors import ConfigError, IntegrityError, TierError
 from lmtier.layout import KVLayout
 from lmtier.shm import Segment
 from lmtier.tiers.base import Capabilities, Tier, TierContext, parse_bool
@@ -52,6 +52,7 @@ DEFAULT_SIZE = 1024**3
 DEFAULT_SLOT = 2 * 1024**2
 PREFAULT_AHEAD = 256 << 20  # memory faulted in beyond the highest slot handed out so far
 PAGE = 4096  # a placed slot is page-aligned: a lower tier may read into it with O_DIRECT
+PROBE_WAIT_S = 2.0  # a readiness probe waits this long for the lock
 
 
 class _Entry:
@@ -285,6 +286,16 @@ class CpuTier(Tier):
         out = self._chunk(key, entry, [view])  # the writer's lease, now the reader's
         out.verified = chunk.verified  # type: ignore[union-attr]
         return out
+
+    def probe(self, key: bytes) -> None:
+        """No round trip (in a full tier one evicts a chunk): the tier is open and its lock
+        comes free in time (a stuck lock would hang every call)."""
+        if self._closed:
+            raise TierError(f"cpu tier {self.name} is closed")
+        lock = self._state()
+        if not lock.acquire(timeout=PROBE_WAIT_S):
+            raise TierError(f"cpu tier {self.name}: its lock stayed held for {PROBE_WAIT_S} s")
+        lock.release()
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Make ``keys`` the most recently used, the first one most of all (as ``get`` does

@@ -26,6 +26,7 @@ from typing import Any
 
 from lmtier.breaker import Backoff
 from lmtier.chunk import Chunk
+from lmtier.errors import TierError
 from lmtier.tiers.base import Capabilities, Placement, Placer, Tier, TierContext, TierURL
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,12 @@ class DeferredTier(Tier):
         tier = self.opened
         if tier is not None:
             tier.delete(keys)
+
+    def probe(self, key: bytes) -> None:
+        tier = self.opened
+        if tier is None:
+            raise TierError(f"tier {self.name} is not open: {self._error}")
+        tier.probe(key)
 
     @property
     def backoff(self) -> Backoff:  # type: ignore[override]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 import sqlite3
 import threading
 import time
@@ -210,6 +211,25 @@ class DiskTier(Tier):
             self._executor.shutdown(wait=True)
         self._pid = -1
         self.index.close()
+
+    def probe(self, key: bytes) -> None:
+        """Write, read back and remove a small file in ``tmp/``, and ask the index a
+        question: the filesystem and the database answer, and nothing stored is evicted (a
+        chunk round trip in a full tier would evict one)."""
+        data = os.urandom(ALIGN)
+        path = self.files.tmp / f"{os.getpid()}-{secrets.token_hex(6)}-0.tmp"  # a temporary's name
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if path.read_bytes() != data:
+                raise TierError(f"disk tier {self.name} read back other bytes than it wrote to {path}")
+        finally:
+            path.unlink(missing_ok=True)
+        self.index.count()
 
     # -- derived ------------------------------------------------------------------------
     def keys(self, prefix: bytes = b"", limit: int | None = None) -> list[bytes]:

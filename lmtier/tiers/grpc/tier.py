@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -44,6 +45,7 @@ T = TypeVar("T")
 
 DEFAULT_PORT = 50051
 MIN_RATE = 100e6  # bytes/s: a bulk call's deadline grows by its size at this rate
+RELEASE_WAIT_S = 0.25  # a write waits at most this long for the releases sent before it
 
 
 def _shm_mode(text: str) -> str:
@@ -206,6 +208,19 @@ class GrpcTier(Tier):
         with self._lock:
             self._releases.append(future)
 
+    def _settle_releases(self) -> None:
+        """Wait a moment for the releases sent before a write: the server may then evict
+        what this client let go, in recency order, instead of evicting around chunks it
+        still counts as lent (which strands their successors)."""
+        with self._lock:
+            pending = [f for f in self._releases if not f.done()]
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        for future in pending:
+            try:
+                future.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # late or failed: the server reaps the lease anyway
+                return
+
     def _drop_corrupt(self, key: bytes) -> None:
         """A chunk from the server failed its check: count it and delete the server's copy
         (best effort: this runs inside a read, often the engine's copy-out)."""
@@ -222,6 +237,7 @@ class GrpcTier(Tier):
 
     def _put(self, chunks: Sequence[Chunk]) -> None:
         channel = self._channel()
+        self._settle_releases()
         segment = self.memory.segment()
         slots: list[int] = []
         nbytes = sum(c.nbytes for c in chunks)
