@@ -3,8 +3,9 @@
     create_server(config) -> (CacheServer, port)    built and started, not blocking
     serve(config)                                   runs until SIGTERM / SIGINT
 
-Readiness is earned, not assumed: a probe thread writes a small chunk into every tier,
-reads it back and checks its bytes, every ``probe_interval`` seconds. The gRPC health
+Readiness is earned, not assumed: a probe thread has every tier prove it answers
+(``Tier.probe``: a small chunk's round trip, or a check that evicts nothing where a round
+trip would evict), every ``probe_interval`` seconds. The gRPC health
 service (``grpc.health.v1``, for Kubernetes ``grpc`` probes) and ``/readyz`` on the
 metrics port (for ``httpGet`` probes) both answer from it; ``/healthz`` only says the
 process is alive. The same thread sweeps the shared-memory segments of clients that died.
