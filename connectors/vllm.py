@@ -71,6 +71,7 @@ from lmtier import metrics
 from lmtier.chunk import Chunk, release_all
 from lmtier.config import StoreConfig, engine_config, engine_keys, resolve_chunk_tokens
 from lmtier.connectors import announce
+from lmtier.connectors.vllm_events import EventBook, LMTierKVEvents, WorkerEvents
 from lmtier.connectors.vllm_stats import Interval, LMTierPromMetrics, LMTierStats, hit_sources
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
@@ -261,6 +262,11 @@ class LMTierConnector(KVConnectorBase_V1):
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             except Exception:  # a frozen config: the user must set it (see the module docstring)
                 pass
+        # KV events for routers (vLLM's KVEventsConfig): lmtier's tiers in vLLM's stream
+        events = getattr(vllm_config, "kv_events_config", None)
+        self._with_events = bool(events is not None and events.enable_kv_cache_events)
+        self._book = EventBook(self.config.tiers, self.chunk_tokens, self.tp_size) if self._with_events else None
+        self._worker_events: WorkerEvents | None = None
         # scheduler side
         self._requests: dict[str, _Request] = {}
         # worker side
@@ -358,6 +364,19 @@ class LMTierConnector(KVConnectorBase_V1):
             return None
         return self._interval.take(self.store.read_counts())
 
+    # -- KV events for routers (lmtier.connectors.vllm_events) ------------------------------
+    def get_kv_connector_kv_cache_events(self) -> LMTierKVEvents | None:
+        return self._worker_events.take() if self._worker_events is not None else None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        events = getattr(connector_output, "kv_cache_events", None)
+        if self._book is not None and isinstance(events, LMTierKVEvents):
+            self._book.absorb(events)
+
+    def take_events(self):  # type: ignore[override]
+        return self._book.take() if self._book is not None else ()
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
         if state is None:
@@ -399,6 +418,7 @@ class LMTierConnector(KVConnectorBase_V1):
             first_chunk, last_chunk = start // self.chunk_tokens, -(-end // self.chunk_tokens)
             keys = self._keys_for(state, last_chunk * self.chunk_tokens)
             block_ids = state.block_ids[first_chunk * self.blocks_per_chunk : last_chunk * self.blocks_per_chunk]
+            self._remember(state, keys, first_chunk)  # a load promotes them into the memory tier
             meta.loads.append(
                 LoadPlan(
                     req_id,
@@ -413,6 +433,7 @@ class LMTierConnector(KVConnectorBase_V1):
         if state.save and done > state.saved_chunks and len(state.block_ids) >= done * self.blocks_per_chunk:
             keys = self._keys_for(state, done * self.chunk_tokens)
             first = state.saved_chunks
+            self._remember(state, keys, first)
             meta.saves.append(
                 SavePlan(
                     req_id,
@@ -422,6 +443,11 @@ class LMTierConnector(KVConnectorBase_V1):
             )
             state.saved_chunks = done
             state.saving = True
+
+    def _remember(self, state: _Request, keys: list[list[bytes]], first: int) -> None:
+        """Keep the tokens behind chunks about to land in a tier, for their events."""
+        if self._book is not None:
+            self._book.remember(keys[0], state.request.all_token_ids[: len(keys[0]) * self.chunk_tokens], first)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
@@ -449,6 +475,8 @@ class LMTierConnector(KVConnectorBase_V1):
         self._layer_of = {n: i for i, n in enumerate(names)}
         self._layered = self.config.layer_loads  # on a CPU engine: the same path, landed at once
         self.store.warm()  # the memory tier's first pages mapped before the first load needs them
+        if self._with_events:
+            self._worker_events = WorkerEvents(self.store, self._rank, self.tp_size)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the forward pass (vLLM calls it then; ``start_load_kv`` may run after the
@@ -502,6 +530,8 @@ class LMTierConnector(KVConnectorBase_V1):
         what failed) and everything from the first chunk missing on (a chunk that a tier
         finds damaged is missing: a prefix ends there, unless another tier holds it)."""
         keys = plan.keys[self._rank]
+        if self._worker_events is not None:
+            self._worker_events.remember(keys, plan.keys[0])
         per, size = self.blocks_per_chunk, self.block_size
         failed: set[int] = set()
         covered = plan.first_block  # blocks before this are the engine's own
@@ -632,6 +662,8 @@ class LMTierConnector(KVConnectorBase_V1):
         """Copy the plan's chunks out of the engine's blocks (on a GPU, once the compute
         stream has passed ``written``), let the blocks go, store."""
         keys = plan.keys[self._rank]
+        if self._worker_events is not None:
+            self._worker_events.remember(keys, plan.keys[0])
         bufs: list[torch.Tensor] = []
         try:
             try:

@@ -78,6 +78,11 @@ UNWRITTEN_CHUNKS = Counter(
     ["tier"],
     registry=REGISTRY,
 )
+EVENTS_DROPPED = Counter(
+    "lmtier_events_dropped_total",
+    "Tier events (chunks stored or removed, for routers) dropped: the queue was full between two drains.",
+    registry=REGISTRY,
+)
 PROMOTIONS = Counter(
     "lmtier_promotions_total",
     "Chunks copied up into a faster tier after a hit.",

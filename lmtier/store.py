@@ -51,6 +51,8 @@ from lmtier.admission import SavePolicy
 from lmtier.breaker import CircuitBreaker, QuietWarning
 from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError
+from lmtier.events import DEFAULT_LIMIT as DEFAULT_EVENTS
+from lmtier.events import TierEvents
 from lmtier.tiers.base import Placement, Tier, TierContext, open_tier
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,7 @@ class TieredStore:
         self._closed = False
         self.dropped_writes = 0
         self.unwritten_chunks = 0  # chunks a put could not hand to the lower tiers
+        self.events: TierEvents | None = None  # what lands in and leaves the tiers, once watched
 
     @classmethod
     def open(
@@ -458,6 +461,16 @@ class TieredStore:
                 log.exception("background write failed")
             finally:
                 jobs.task_done()
+
+    def watch(self, limit: int = DEFAULT_EVENTS) -> TierEvents:
+        """The queue of what lands in and leaves each tier (``lmtier.events``), made on the
+        first call and connected to every tier; later calls return the same queue."""
+        with self._counts_lock:
+            if self.events is None:
+                self.events = TierEvents(limit)
+                for i, tier in enumerate(self.tiers):
+                    tier.listener = lambda kind, keys, i=i, add=self.events.add: add(kind, i, keys)
+            return self.events
 
     def warm(self) -> None:
         """Have the tiers that can (the memory tier: its slab mapped and its first pages

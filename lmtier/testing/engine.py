@@ -4,7 +4,7 @@ the demo and the TTFT benchmark drive engines through it.
     python -m lmtier.testing.engine SPEC.json RESULT.json
 
 SPEC: {"model": dir, "lmtier": {extra config} | null, "multiprocess": bool, "tp": 1|2,
-       "block_size": 64, "prefix_caching": false, "phases": [...]}
+       "block_size": 64, "prefix_caching": false, "kv_events": ZMQ endpoint | null, "phases": [...]}
 A phase is {"name", "prompts": [[ids...], ...]} or {"name", "chat": {"first": [...],
 "questions": [[...], ...]}} (each round's prompt: the previous prompt, its answer, the
 next question), with optional "max_tokens", "request" (the requests' kv_transfer_params,
@@ -119,6 +119,12 @@ def main() -> None:
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["lmtier"],
+        )
+    if spec.get("kv_events"):  # vLLM's KV event stream (ZMQ), lmtier's tiers in it
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=spec["kv_events"], topic="kv"
         )
     llm = LLM(
         model=spec["model"],

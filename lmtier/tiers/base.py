@@ -105,6 +105,8 @@ class Tier(ABC):
     capacity: int = 0  # bytes it may hold; 0 when it does not know (a remote server's own bound)
     backoff: Backoff = Backoff(attempts=0)  # retries of RetryableError, run by the store
     cooldown: float = 5.0  # seconds the store skips this tier once it keeps failing
+    # Told of chunks stored in or removed from this tier: (kind, keys); see ``_announce``.
+    listener: Callable[[str, Sequence[bytes]], None] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A tier written before ``capabilities`` existed had them found by probing for its
@@ -181,6 +183,17 @@ class Tier(ABC):
                 if chunk is not None:
                     chunk.release()
         self.delete([key])
+
+    def _announce(self, kind: str, keys: Sequence[bytes]) -> None:
+        """Tell ``listener`` (set by ``TieredStore.watch``) that ``keys`` were "stored" in
+        this tier or "removed" from it (evicted, deleted, dropped as damaged). It must not
+        block; whatever it raises is ignored: events never cost a tier call."""
+        listener = self.listener
+        if listener is not None and keys:
+            try:
+                listener(kind, keys)
+            except Exception:
+                pass
 
     # -- derived conveniences -----------------------------------------------------------
     def has(self, key: bytes) -> bool:

@@ -208,8 +208,9 @@ class CpuTier(Tier):
                 entry.ready = True
                 self._unlease(entry)
             for key in bad:
-                self._drop(key)
+                self._drop(key, announce=False)
             self._counts["stored"] += len(plan) - len(bad)
+            self._announce("stored", [c.key for c, _ in plan if c.key not in bad])  # in order with evictions
         if plan:
             metrics.TIER_OPS.labels(self.name, "put", "stored").inc(len(plan))
             metrics.TIER_BYTES.labels(self.name, "put").inc(sum(e.nbytes for _, e in plan))
@@ -271,7 +272,7 @@ class CpuTier(Tier):
             mine = self._index.get(key) is entry and not self._closed
             if digest is None:
                 if mine:
-                    self._drop(key)
+                    self._drop(key, announce=False)  # never ready, never announced
                 self._unlease(entry)
                 return None
             entry.layout, entry.namespace, entry.checksum = chunk.layout, chunk.namespace, digest  # type: ignore[union-attr]
@@ -279,6 +280,7 @@ class CpuTier(Tier):
                 entry.ready = True
                 entry.reads += 1
                 self._counts["stored"] += 1
+                self._announce("stored", [key])
         if mine:
             metrics.TIER_OPS.labels(self.name, "put", "stored").inc()
             metrics.TIER_BYTES.labels(self.name, "put").inc(entry.nbytes)
@@ -397,10 +399,12 @@ class CpuTier(Tier):
         if not accepted:
             chunk.release()
 
-    def _drop(self, key: bytes) -> None:
+    def _drop(self, key: bytes, announce: bool = True) -> None:
         entry = self._index.pop(key, None)
         if entry is None:
             return
+        if announce and entry.ready:
+            self._announce("removed", [key])
         entry.dead = True
         if entry.leases == 0:
             self._free.extend(entry.slots)

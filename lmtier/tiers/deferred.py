@@ -60,6 +60,17 @@ class DeferredTier(Tier):
             self.name, cls.scheme, self._error,
         )  # fmt: skip
 
+    @property
+    def listener(self):  # type: ignore[override]
+        return self.__dict__.get("_listener")
+
+    @listener.setter
+    def listener(self, fn) -> None:
+        self.__dict__["_listener"] = fn
+        tier = self.__dict__.get("_tier")
+        if tier is not None:
+            tier.listener = fn
+
     # -- the real tier, once it opens ---------------------------------------------------
     @property
     def opened(self) -> Tier | None:
@@ -87,6 +98,7 @@ class DeferredTier(Tier):
                 self._trying_pid = 0
             log.debug("tier %s still cannot be opened: %s", self.name, self._error)
             return
+        tier.listener = self.listener  # events flow from the real tier once it opens
         with self._lock:
             closed, self._trying_pid = self._closed, 0
             if not closed:

@@ -168,6 +168,7 @@ class Space:
 
     def _evict(self, txn: Txn, victims: list[tuple[bytes, Location]], segs: dict[int, list[int]]) -> None:
         txn.remove([key for key, _ in victims])
+        self.tier._announce("removed", [key for key, _ in victims])  # before the commit: never late
         for _, loc in victims:
             if loc.seg in segs:
                 segs[loc.seg][1] -= round_up(loc.len)
@@ -227,6 +228,7 @@ class Space:
         finally:
             self.files.release(frames)
         txn.remove(lost)
+        self.tier._announce("removed", lost)
         return sum(f.padded for f in frames)
 
     # -- after a crash, a lost index, an older layout ----------------------------------------

@@ -193,6 +193,7 @@ class DiskTier(Tier):
         keys = [_check_key(k) for k in keys]
         with self._write_lock, self.index.transaction() as txn:
             where = txn.remove(keys)
+            self._announce("removed", list(where))
             self.space.reap(txn, {loc.seg for loc in where.values()})
 
     def close(self) -> None:
@@ -462,6 +463,8 @@ class DiskTier(Tier):
             if writer is not None and frames:
                 writer.truncate(start)  # nothing of this batch was recorded
             raise
+        if stored:
+            self._announce("stored", [r[0] for r in rows])  # committed
         self._count("stored", stored)
         self._count("dropped", dropped)
         metrics.TIER_OPS.labels(self.name, "put", "stored").inc(stored)
@@ -589,7 +592,9 @@ class DiskTier(Tier):
         try:
             with self.index.transaction() as txn:
                 now = txn.locate([k for k, _ in corrupt])
-                txn.remove([k for k, loc in corrupt if now.get(k) == loc])
+                damaged = [k for k, loc in corrupt if now.get(k) == loc]
+                txn.remove(damaged)
+                self._announce("removed", damaged)
                 segs = {loc.seg for _, loc in corrupt}
                 lost = [s.id for s in txn.segments() if s.name in gone and not os.path.exists(self.files.path(s.name))]
                 txn.drop_segments(lost)

@@ -252,6 +252,7 @@ class GrpcTier(Tier):
             raise
         finally:
             finish_slots(segment, slots, done)
+        self._announce("stored", [c.key for c in chunks[: response.stored]])  # the server holds this prefix
         metrics.TIER_OPS.labels(self.name, "put", "stored").inc(response.stored)
         metrics.TIER_OPS.labels(self.name, "put", "dropped").inc(len(chunks) - response.stored)
         metrics.TIER_BYTES.labels(self.name, "put").inc(nbytes)
@@ -259,6 +260,7 @@ class GrpcTier(Tier):
     def delete(self, keys: Sequence[bytes]) -> None:
         if keys:
             request = cache_pb2.DeleteRequest(keys=list(keys))
+            self._announce("removed", keys)  # first: a failed delete leaves a router under-counting
             self._rpc(lambda: self._channel().delete(request, timeout=self.timeout, metadata=self._metadata))
 
     def keys(self, prefix: bytes = b"", limit: int | None = None) -> list[bytes]:

@@ -218,17 +218,20 @@ class RedisTier(Tier):
         op = Op(lambda i: set_parts(rkeys[i], frames[i], sizes[i], self.ttl_ms))  # type: ignore[arg-type]
         replies = self.pipeline.run(rkeys, op, positions=sendable, sizes=sizes)
         stored = 0
+        landed: list[bytes] = []
         for i, reply in enumerate(replies):
             if reply is None:  # not sent
                 continue
             if reply == "OK":
                 stored += 1
+                landed.append(chunks[i].key)
                 metrics.TIER_BYTES.labels(self.name, "put").inc(sizes[i])
             elif isinstance(reply, ReplyError) and str(reply).startswith("OOM"):
                 self._count("oom")
             else:
                 self._count("errors")
         self._count("stored", stored)
+        self._announce("stored", landed)
         metrics.TIER_OPS.labels(self.name, "put", "stored").inc(stored)
         metrics.TIER_OPS.labels(self.name, "put", "dropped").inc(len(chunks) - stored)
         replies.raise_if_down()
@@ -237,6 +240,7 @@ class RedisTier(Tier):
         if not keys:
             return
         rkeys = [self._rkey(k) for k in keys]
+        self._announce("removed", keys)  # first: a failed delete leaves a router under-counting, never over
         self.pipeline.run(rkeys, Op(lambda i: [command(b"DEL", rkeys[i])])).raise_if_down()
 
     def close(self) -> None:

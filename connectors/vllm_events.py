@@ -1,0 +1,211 @@
+"""lmtier's tiers in vLLM's KV event stream (``KVEventsConfig``: the ZMQ publisher routers
+subscribe to), beside vLLM's own events for its GPU blocks.
+
+    WorkerEvents(store, rank, tp_size)     worker side: the store's tier records, per step
+      .remember(local_keys, lead_keys)     which rank-0 key names a chunk this rank holds
+      .take() -> LMTierKVEvents | None     for get_kv_connector_kv_cache_events
+    EventBook(tier_urls, chunk_tokens, tp_size)    scheduler side
+      .remember(keys, tokens)              the token ids behind a request's chunk keys
+      .absorb(LMTierKVEvents)              from update_connector_output
+      .take() -> list[KVCacheEvent]        for take_events: vLLM publishes them
+
+What each event says:
+
+- ``BlockStored`` when chunks land in a tier, ``BlockRemoved`` when a tier evicts or
+  deletes them (or drops one that failed its check). One block is one lmtier chunk:
+  ``block_size`` is the chunk size, the granularity at which a tier can serve, never
+  the engine's smaller block size; ``block_hashes`` are chunk keys (rank 0's, so every
+  rank of a tensor-parallel engine names a chunk alike), each a hash of all the tokens
+  before it; ``parent_block_hash`` the previous chunk's key; ``token_ids`` the chunks'
+  tokens. A router can rebuild the prefix from the tokens alone.
+- ``medium``: ``CPU`` for the memory tier, ``STORAGE`` for a local disk, ``CPU`` for Redis
+  and a cache server (memory, elsewhere). ``locality``: ``LOCAL`` for this instance's own
+  tiers, ``REMOTE`` for a tier every instance reaches. ``ownership`` names the tier:
+  ``lmtier:<url>`` (without secrets) for a shared one, the same from every instance, so
+  a router counts a shared chunk once rather than as each pod's.
+- With tensor parallelism a chunk is stored once every rank has stored its slice, and
+  removed as soon as one rank has lost its own.
+- Stores are published at the step after they land (a save finishes in the background);
+  an idle engine publishes at its next step. What a tier evicts on its own (Redis, a
+  cache server, another process sharing a disk) is not seen here: routers ask a shared
+  tier (``lmtier match``, the server's ``Match``).
+
+Bounded: the store's queue (``lmtier.events``, drops counted), the book of token ids
+(``BOOK_CHUNKS``), the pending tensor-parallel counts and the worker's key map.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+)
+
+from lmtier import metrics
+from lmtier.tiers.base import redact_url
+
+BOOK_CHUNKS = 1 << 16  # chunks whose tokens the scheduler keeps for events (~chunk_tokens x 4 bytes each)
+SHARED_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "grpc", "grpcs")
+
+
+def tier_labels(url: str) -> tuple[str, str, str]:
+    """(medium, locality, ownership) of the tier a URL opens."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in SHARED_SCHEMES:
+        return MEDIUM_CPU, "REMOTE", f"lmtier:{redact_url(url).split('?', 1)[0]}"
+    return (MEDIUM_STORAGE if scheme == "file" else MEDIUM_CPU), "LOCAL", f"lmtier:{scheme}"
+
+
+class LMTierKVEvents(KVConnectorKVEvents):
+    """Records ``(rank, kind, tier, keys)`` from the workers of one step (vLLM adds the
+    workers' lists up; ``EventBook`` makes events of them)."""
+
+    def __init__(self, records: list[tuple] | None = None, workers: int = 1) -> None:
+        self.records = list(records or [])
+        self.workers = workers
+
+    def add_events(self, events: list[Any]) -> None:
+        self.records.extend(events)
+
+    def aggregate(self) -> LMTierKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self.workers += count
+
+    def get_all_events(self) -> list[Any]:
+        return list(self.records)
+
+    def get_number_of_workers(self) -> int:
+        return self.workers
+
+    def clear_events(self) -> None:
+        self.records.clear()
+
+
+class WorkerEvents:
+    def __init__(self, store: Any, rank: int, tp_size: int) -> None:
+        self.queue = store.watch()
+        self.rank, self.tp_size = rank, tp_size
+        self._lead: OrderedDict[bytes, bytes] = OrderedDict()  # this rank's key -> rank 0's
+        self._lock = threading.Lock()  # the save thread remembers, the step takes
+
+    def remember(self, local: Sequence[bytes], lead: Sequence[bytes]) -> None:
+        if self.tp_size == 1:
+            return  # rank 0's keys are ours
+        with self._lock:
+            for mine, first in zip(local, lead, strict=False):
+                self._lead[mine] = first
+                self._lead.move_to_end(mine)
+            while len(self._lead) > BOOK_CHUNKS:
+                self._lead.popitem(last=False)
+
+    def take(self) -> LMTierKVEvents | None:
+        records = []
+        for record in self.queue.drain():
+            if self.tp_size == 1:
+                keys = list(record.keys)
+            else:
+                with self._lock:
+                    keys = [self._lead[k] for k in record.keys if k in self._lead]
+                if len(keys) < len(record.keys):
+                    metrics.EVENTS_DROPPED.inc(len(record.keys) - len(keys))
+            if keys:
+                records.append((self.rank, record.kind, record.tier, keys))
+        return LMTierKVEvents(records) if records else None
+
+
+class EventBook:
+    def __init__(self, tier_urls: Sequence[str], chunk_tokens: int, tp_size: int) -> None:
+        self.labels = [tier_labels(u) for u in tier_urls]
+        self.chunk_tokens = chunk_tokens
+        self.tp_size = tp_size
+        self._tokens: OrderedDict[bytes, tuple[bytes | None, bytes]] = OrderedDict()  # key -> (parent, int32 tokens)
+        self._ranks: OrderedDict[tuple[int, bytes], set[int]] = OrderedDict()  # stored by some ranks so far
+        self._ready: list[tuple[int, bytes]] = []  # (tier, key) stored by every rank
+        self._removed: list[tuple[int, bytes]] = []
+
+    def remember(self, keys: Sequence[bytes], tokens: Any, first: int = 0) -> None:
+        """The token ids behind ``keys[first:]`` (rank 0's keys of a request's full chunks)."""
+        flat = np.asarray(tokens, dtype=np.int32)
+        n = self.chunk_tokens
+        for i in range(first, min(len(keys), len(flat) // n)):
+            self._tokens[keys[i]] = (keys[i - 1] if i else None, flat[i * n : (i + 1) * n].tobytes())
+            self._tokens.move_to_end(keys[i])
+        while len(self._tokens) > BOOK_CHUNKS:
+            self._tokens.popitem(last=False)
+
+    def absorb(self, events: LMTierKVEvents) -> None:
+        for rank, kind, tier, keys in events.get_all_events():
+            for key in keys:
+                if kind == "removed":
+                    self._ranks.pop((tier, key), None)
+                    self._removed.append((tier, key))
+                    continue
+                ranks = self._ranks.setdefault((tier, key), set())
+                ranks.add(rank)
+                if len(ranks) >= self.tp_size:
+                    del self._ranks[(tier, key)]
+                    self._ready.append((tier, key))
+        while len(self._ranks) > BOOK_CHUNKS:
+            self._ranks.popitem(last=False)
+
+    def take(self) -> list[KVCacheEvent]:
+        """This step's events in the order things happened per tier: stores, then removals
+        (a chunk stored and evicted within one step is announced both ways)."""
+        events: list[KVCacheEvent] = []
+        ready, self._ready = self._ready, []
+        removed, self._removed = self._removed, []
+        for tier, run in _runs(ready, self._tokens):
+            medium, locality, ownership = self.labels[tier]
+            parent = self._tokens[run[0]][0]
+            events.append(
+                BlockStored(
+                    block_hashes=list(run),
+                    parent_block_hash=parent,
+                    token_ids=np.frombuffer(b"".join(self._tokens[k][1] for k in run), dtype=np.int32).tolist(),
+                    block_size=self.chunk_tokens,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                    group_idx=0,
+                    locality=locality,
+                    ownership=ownership,
+                )
+            )
+        unknown = sum(1 for _, k in ready if k not in self._tokens)
+        if unknown:  # no tokens to describe them with (older than the book): not announced
+            metrics.EVENTS_DROPPED.inc(unknown)
+        by_tier: dict[int, list[bytes]] = {}
+        for tier, key in removed:
+            if key not in by_tier.setdefault(tier, []):
+                by_tier[tier].append(key)
+        for tier, keys in by_tier.items():
+            medium, locality, ownership = self.labels[tier]
+            events.append(
+                BlockRemoved(block_hashes=keys, medium=medium, group_idx=0, locality=locality, ownership=ownership)
+            )
+        return events
+
+
+def _runs(ready: list[tuple[int, bytes]], book: OrderedDict) -> list[tuple[int, list[bytes]]]:
+    """Stored keys grouped into chains (each key's parent the one before it), per tier."""
+    runs: list[tuple[int, list[bytes]]] = []
+    for tier, key in ready:
+        if key not in book:
+            continue
+        if runs and runs[-1][0] == tier and book[key][0] == runs[-1][1][-1]:
+            runs[-1][1].append(key)
+        else:
+            runs.append((tier, [key]))
+    return runs

@@ -1,0 +1,116 @@
+"""Tier events (``lmtier.events``) from real tiers, and the vLLM adapter's bookkeeping
+(``connectors/vllm_events.py``): what each tier announces, bounds, tensor parallelism."""
+
+from __future__ import annotations
+
+from lmtier import metrics
+from lmtier.chunk import release_all
+from lmtier.config import ServerConfig
+from lmtier.events import TierEvents
+from lmtier.server import create_server
+from lmtier.store import TieredStore
+from lmtier.tiers.base import open_tier
+
+from conftest import eventually, make_prompt
+
+
+def records(events: TierEvents) -> list[tuple[str, int, list[bytes]]]:
+    return [(r.kind, r.tier, list(r.keys)) for r in events.drain()]
+
+
+def test_the_queue_is_bounded_and_counts_what_it_drops():
+    before = metrics.REGISTRY.get_sample_value("lmtier_events_dropped_total") or 0
+    events = TierEvents(limit=3)
+    for i in range(5):
+        events.add("stored", 0, [bytes([i]) * 16])
+    events.add("stored", 0, [])  # nothing: no record
+    assert [r.keys[0][0] for r in events.drain()] == [2, 3, 4]
+    assert events.dropped == 2
+    assert metrics.REGISTRY.get_sample_value("lmtier_events_dropped_total") == before + 2
+    assert events.drain() == []
+
+
+def test_memory_and_disk_announce_stores_evictions_deletes_and_damage(tmp_path):
+    a, b = make_prompt(3, seed=1), make_prompt(2, seed=2)
+    size = a.chunks()[0].nbytes
+    with TieredStore.open([f"cpu://?size={3 * size}&slot={size}", f"file://{tmp_path}/d?size=64MiB"]) as store:
+        events = store.watch()
+        assert store.watch() is events  # one queue per store
+        store.put(a.chunks())
+        store.flush()
+        assert records(events) == [("stored", 0, a.keys), ("stored", 1, a.keys)]
+        release_all(store.get(a.keys[:1]))  # a0 most recent: a2, then a1 go first
+        store.put(b.chunks())
+        store.flush()
+        assert records(events) == [
+            ("removed", 0, [a.keys[2]]),
+            ("removed", 0, [a.keys[1]]),
+            ("stored", 0, b.keys),
+            ("stored", 1, b.keys),
+        ]
+        store.delete(a.keys[:1])
+        assert records(events) == [("removed", 0, a.keys[:1]), ("removed", 1, a.keys[:1])]
+        store.put(a.chunks()[:1])  # back in memory: announced again
+        store.flush()
+        assert ("stored", 0, a.keys[:1]) in records(events)
+        memory = store.tiers[0]
+        entry = memory._index[a.keys[0]]
+        memory._slab[entry.slots[0] * memory.slot_bytes + 7] ^= 1  # damaged in memory
+        got = store.tiers[0].get(a.keys[:1])
+        try:
+            got[0].tobytes()
+        except Exception:
+            pass
+        release_all(got)
+        assert ("removed", 0, a.keys[:1]) in records(events)
+
+
+def test_a_read_from_a_lower_tier_announces_its_landing_in_memory(tmp_path):
+    a = make_prompt(2, seed=3)
+    size = a.chunks()[0].nbytes
+    urls = [f"cpu://?size={4 * size}&slot={size}", f"file://{tmp_path}/d?size=64MiB"]
+    with TieredStore.open(urls) as store:
+        store.put(a.chunks())
+    with TieredStore.open(urls) as store:  # a new instance: memory empty, the disk holds a
+        events = store.watch()
+        release_all(store.get(a.keys))
+        assert ("stored", 0, a.keys[:1]) in records(events) or store.tiers[0].contains(a.keys) == 2
+
+
+def test_shared_tiers_announce_what_they_were_given_and_what_was_deleted(redis_server):
+    redis_server.call("FLUSHALL")
+    server, port = create_server(ServerConfig(port=0, tiers=("cpu://?size=16MiB&slot=64KiB",)))
+    a = make_prompt(2, seed=4)
+    try:
+        for url in (redis_server.url, f"grpc://127.0.0.1:{port}"):
+            tier = open_tier(url)
+            events = TierEvents()
+            tier.listener = lambda kind, keys, add=events.add: add(kind, 0, keys)
+            tier.put(a.chunks())
+            tier.delete(a.keys[1:])
+            assert records(events) == [("stored", 0, a.keys), ("removed", 0, a.keys[1:])], url
+            tier.close()
+    finally:
+        server.stop(0)
+
+
+def test_a_tier_that_opens_late_announces_through_the_listener_set_before(tmp_path):
+    from lmtier.testing.redis_server import RedisServer, cli, free_port
+
+    port = free_port()
+    a = make_prompt(2, seed=5)
+    urls = ["cpu://?size=8MiB&slot=1MiB", f"redis+cluster://127.0.0.1:{port}?connect_timeout=0.2"]
+    with TieredStore.open(urls, defer="lower") as store:
+        events = store.watch()
+        deferred = store.tiers[1]
+        assert deferred.listener is not None and deferred.opened is None
+        node = RedisServer(tmp_path, "--cluster-enabled", "yes", port=port)  # up after the store opened
+        cli(port, "CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+        try:
+            assert eventually(lambda: "cluster_state:ok" in cli(port, "CLUSTER", "INFO"))
+            assert eventually(lambda: deferred.opened is not None)
+            store.put(a.chunks())
+            store.flush()
+            assert ("stored", 1, a.keys) in records(events)
+        finally:
+            node.stop()
