@@ -13,10 +13,11 @@ from lmtier.keys import Namespace
 from lmtier.tiers.base import redact_url
 
 
-def announce(engine: str, tiers: tuple[str, ...], namespace: Namespace, model_id: str) -> None:
+def announce(engine: str, tiers: tuple[str, ...], namespaces: list[Namespace], model_id: str) -> None:
     """One line at start saying what an adapter chose (tiers with their secrets replaced,
-    chunk size, the model id in the keys, the namespace digest), so that two instances
-    that do not share hits can be compared by reading their logs.
+    chunk size, the model id in the keys, the namespace digest of each tensor-parallel
+    rank), so that two instances that do not share hits can be compared by reading their
+    logs, and a router can ask a cache server's ``Match`` (``lmtier match``) with them.
 
     Engines configure their own loggers, not lmtier's, so an INFO line would vanish: unless
     the application configured logging itself, the ``lmtier`` logger gets a handler of its
@@ -27,13 +28,14 @@ def announce(engine: str, tiers: tuple[str, ...], namespace: Namespace, model_id
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
         root.addHandler(handler)
         root.setLevel(logging.INFO)
+    first = namespaces[0]
     logging.getLogger(f"lmtier.{engine}").info(
-        "lmtier: %s connector: tiers %s; chunks of %d tokens; model id %r; namespace %s (tp rank %d of %d)",
+        "lmtier: %s connector: tiers %s; chunks of %d tokens (%s keys); model id %r; namespace %s (by tp rank, of %d)",
         engine,
         ", ".join(redact_url(t) for t in tiers),
-        namespace.chunk_tokens,
+        first.chunk_tokens,
+        first.hash,
         model_id,
-        namespace.digest.hex(),
-        namespace.tp_rank,
-        namespace.tp_size,
+        " ".join(ns.digest.hex() for ns in namespaces),
+        first.tp_size,
     )

@@ -214,7 +214,7 @@ class LMTierStorage(HiCacheStorage):
         self.layout, self._shape, self.namespace = layout, shape, namespace
         if old is not None:
             old.close()
-        announce("sglang", self.config.tiers, namespace, self.model_id)
+        announce("sglang", self.config.tiers, [namespace], self.model_id)
         log.info("lmtier: SGLang L3 over %s, host pool layout %s", layout.describe(), mem_pool_host.layout)
 
     def _ready(self) -> bool:

@@ -256,7 +256,7 @@ class LMTierConnector(KVConnectorBase_V1):
             for r in range(self.tp_size)
         ]
         self.store = _shared_store(self.config, self.layout.chunk_bytes(self.chunk_tokens))
-        announce("vllm", self.config.tiers, self.namespaces[0], model_id)
+        announce("vllm", self.config.tiers, self.namespaces, model_id)
         if hasattr(self._kv_transfer_config, "kv_load_failure_policy"):
             try:
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
@@ -271,6 +271,7 @@ class LMTierConnector(KVConnectorBase_V1):
         self._requests: dict[str, _Request] = {}
         # worker side
         self._engine: CopyEngine | None = None
+        self._kv_caches: dict[str, torch.Tensor] | None = None  # as registered: sleep mode opens them again
         self._layer_of: dict[str, int] = {}  # attention layer name -> the engine's layer index
         self._interval = Interval()  # figures for vLLM's metrics since the last report
         self._layered = False  # layer_loads (a CPU engine runs the same path, landed at once)
@@ -469,14 +470,41 @@ class LMTierConnector(KVConnectorBase_V1):
             raise RuntimeError("lmtier: tensor parallelism without an initialized model-parallel group")
         if self.config.metrics_port:
             metrics.export(self.config.metrics_port + 1 + self._rank)
-        names = sorted(kv_caches, key=_layer_index)
-        caches = [_typed(kv_caches[n], self.layout) for n in names]
-        self._engine = CopyEngine(caches, self.layout, self.block_size, self.num_blocks)
-        self._layer_of = {n: i for i, n in enumerate(names)}
+        self._kv_caches = kv_caches
+        self._open_caches()
         self._layered = self.config.layer_loads  # on a CPU engine: the same path, landed at once
         self.store.warm()  # the memory tier's first pages mapped before the first load needs them
         if self._with_events:
             self._worker_events = WorkerEvents(self.store, self._rank, self.tp_size)
+
+    def _open_caches(self) -> None:
+        names = sorted(self._kv_caches, key=_layer_index)
+        caches = [_typed(self._kv_caches[n], self.layout) for n in names]
+        self._engine = CopyEngine(caches, self.layout, self.block_size, self.num_blocks)
+        self._layer_of = {n: i for i, n in enumerate(names)}
+
+    # -- sleep mode (vLLM 0.33+: the paged cache is freed while the engine sleeps) ---------
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM frees the paged cache: every copy into or out of it has landed, and
+        none starts until ``restore_kv_caches`` (a load planned meanwhile is reported
+        failed and recomputed, a save is skipped). What lmtier's tiers hold stays. Idempotent."""
+        if self._engine is None:
+            return
+        self._finish_loads()
+        if self._saves is not None and self._saver_pid == os.getpid():
+            self._saves.join()  # queued saves have gathered their blocks (and stored them)
+        self._engine.synchronize()
+        self._engine = None
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: the same cache tensors (vLLM maps them back at their addresses)
+        are lmtier's to copy into and out of again. Idempotent."""
+        if self._engine is None and self._kv_caches is not None:
+            self._open_caches()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the forward pass (vLLM calls it then; ``start_load_kv`` may run after the
@@ -490,7 +518,11 @@ class LMTierConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, LMTierMetadata) or self._engine is None:
+        if not isinstance(meta, LMTierMetadata):
+            return
+        if self._engine is None:  # no cache to load into (asleep): the engine recomputes them
+            for plan in meta.loads:
+                self._failed_blocks.update(plan.block_ids[plan.first_block : plan.num_blocks])
             return
         self.handle_preemptions(meta)  # also here: a runner that does not call it
         self._finish_loads()  # the last step's layer copies (landed long since)
@@ -609,7 +641,11 @@ class LMTierConnector(KVConnectorBase_V1):
             self._layer_load.wait(len(self._layer_of) - 1)
             self._finish_loads(wait=False)
         meta = self._connector_metadata
-        if not isinstance(meta, LMTierMetadata) or self._engine is None or not meta.saves:
+        if not isinstance(meta, LMTierMetadata) or not meta.saves:
+            return
+        if self._engine is None:  # no cache to copy from (asleep): nothing saved, the blocks go back
+            with self._copy_cond:
+                self._saving.update(plan.req_id for plan in meta.saves)
             return
         if self._save_buffers is None:
             cuda = self._engine.device.type == "cuda"

@@ -1,4 +1,4 @@
-"""The ``lmtier`` command: ``serve``, ``stats``, ``inspect``, ``size``, ``keys``, ``demo``
+"""The ``lmtier`` command: ``serve``, ``stats``, ``match``, ``inspect``, ``size``, ``keys``, ``demo``
 (and ``bench``, deprecated: it forwards to ``benchmarks/run.py``). Errors are one line on
 stderr and a non-zero exit; ``--json`` where a program reads the output.
 
@@ -63,31 +63,60 @@ def cmd_size(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_keys(args: argparse.Namespace) -> int:
-    layout = _layout(args)
-    text = sys.stdin.read() if args.tokens_file == "-" else Path(args.tokens_file).read_text()
+def _read_tokens(path: str) -> list[int]:
+    text = sys.stdin.read() if path == "-" else Path(path).read_text()
     try:
         tokens = json.loads(text)
     except ValueError as exc:
-        raise LmtierError(f"{args.tokens_file}: not a JSON list of token ids ({exc})") from exc
-    if not isinstance(tokens, list):
-        raise LmtierError(f"{args.tokens_file}: expected a JSON list of token ids")
+        raise LmtierError(f"{path}: not a JSON list of token ids ({exc})") from exc
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise LmtierError(f"{path}: expected a JSON list of token ids")
+    return tokens
+
+
+def _namespaces(args: argparse.Namespace, command: str) -> list[Namespace]:
+    """The namespace of each tensor-parallel rank of an engine, as its connector builds
+    them (each rank holds its shard of the KV heads)."""
+    layout = _layout(args)
     size = _chunk_tokens(args, layout)
     model = args.model
     if not model:  # an engine names a model by the path it was given: the config's directory
         model = str(Path(args.config).parent)
-        print(f"lmtier keys: model id {model!r} (an engine started with that model path uses it; "
+        print(f"lmtier {command}: model id {model!r} (an engine started with that model path uses it; "
               "--model names another)", file=sys.stderr)  # fmt: skip
-    ns = Namespace(
-        model=model,
-        layout=layout,
-        chunk_tokens=size,
-        revision=args.revision,
-        tp_rank=args.tp_rank,
-        tp_size=args.tp_size,
-        salt=args.salt,
-        hash=args.hash,
+    shard = layout.shard(args.tp_size)
+    return [
+        Namespace(
+            model=model,
+            layout=shard,
+            chunk_tokens=size,
+            revision=args.revision,
+            tp_rank=rank,
+            tp_size=args.tp_size,
+            salt=args.salt,
+            hash=args.hash,
+            engine=args.engine,
+        )
+        for rank in range(args.tp_size)
+    ]
+
+
+def _namespace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--revision", default="", help="model revision")
+    p.add_argument("--tp-size", type=int, default=1, help="the engine's tensor-parallel size")
+    p.add_argument("--salt", default="", help="tenant / cache salt")
+    p.add_argument("--hash", default="xxh3", choices=HASHES)
+    p.add_argument(
+        "--engine", default="", help="the engine identity in the namespace (vLLM on CPU: vllm-cpu/block=N/isa=...)"
     )
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    tokens = _read_tokens(args.tokens_file)
+    if not 0 <= args.tp_rank < args.tp_size:
+        raise LmtierError(f"--tp-rank must lie in [0, {args.tp_size})")
+    ns = _namespaces(args, "keys")[args.tp_rank]
+    size = ns.chunk_tokens
     keys = ns.keys(tokens)
     if args.json:
         print(
@@ -158,9 +187,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
-def _server_stats(url: str, token: str | None, timeout: float) -> dict:
-    """Ask a running cache server for its tiers, counters and settings."""
-    from lmtier.errors import TierError
+def _server_tier(url: str, token: str | None, timeout: float):
+    """A client of a running cache server, for one call (no shared memory)."""
     from lmtier.tiers.base import TierContext, TierURL
     from lmtier.tiers.grpc import GrpcTier
 
@@ -169,8 +197,15 @@ def _server_stats(url: str, token: str | None, timeout: float) -> dict:
         raise LmtierError(f"--server takes a grpc:// or grpcs:// URL, got {parsed.shown!r}")
     if token:  # encoded: a token may hold '+', '&' or '='
         url += ("&" if "?" in url else "?") + "token=" + quote(token, safe="")
-    url += ("&" if "?" in url else "?") + "shm=off"
-    tier = GrpcTier.from_url(TierURL.parse(url), TierContext())
+    url += ("&" if "?" in url else "?") + f"shm=off&timeout={timeout}"
+    return GrpcTier.from_url(TierURL.parse(url), TierContext())
+
+
+def _server_stats(url: str, token: str | None, timeout: float) -> dict:
+    """Ask a running cache server for its tiers, counters and settings."""
+    from lmtier.errors import TierError
+
+    tier = _server_tier(url, token, timeout)
     try:
         server = tier.server_stats(timeout)
     except TierError as exc:
@@ -233,6 +268,40 @@ def cmd_stats(args: argparse.Namespace) -> int:
               f"{format_bytes(t['capacity_bytes']):>10}  {counters}")  # fmt: skip
     if out.get("config"):
         print(f"  tenant chunks {out['tenant_chunks']}; settings: {json.dumps(out['config'], sort_keys=True)}")
+    return 0
+
+
+def cmd_match(args: argparse.Namespace) -> int:
+    """How many leading tokens of a prompt a cache server holds (its ``Match``), as a
+    router asks it: token ids and the engine's namespace digests."""
+    from lmtier.errors import TierError
+
+    tokens = _read_tokens(args.tokens_file)
+    if args.namespace:
+        if not args.chunk_tokens:
+            raise LmtierError("--namespace needs --chunk-tokens (the engine's chunk size)")
+        try:
+            digests = [bytes.fromhex(h) for h in args.namespace]
+        except ValueError as exc:
+            raise LmtierError(f"--namespace takes hex digests ({exc})") from exc
+        chunk, hash_name = args.chunk_tokens, args.hash
+    else:
+        namespaces = _namespaces(args, "match")
+        digests = [ns.digest for ns in namespaces]
+        chunk, hash_name = namespaces[0].chunk_tokens, namespaces[0].hash
+    tier = _server_tier(args.server, args.token, args.timeout)
+    try:
+        out = tier.match(tokens, digests, chunk, hash_name)
+    except TierError as exc:
+        raise LmtierError(f"match at {tier.target} failed: {exc}") from exc
+    finally:
+        tier.close()
+    out = {"server": tier.target, "prompt_tokens": len(tokens), "chunk_tokens": chunk, **out}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    where = ", ".join(f"{r['chunks']} in {r['tier']}" for r in out["runs"]) or "nothing"
+    print(f"{out['server']}: {out['tokens']} of {len(tokens)} tokens held ({out['chunks']} chunks of {chunk}: {where})")
     return 0
 
 
@@ -335,12 +404,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("keys", help="print the namespace and the chunk keys of a prompt")
     _model_args(p)
     p.add_argument("--tokens-file", required=True, help="JSON list of token ids ('-' for stdin)")
-    p.add_argument("--revision", default="", help="model revision")
     p.add_argument("--tp-rank", type=int, default=0)
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--salt", default="", help="tenant / cache salt")
-    p.add_argument("--hash", default="xxh3", choices=HASHES)
+    _namespace_args(p)
     p.set_defaults(func=cmd_keys)
+
+    p = sub.add_parser("match", help="for routers: how many leading tokens of a prompt a cache server holds")
+    p.add_argument("--server", required=True, help="grpc://host:port (or grpcs://...) of a running lmtier serve")
+    p.add_argument("--token", help="bearer token for the server (default: from the URL or LMTIER_TOKEN)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)")
+    p.add_argument("--tokens-file", required=True, help="JSON list of token ids ('-' for stdin)")
+    p.add_argument(
+        "--namespace",
+        action="append",
+        help="an engine's namespace digest (hex, as its log line or `lmtier keys` prints it), once per "
+        "tensor-parallel rank in rank order; without it the namespaces come from --model/--config and the rest",
+    )
+    _model_args(p)
+    _namespace_args(p)
+    p.set_defaults(func=cmd_match)
 
     p = sub.add_parser("demo", help="two vLLM engines in two processes: the second skips the first's prefills")
     p.add_argument("--out", default="lmtier-demo", help="where the TTFT plot and JSON go (default ./lmtier-demo)")

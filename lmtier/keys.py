@@ -128,13 +128,21 @@ def as_token_array(tokens: Any) -> np.ndarray:
 
 def chunk_keys(tokens: Any, namespace: Namespace) -> list[ChunkKey]:
     """The chained keys of every full chunk of ``tokens`` under ``namespace``."""
+    return chained_keys(tokens, namespace.digest, namespace.chunk_tokens, namespace.hash)
+
+
+def chained_keys(tokens: Any, seed: bytes, chunk_tokens: int, hash: str = "xxh3") -> list[ChunkKey]:
+    """``chunk_keys`` from a namespace's digest alone (``seed``): what a router that knows an
+    engine's digest, not its whole namespace, computes (the cache server's ``Match``)."""
+    if chunk_tokens <= 0:
+        raise ConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    h = _hash_fn(hash)
     arr = as_token_array(tokens)
-    step = namespace.chunk_tokens * 4
+    step = chunk_tokens * 4
     data = memoryview(arr).cast("B")
-    h = _hash_fn(namespace.hash)
     keys: list[ChunkKey] = []
-    prev = namespace.digest
-    for start in range(0, (len(arr) // namespace.chunk_tokens) * step, step):
+    prev = seed
+    for start in range(0, (len(arr) // chunk_tokens) * step, step):
         prev = h(prev + data[start : start + step])
         keys.append(prev)
     return keys

@@ -82,6 +82,11 @@ REQUESTS = {
     "List": lambda: cache_pb2.ListRequest(limit=10),
     "Release": lambda: cache_pb2.ReleaseRequest(lease=1),
     "Stats": lambda: cache_pb2.StatsRequest(),
+    "Match": lambda: cache_pb2.MatchRequest(
+        token_ids=PROMPT.tokens.tolist(),
+        namespaces=[PROMPT.namespace.digest],
+        chunk_tokens=PROMPT.namespace.chunk_tokens,
+    ),
 }
 
 
@@ -176,6 +181,12 @@ def _bob_stats(server):
     assert call(server.channel, "Stats", REQUESTS["Stats"](), token="bob-secret").tenant_chunks == 0
 
 
+def _bob_match(server):
+    """Bob cannot probe Alice's prefixes: the same tokens and namespace hold nothing for him."""
+    assert call(server.channel, "Match", REQUESTS["Match"](), token="bob-secret").tokens == 0
+    assert call(server.channel, "Match", REQUESTS["Match"](), token="alice-secret").tokens == len(PROMPT.tokens)
+
+
 ISOLATION = {
     "Lookup": _bob_lookup,
     "Get": _bob_get,
@@ -184,6 +195,7 @@ ISOLATION = {
     "List": _bob_list,
     "Release": _bob_release,
     "Stats": _bob_stats,
+    "Match": _bob_match,
 }
 
 

@@ -136,3 +136,33 @@ class StatsResponse(_message.Message):
     tenant_chunks: int
     config_json: str
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenant_chunks: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
+
+class MatchRequest(_message.Message):
+    __slots__ = ("token_ids", "namespaces", "chunk_tokens", "hash")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    namespaces: _containers.RepeatedScalarFieldContainer[bytes]
+    chunk_tokens: int
+    hash: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., chunk_tokens: _Optional[int] = ..., hash: _Optional[str] = ...) -> None: ...
+
+class MatchResponse(_message.Message):
+    __slots__ = ("tokens", "chunks", "runs")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    chunks: int
+    runs: _containers.RepeatedCompositeFieldContainer[MatchRun]
+    def __init__(self, tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[MatchRun, _Mapping]]] = ...) -> None: ...
+
+class MatchRun(_message.Message):
+    __slots__ = ("tier", "chunks")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    chunks: int
+    def __init__(self, tier: _Optional[str] = ..., chunks: _Optional[int] = ...) -> None: ...

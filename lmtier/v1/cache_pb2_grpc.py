@@ -69,6 +69,11 @@ class CacheServiceStub:
                 request_serializer=lmtier_dot_v1_dot_cache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=lmtier_dot_v1_dot_cache__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Match = channel.unary_unary(
+                '/lmtier.v1.CacheService/Match',
+                request_serializer=lmtier_dot_v1_dot_cache__pb2.MatchRequest.SerializeToString,
+                response_deserializer=lmtier_dot_v1_dot_cache__pb2.MatchResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -127,6 +132,15 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Match(self, request, context):
+        """For routers: how many leading tokens of a prompt the server holds for the caller's
+        tenant, and in which tiers. The server computes the chunk keys from the token ids and
+        the engine's namespace digests, so a router needs no key scheme of its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +178,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=lmtier_dot_v1_dot_cache__pb2.StatsRequest.FromString,
                     response_serializer=lmtier_dot_v1_dot_cache__pb2.StatsResponse.SerializeToString,
+            ),
+            'Match': grpc.unary_unary_rpc_method_handler(
+                    servicer.Match,
+                    request_deserializer=lmtier_dot_v1_dot_cache__pb2.MatchRequest.FromString,
+                    response_serializer=lmtier_dot_v1_dot_cache__pb2.MatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +374,33 @@ class CacheService:
             '/lmtier.v1.CacheService/Stats',
             lmtier_dot_v1_dot_cache__pb2.StatsRequest.SerializeToString,
             lmtier_dot_v1_dot_cache__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Match(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmtier.v1.CacheService/Match',
+            lmtier_dot_v1_dot_cache__pb2.MatchRequest.SerializeToString,
+            lmtier_dot_v1_dot_cache__pb2.MatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,6 +62,7 @@ class Channel:
         self.list = self._unary("List", cache_pb2.ListRequest, cache_pb2.ListResponse)
         self.stats = self._unary("Stats", cache_pb2.StatsRequest, cache_pb2.StatsResponse)
         self.release = self._unary("Release", cache_pb2.ReleaseRequest, cache_pb2.ReleaseResponse)
+        self.match = self._unary("Match", cache_pb2.MatchRequest, cache_pb2.MatchResponse)
 
     def _unary(self, method: str, request: type, response: type) -> grpc.UnaryUnaryMultiCallable:
         return self.channel.unary_unary(SERVICE + method, request.SerializeToString, response.FromString)

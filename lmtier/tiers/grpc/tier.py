@@ -299,6 +299,19 @@ class GrpcTier(Tier):
         config = json.loads(response.config_json or "{}")
         return {"tiers": tiers, "tenant_chunks": response.tenant_chunks, "config": config}
 
+    def match(
+        self, tokens: Sequence[int], namespaces: Sequence[bytes], chunk_tokens: int, hash: str = "xxh3"
+    ) -> dict[str, Any]:
+        """The server's ``Match``: how many leading ``tokens`` it holds for this tenant under
+        the engine's ``namespaces`` (one digest per tensor-parallel rank), and in which of
+        its tiers: ``{"tokens", "chunks", "runs": [{"tier", "chunks"}, ...]}``."""
+        request = cache_pb2.MatchRequest(
+            token_ids=list(tokens), namespaces=list(namespaces), chunk_tokens=chunk_tokens, hash=hash
+        )
+        response = self._rpc(lambda: self._channel().match(request, timeout=self.timeout, metadata=self._metadata))
+        runs = [{"tier": r.tier, "chunks": r.chunks} for r in response.runs]
+        return {"tokens": response.tokens, "chunks": response.chunks, "runs": runs}
+
     def stats(self) -> dict[str, Any]:
         """The server's tiers summed (``capacity_bytes``, ``used_bytes``), this tenant's
         chunk count, and this client's counters. Raises when the server cannot answer."""
