@@ -53,7 +53,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import re
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -65,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from lmtier import metrics
@@ -72,6 +72,7 @@ from lmtier.chunk import Chunk, release_all
 from lmtier.config import StoreConfig, engine_config, engine_keys, resolve_chunk_tokens
 from lmtier.connectors import announce
 from lmtier.connectors.vllm_events import EventBook, LMTierKVEvents, WorkerEvents
+from lmtier.connectors.vllm_groups import Group, groups_of, layer_index
 from lmtier.connectors.vllm_stats import Interval, LMTierPromMetrics, LMTierStats, hit_sources
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
@@ -94,6 +95,7 @@ ENGINE = "vllm"  # the engine label of lmtier_engine_tokens_total
 EXTRA_KEYS = engine_keys()
 
 SAVE_BUFFER_BYTES = 256 << 20  # bound on host memory holding chunks on their way to the store
+WINDOW_TRIES = 8  # shorter prefixes tried when a sliding-window lane lacks a hit's window
 
 
 # -- plans: scheduler -> workers ----------------------------------------------------------------
@@ -104,6 +106,7 @@ class LoadPlan:
     block_ids: list[int]  # engine blocks of those chunks, in token order
     first_block: int  # load blocks block_ids[first_block:] (the engine computed the rest)
     num_blocks: int  # ... up to block_ids[:num_blocks]
+    lane: int = 0  # which chain of chunks: the model's, or one group's of a hybrid model
 
 
 @dataclass
@@ -111,6 +114,7 @@ class SavePlan:
     req_id: str
     keys: list[list[bytes]]  # [rank][chunk]
     block_ids: list[int]  # engine blocks of those chunks, in token order
+    lane: int = 0
 
 
 @dataclass
@@ -120,6 +124,9 @@ class LMTierMetadata(KVConnectorMetadata):
     # requests preempted with saves: their blocks are free now, so the step waits for
     # their copies before it runs (nothing may write those blocks while they are read)
     fence: list[str] = field(default_factory=list)
+    # a hybrid model with sliding-window layers: vLLM lets go of a window's old blocks at
+    # every step, so the step waits for every copy still reading blocks
+    fence_all: bool = False
 
 
 @dataclass
@@ -132,10 +139,10 @@ class _Request:
     local_tokens: int = 0  # the engine's own prefix-cache hit
     external_tokens: int = 0  # tokens planned to load
     load_pending: bool = False
-    block_ids: list[int] = field(default_factory=list)
-    saved_chunks: int = 0  # leading chunks known stored (hit or saved)
+    block_ids: list[int] = field(default_factory=list)  # a model with one lane (hybrid: the cache manager's)
+    saved: list[int] = field(default_factory=list)  # per lane: leading chunks known stored (hit or saved)
     saving: bool = False  # save plans were sent: the workers copy its blocks after the step
-    keys: list[list[bytes]] = field(default_factory=list)  # [rank][chunk], grown as tokens grow
+    keys: list[list[list[bytes]]] = field(default_factory=list)  # [lane][rank][chunk], grown as tokens grow
     load: bool = True  # per request: kv_transfer_params {"lmtier": {"load": false}}
     save: bool = True  # ... {"lmtier": {"save": false}}
 
@@ -206,12 +213,7 @@ def _request_options(request: Any) -> dict[str, bool]:
     return options
 
 
-def _layer_index(name: str) -> int:
-    numbers = re.findall(r"\.(\d+)\.", f".{name}.")
-    return int(numbers[0]) if numbers else 0
-
-
-class LMTierConnector(KVConnectorBase_V1):
+class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """With layer_loads, attention layers wait for their own layer's copy: full CUDA
@@ -237,25 +239,32 @@ class LMTierConnector(KVConnectorBase_V1):
         check_chunk_size(self.chunk_tokens, self.block_size)
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
         self.chunk_bytes = self.layout.chunk_bytes(self.chunk_tokens)
-        # chunks read per batch when loading: the next batch is read while one is copied in
-        self.load_batch = load_batch(self.chunk_bytes)
         model_id = extra.get("model_id") or str(model.model)
         engine = _engine_identity(vllm_config)
-        self.namespaces = [
-            Namespace(
-                model=model_id,
-                layout=self.layout,
-                chunk_tokens=self.chunk_tokens,
-                revision=str(model.revision or ""),
-                tp_rank=r,
-                tp_size=self.tp_size,
-                salt=self.config.salt,
-                hash=self.config.hash,
-                engine=engine,
-            )
-            for r in range(self.tp_size)
+        # Lanes: one chain of chunks for the whole model, or one per KV cache group of a
+        # hybrid model (connectors/vllm_groups.py), each under its own namespace.
+        self.lanes = groups_of(kv_cache_config, self.layout) or [Group(0, (), self.layout)]
+        self.lane_namespaces = [
+            [
+                Namespace(
+                    model=model_id,
+                    layout=lane.layout,
+                    chunk_tokens=self.chunk_tokens,
+                    revision=str(model.revision or ""),
+                    tp_rank=r,
+                    tp_size=self.tp_size,
+                    salt=self.config.salt,
+                    hash=self.config.hash,
+                    engine=engine,
+                    group=lane.name,
+                )
+                for r in range(self.tp_size)
+            ]
+            for lane in self.lanes
         ]
-        self.store = _shared_store(self.config, self.layout.chunk_bytes(self.chunk_tokens))
+        self.namespaces = self.lane_namespaces[0]
+        self.windowed = any(lane.window for lane in self.lanes)
+        self.store = _shared_store(self.config, max(lane.layout.chunk_bytes(self.chunk_tokens) for lane in self.lanes))
         announce("vllm", self.config.tiers, self.namespaces, model_id)
         if hasattr(self._kv_transfer_config, "kv_load_failure_policy"):
             try:
@@ -270,7 +279,8 @@ class LMTierConnector(KVConnectorBase_V1):
         # scheduler side
         self._requests: dict[str, _Request] = {}
         # worker side
-        self._engine: CopyEngine | None = None
+        self._engine: CopyEngine | None = None  # the first lane's
+        self._engines: list[CopyEngine] = []  # per lane
         self._kv_caches: dict[str, torch.Tensor] | None = None  # as registered: sleep mode opens them again
         self._layer_of: dict[str, int] = {}  # attention layer name -> the engine's layer index
         self._interval = Interval()  # figures for vLLM's metrics since the last report
@@ -280,7 +290,7 @@ class LMTierConnector(KVConnectorBase_V1):
         self._load_holds: list[Chunk] = []  # the chunks they copy from, held until landed
         self._rank = 0
         self._failed_blocks: set[int] = set()
-        self._save_buffers: HostBuffers | None = None
+        self._save_buffers: list[HostBuffers] = []  # per lane
         self._saves: queue.Queue | None = None
         self._saver_pid = -1
         # requests with save plans, until reported finished: blocks copying per request,
@@ -295,39 +305,73 @@ class LMTierConnector(KVConnectorBase_V1):
     # ======================================================================================
     # Scheduler side
     # ======================================================================================
-    def _keys_for(self, state: _Request, num_tokens: int) -> list[list[bytes]]:
-        """Keys of every full chunk of the request's first ``num_tokens`` tokens, per rank."""
+    def _keys_for(self, state: _Request, num_tokens: int, lane: int = 0) -> list[list[bytes]]:
+        """Keys of every full chunk of the request's first ``num_tokens`` tokens in one
+        lane, per rank."""
         chunks = num_tokens // self.chunk_tokens
-        if not state.keys or len(state.keys[0]) < chunks:
+        if not state.keys or len(state.keys[0][0]) < chunks:
             tokens = np.asarray(state.request.all_token_ids[: chunks * self.chunk_tokens], dtype=np.int64)
-            state.keys = [chunk_keys(tokens, ns) for ns in self.namespaces]
-        return [k[:chunks] for k in state.keys]
+            state.keys = [[chunk_keys(tokens, ns) for ns in lane_ns] for lane_ns in self.lane_namespaces]
+        return [k[:chunks] for k in state.keys[lane]]
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._requests.get(request.request_id)
         first_look = state is None
         if state is None:
             state = self._requests[request.request_id] = _Request(request, **_request_options(request))
+            state.saved = [0] * len(self.lanes)
         prompt_len = len(request.prompt_token_ids or [])
+        # Whole blocks only, and never the whole prompt: the engine computes the last token.
+        limit = (prompt_len - 1) // self.block_size * self.block_size
+        loadable = 0
         try:
-            keys = self._keys_for(state, prompt_len) if state.load else None
             state.hit_chunks, state.sources = 0, []
-            if keys and keys[0]:
-                state.sources = [(t.scheme, n) for t, n in self.store.lookup_tiers(keys[0])]
-                state.hit_chunks = min([sum(n for _, n in state.sources), *(self.store.lookup(k) for k in keys[1:])])
+            if state.load and limit >= self.chunk_tokens:
+                loadable = self._lookup(state, prompt_len, limit)
         except Exception:  # never break the scheduler: a lookup that fails is a miss
             log.exception("lmtier lookup failed for %s", request.request_id)
-            state.hit_chunks = 0
-        # Whole blocks only, and never the whole prompt: the engine computes the last token.
-        loadable = min(state.hit_chunks * self.chunk_tokens, (prompt_len - 1) // self.block_size * self.block_size)
+            state.hit_chunks, loadable = 0, 0
         state.local_tokens = num_computed_tokens
         state.external_tokens = max(0, loadable - num_computed_tokens)
-        state.saved_chunks = max(state.saved_chunks, state.hit_chunks)
+        for i, lane in enumerate(self.lanes):  # what the store holds is not saved again
+            known = state.hit_chunks if not lane.window else loadable // self.chunk_tokens
+            state.saved[i] = max(state.saved[i], known)
         if first_look:  # the scheduler may ask again for a request it could not place
             state.save = state.save and self.store.policy.stores(prompt_len)  # min_tokens
             metrics.ENGINE_TOKENS.labels(ENGINE, "requested").inc(prompt_len)
             metrics.ENGINE_TOKENS.labels(ENGINE, "hit").inc(max(loadable, num_computed_tokens))
         return state.external_tokens, False
+
+    def _lookup(self, state: _Request, prompt_len: int, limit: int) -> int:
+        """Tokens a load can restore: the leading chunks every full-attention lane holds on
+        every rank (``state.hit_chunks``), cut to ``limit``; with sliding-window lanes, the
+        longest such prefix whose window (the chunks its next token attends to) each
+        sliding-window lane holds too."""
+        if len(self.lanes) > 1 and getattr(self, "_kv_cache_manager", None) is None:
+            return 0  # a hybrid model's blocks come from the cache manager, which vLLM binds
+        full = [i for i, lane in enumerate(self.lanes) if not lane.window] or [0]
+        keys = [self._keys_for(state, prompt_len, i) for i in range(len(self.lanes))]
+        state.sources = [(t.scheme, n) for t, n in self.store.lookup_tiers(keys[full[0]][0])]
+        runs = [sum(n for _, n in state.sources)]
+        runs += [self.store.lookup(k) for i in full for k in keys[i][(1 if i == full[0] else 0) :]]
+        state.hit_chunks = min(runs)
+        tokens = min(state.hit_chunks * self.chunk_tokens, limit)
+        for _ in range(WINDOW_TRIES):
+            if tokens <= 0 or self._windows_held(keys, tokens):
+                return max(0, tokens)
+            tokens = (-(-tokens // self.chunk_tokens) - 1) * self.chunk_tokens  # the chunk boundary before
+        return 0
+
+    def _windows_held(self, keys: list[list[list[bytes]]], tokens: int) -> bool:
+        """Whether every sliding-window lane holds, on every rank, the chunks under the
+        window of the token after ``tokens``."""
+        last = -(-tokens // self.chunk_tokens)
+        for i, lane in enumerate(self.lanes):
+            if lane.window:
+                first = lane.first_needed(tokens, self.block_size) // self.chunk_tokens
+                if any(self.store.lookup(k[first:last]) < last - first for k in keys[i]):
+                    return False
+        return True
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         """The tokens lmtier supplies, by the tier that holds them (host, disk, or a shared
@@ -386,7 +430,7 @@ class LMTierConnector(KVConnectorBase_V1):
         state.load_pending = num_external_tokens > 0
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = LMTierMetadata()
+        meta = LMTierMetadata(fence_all=self.windowed)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -411,50 +455,89 @@ class LMTierConnector(KVConnectorBase_V1):
                 meta.fence.append(req_id)
         return meta
 
+    def _blocks(self, state: _Request, lane: int) -> list[int]:
+        """The request's blocks in a lane's group, as they are now. A hybrid model's come
+        from the cache manager: a sliding window's old blocks are let go (vLLM's null block
+        stands in for them), which no list kept from the scheduler's output would show."""
+        if len(self.lanes) == 1:
+            return state.block_ids
+        manager = getattr(self, "_kv_cache_manager", None)
+        if manager is None:
+            return []
+        return list(manager.get_block_ids(state.request.request_id)[self.lanes[lane].index])
+
     def _plan(self, state: _Request, req_id: str, computed: int, scheduled: int, meta: LMTierMetadata) -> None:
-        if state.load_pending:
-            state.load_pending = False
-            start = state.local_tokens  # block-aligned: the engine's own hit
-            end = start + state.external_tokens
-            first_chunk, last_chunk = start // self.chunk_tokens, -(-end // self.chunk_tokens)
-            keys = self._keys_for(state, last_chunk * self.chunk_tokens)
-            block_ids = state.block_ids[first_chunk * self.blocks_per_chunk : last_chunk * self.blocks_per_chunk]
-            self._remember(state, keys, first_chunk)  # a load promotes them into the memory tier
-            meta.loads.append(
-                LoadPlan(
-                    req_id,
-                    [k[first_chunk:last_chunk] for k in keys],
-                    block_ids,
-                    first_block=(start - first_chunk * self.chunk_tokens) // self.block_size,
-                    num_blocks=(end - first_chunk * self.chunk_tokens) // self.block_size,
-                )
-            )
-        # Save every chunk that is complete after this step and not known to be stored.
-        done = min(computed + scheduled, len(state.request.all_token_ids)) // self.chunk_tokens
-        if state.save and done > state.saved_chunks and len(state.block_ids) >= done * self.blocks_per_chunk:
-            keys = self._keys_for(state, done * self.chunk_tokens)
-            first = state.saved_chunks
-            self._remember(state, keys, first)
+        per, size = self.blocks_per_chunk, self.chunk_tokens
+        load = state.load_pending
+        state.load_pending = False
+        done = min(computed + scheduled, len(state.request.all_token_ids)) // size
+        for i, lane in enumerate(self.lanes):
+            blocks = self._blocks(state, i)
+            if load:
+                end = state.local_tokens + state.external_tokens
+                start = max(state.local_tokens, lane.first_needed(end, self.block_size))  # block-aligned
+                if lane.window:  # never a block vLLM did not give this window (its null block)
+                    while start < end and blocks[start // self.block_size] == self._null_block():
+                        start += self.block_size
+                first_chunk, last_chunk = start // size, -(-end // size)
+                if start < end:
+                    keys = self._keys_for(state, last_chunk * size, i)
+                    self._remember(state, keys, first_chunk, i)  # a load promotes them into the memory tier
+                    meta.loads.append(
+                        LoadPlan(
+                            req_id,
+                            [k[first_chunk:last_chunk] for k in keys],
+                            blocks[first_chunk * per : last_chunk * per],
+                            first_block=(start - first_chunk * size) // self.block_size,
+                            num_blocks=(end - first_chunk * size) // self.block_size,
+                            lane=i,
+                        )
+                    )
+            # Save every chunk that is complete after this step and not known to be stored
+            # (a sliding window's: those whose blocks it still holds).
+            first = state.saved[i]
+            if not state.save or done <= first or len(blocks) < done * per:
+                continue
+            keys = self._keys_for(state, done * size, i)
+            null = self._null_block()
+            chunks = [c for c in range(first, done) if null not in blocks[c * per : (c + 1) * per]]
+            state.saved[i] = done
+            if not chunks:
+                continue
+            self._remember(state, keys, first, i)
             meta.saves.append(
                 SavePlan(
                     req_id,
-                    [k[first:done] for k in keys],
-                    state.block_ids[first * self.blocks_per_chunk : done * self.blocks_per_chunk],
+                    [[k[c] for c in chunks] for k in keys],
+                    [b for c in chunks for b in blocks[c * per : (c + 1) * per]],
+                    lane=i,
                 )
             )
-            state.saved_chunks = done
             state.saving = True
 
-    def _remember(self, state: _Request, keys: list[list[bytes]], first: int) -> None:
+    def _null_block(self) -> int:
+        """The id of vLLM's null block (what a sliding window's let-go blocks become)."""
+        manager = getattr(self, "_kv_cache_manager", None)
+        return manager.block_pool.null_block.block_id if manager is not None else 0
+
+    def _remember(self, state: _Request, keys: list[list[bytes]], first: int, lane: int = 0) -> None:
         """Keep the tokens behind chunks about to land in a tier, for their events."""
         if self._book is not None:
-            self._book.remember(keys[0], state.request.all_token_ids[: len(keys[0]) * self.chunk_tokens], first)
+            tokens = state.request.all_token_ids[: len(keys[0]) * self.chunk_tokens]
+            self._book.remember(keys[0], tokens, first, group=self.lanes[lane].index if len(self.lanes) > 1 else 0)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
         # With saves sent, the blocks stay until the workers report their copies done
         # (get_finished), which every worker does for every request it had a save plan for.
         return bool(state is not None and state.saving), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` of a hybrid model (``SupportsHMA``): every group's blocks
+        stay until the copies reading them are done."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     # ======================================================================================
     # Worker side
@@ -472,16 +555,29 @@ class LMTierConnector(KVConnectorBase_V1):
             metrics.export(self.config.metrics_port + 1 + self._rank)
         self._kv_caches = kv_caches
         self._open_caches()
-        self._layered = self.config.layer_loads  # on a CPU engine: the same path, landed at once
+        # layer_loads (on a CPU engine: the same path, landed at once); one lane only
+        self._layered = self.config.layer_loads and len(self.lanes) == 1
+        if self.config.layer_loads and not self._layered:
+            log.warning("lmtier: layer_loads is off for a hybrid model (several KV cache groups)")
         self.store.warm()  # the memory tier's first pages mapped before the first load needs them
         if self._with_events:
             self._worker_events = WorkerEvents(self.store, self._rank, self.tp_size)
 
     def _open_caches(self) -> None:
-        names = sorted(self._kv_caches, key=_layer_index)
-        caches = [_typed(self._kv_caches[n], self.layout) for n in names]
-        self._engine = CopyEngine(caches, self.layout, self.block_size, self.num_blocks)
-        self._layer_of = {n: i for i, n in enumerate(names)}
+        """A copy engine per lane over its layers' caches (a model with one lane: every
+        layer the engine registered)."""
+        assert self._kv_caches is not None
+        engines = []
+        for lane in self.lanes:
+            names = list(lane.layers) or sorted(self._kv_caches, key=layer_index)
+            missing = [n for n in names if n not in self._kv_caches]
+            if missing:
+                raise RuntimeError(f"lmtier: the engine registered no cache for layers {missing[:3]}")
+            caches = [_typed(self._kv_caches[n], lane.layout) for n in names]
+            engines.append(CopyEngine(caches, lane.layout, self.block_size, self.num_blocks))
+            if len(self.lanes) == 1:
+                self._layer_of = {n: i for i, n in enumerate(names)}
+        self._engines, self._engine = engines, engines[0]
 
     # -- sleep mode (vLLM 0.33+: the paged cache is freed while the engine sleeps) ---------
     @classmethod
@@ -497,8 +593,9 @@ class LMTierConnector(KVConnectorBase_V1):
         self._finish_loads()
         if self._saves is not None and self._saver_pid == os.getpid():
             self._saves.join()  # queued saves have gathered their blocks (and stored them)
-        self._engine.synchronize()
-        self._engine = None
+        for engine in self._engines:
+            engine.synchronize()
+        self._engine, self._engines = None, []
 
     def restore_kv_caches(self) -> None:
         """After wake-up: the same cache tensors (vLLM maps them back at their addresses)
@@ -511,7 +608,12 @@ class LMTierConnector(KVConnectorBase_V1):
         forward when a step loads nothing): requests preempted while their blocks were
         being copied hold the step until the copy is done, since vLLM freed those blocks
         and this step may write them."""
-        if isinstance(kv_connector_metadata, LMTierMetadata) and kv_connector_metadata.fence:
+        if not isinstance(kv_connector_metadata, LMTierMetadata):
+            return
+        if kv_connector_metadata.fence_all:  # a sliding window's old blocks are free now
+            with self._copy_cond:
+                self._copy_cond.wait_for(lambda: not any(self._copying.values()))
+        elif kv_connector_metadata.fence:
             fence = kv_connector_metadata.fence
             with self._copy_cond:
                 self._copy_cond.wait_for(lambda: not any(self._copying.get(r) for r in fence))
@@ -565,10 +667,13 @@ class LMTierConnector(KVConnectorBase_V1):
         if self._worker_events is not None:
             self._worker_events.remember(keys, plan.keys[0])
         per, size = self.blocks_per_chunk, self.block_size
+        lane = self.lanes[plan.lane]
         failed: set[int] = set()
         covered = plan.first_block  # blocks before this are the engine's own
         # The plan starts at the chunk holding the first block to load (first_block < one chunk).
-        batches = self.store.iter_get(keys, self.load_batch, deadline=deadline)
+        # chunks read per batch: the next batch is read while one is copied in
+        batch = load_batch(lane.layout.chunk_bytes(self.chunk_tokens))
+        batches = self.store.iter_get(keys, batch, deadline=deadline)
         i = 0
         try:
             for chunks in batches:
@@ -580,7 +685,7 @@ class LMTierConnector(KVConnectorBase_V1):
                         hi, skip = min(lo + per, plan.num_blocks), max(0, plan.first_block - lo)
                         i += 1
                         blocks = plan.block_ids[lo + skip : hi]
-                        if not self._load_chunk(chunk, blocks, skip * size, (hi - lo) * size):
+                        if not self._load_chunk(chunk, blocks, skip * size, (hi - lo) * size, plan.lane):
                             failed.update(blocks)
                         chunk.release()
                         covered = hi
@@ -603,26 +708,27 @@ class LMTierConnector(KVConnectorBase_V1):
             )
         return failed
 
-    def _load_chunk(self, chunk: Chunk, blocks: list[int], tok0: int, tok1: int) -> bool:
+    def _load_chunk(self, chunk: Chunk, blocks: list[int], tok0: int, tok1: int, lane: int = 0) -> bool:
         """Copy tokens ``tok0:tok1`` of a chunk into ``blocks``, verified: False (the blocks
         hold garbage, the engine recomputes them) if the chunk fails. On a CPU engine each
         layer is hashed right before it is copied, from the cache the hash filled; a device
         engine's chunk is verified before it is staged."""
-        if chunk.layout != self.layout:
+        layout, engine = self.lanes[lane].layout, self._engines[lane]
+        if chunk.layout != layout:
             return False
-        if self._engine.device.type == "cpu" and not self._layered:
+        if engine.device.type == "cpu" and not self._layered:
             check = chunk.layer_check()
-            self._engine.scatter(blocks, chunk.data[:, :, tok0:tok1], before_layer=check)
+            engine.scatter(blocks, chunk.data[:, :, tok0:tok1], before_layer=check)
             return check.passed()
         if not chunk.verify():
             return False
-        kv = _as_tensor(np.ascontiguousarray(chunk.data), self.layout)
-        kv = kv.narrow(self.layout.token_axis, tok0, tok1 - tok0)
+        kv = _as_tensor(np.ascontiguousarray(chunk.data), layout)
+        kv = kv.narrow(layout.token_axis, tok0, tok1 - tok0)
         if self._layered:  # copied in start_load_kv once every chunk is read, layer by layer
             self._staged.append((blocks, kv))
             self._load_holds.append(chunk.share())
             return True
-        self._engine.scatter(blocks, kv)
+        engine.scatter(blocks, kv)
         return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -647,9 +753,10 @@ class LMTierConnector(KVConnectorBase_V1):
             with self._copy_cond:
                 self._saving.update(plan.req_id for plan in meta.saves)
             return
-        if self._save_buffers is None:
+        if not self._save_buffers:
             cuda = self._engine.device.type == "cuda"
-            self._save_buffers = HostBuffers(self.layout, self.chunk_tokens, cuda, SAVE_BUFFER_BYTES)
+            share = SAVE_BUFFER_BYTES // len(self.lanes)
+            self._save_buffers = [HostBuffers(lane.layout, self.chunk_tokens, cuda, share) for lane in self.lanes]
         written = self._engine.mark()  # (GPU) where the forward pass wrote this step's KV
         for plan in meta.saves:
             with self._copy_cond:
@@ -684,7 +791,7 @@ class LMTierConnector(KVConnectorBase_V1):
             self._copy_cond.notify_all()
 
     def _save_loop(self) -> None:
-        assert self._saves is not None and self._save_buffers is not None
+        assert self._saves is not None and self._save_buffers
         while True:
             plan, written = self._saves.get()
             try:
@@ -701,24 +808,25 @@ class LMTierConnector(KVConnectorBase_V1):
         if self._worker_events is not None:
             self._worker_events.remember(keys, plan.keys[0])
         bufs: list[torch.Tensor] = []
+        lane, buffers = self.lanes[plan.lane], self._save_buffers[plan.lane]
         try:
             try:
                 for _ in keys:
-                    buf = self._save_buffers.acquire()
+                    buf = buffers.acquire()
                     if buf is None:  # every buffer is on its way to the store: a future miss
                         break
                     bufs.append(buf)
                 per = self.blocks_per_chunk
                 blocks = [plan.block_ids[i * per : (i + 1) * per] for i in range(len(bufs))]
-                self._engine.gather_many(blocks, bufs, after=written)
+                self._engines[plan.lane].gather_many(blocks, bufs, after=written)
             finally:
                 self._copied_one(plan.req_id)
             if len(bufs) < len(keys):
                 self._count("dropped", (len(keys) - len(bufs)) * self.chunk_tokens)
-            ns = self.namespaces[self._rank]
-            shape = self.layout.byte_shape(self.chunk_tokens)
+            ns = self.lane_namespaces[plan.lane][self._rank]
+            shape = lane.layout.byte_shape(self.chunk_tokens)
             chunks = [
-                Chunk(key, self.layout, buf.view(torch.uint8).numpy().reshape(shape), namespace=ns.digest)
+                Chunk(key, lane.layout, buf.view(torch.uint8).numpy().reshape(shape), namespace=ns.digest)
                 for key, buf in zip(keys, bufs, strict=False)
             ]
             if chunks:
@@ -726,7 +834,7 @@ class LMTierConnector(KVConnectorBase_V1):
                 self._count("stored", len(chunks) * self.chunk_tokens)
         finally:
             for buf in bufs:
-                self._save_buffers.release(buf)
+                buffers.release(buf)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -130,17 +130,19 @@ class EventBook:
         self.labels = [tier_labels(u) for u in tier_urls]
         self.chunk_tokens = chunk_tokens
         self.tp_size = tp_size
-        self._tokens: OrderedDict[bytes, tuple[bytes | None, bytes]] = OrderedDict()  # key -> (parent, int32 tokens)
+        # key -> (parent, int32 tokens, KV cache group)
+        self._tokens: OrderedDict[bytes, tuple[bytes | None, bytes, int]] = OrderedDict()
         self._ranks: OrderedDict[tuple[int, bytes], set[int]] = OrderedDict()  # stored by some ranks so far
         self._ready: list[tuple[int, bytes]] = []  # (tier, key) stored by every rank
         self._removed: list[tuple[int, bytes]] = []
 
-    def remember(self, keys: Sequence[bytes], tokens: Any, first: int = 0) -> None:
-        """The token ids behind ``keys[first:]`` (rank 0's keys of a request's full chunks)."""
+    def remember(self, keys: Sequence[bytes], tokens: Any, first: int = 0, group: int = 0) -> None:
+        """The token ids behind ``keys[first:]`` (rank 0's keys of a request's full chunks,
+        in one KV cache group of the model's)."""
         flat = np.asarray(tokens, dtype=np.int32)
         n = self.chunk_tokens
         for i in range(first, min(len(keys), len(flat) // n)):
-            self._tokens[keys[i]] = (keys[i - 1] if i else None, flat[i * n : (i + 1) * n].tobytes())
+            self._tokens[keys[i]] = (keys[i - 1] if i else None, flat[i * n : (i + 1) * n].tobytes(), group)
             self._tokens.move_to_end(keys[i])
         while len(self._tokens) > BOOK_CHUNKS:
             self._tokens.popitem(last=False)
@@ -178,7 +180,7 @@ class EventBook:
                     lora_id=None,
                     medium=medium,
                     lora_name=None,
-                    group_idx=0,
+                    group_idx=self._tokens[run[0]][2],
                     locality=locality,
                     ownership=ownership,
                 )
@@ -186,14 +188,16 @@ class EventBook:
         unknown = sum(1 for _, k in ready if k not in self._tokens)
         if unknown:  # no tokens to describe them with (older than the book): not announced
             metrics.EVENTS_DROPPED.inc(unknown)
-        by_tier: dict[int, list[bytes]] = {}
+        by_tier: dict[tuple[int, int], dict[bytes, None]] = {}  # (tier, group) -> keys, in order
         for tier, key in removed:
-            if key not in by_tier.setdefault(tier, []):
-                by_tier[tier].append(key)
-        for tier, keys in by_tier.items():
+            known = self._tokens.get(key)
+            by_tier.setdefault((tier, known[2] if known else 0), {})[key] = None
+        for (tier, group), keys in by_tier.items():
             medium, locality, ownership = self.labels[tier]
             events.append(
-                BlockRemoved(block_hashes=keys, medium=medium, group_idx=0, locality=locality, ownership=ownership)
+                BlockRemoved(
+                    block_hashes=list(keys), medium=medium, group_idx=group, locality=locality, ownership=ownership
+                )
             )
         return events
 
@@ -204,7 +208,7 @@ def _runs(ready: list[tuple[int, bytes]], book: OrderedDict) -> list[tuple[int, 
     for tier, key in ready:
         if key not in book:
             continue
-        if runs and runs[-1][0] == tier and book[key][0] == runs[-1][1][-1]:
+        if runs and runs[-1][0] == tier and book[key][0] == runs[-1][1][-1]:  # the same group
             runs[-1][1].append(key)
         else:
             runs.append((tier, [key]))

@@ -57,6 +57,9 @@ class Namespace:
     # backend: its block size and the instruction set its attention packs K for); only
     # in the digest when set, so the keys of engines that need none stay as they were.
     engine: str = ""
+    # A hybrid model's KV cache group (its kind and layers), each group a chain of its own;
+    # only in the digest when set, so a model with one group keeps its keys.
+    group: str = ""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -79,6 +82,7 @@ class Namespace:
             "hash": self.hash,
             "format_version": self.format_version,
             **({"engine": self.engine} if self.engine else {}),
+            **({"group": self.group} if self.group else {}),
         }
 
     @cached_property

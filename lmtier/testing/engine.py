@@ -14,10 +14,16 @@ each request, untimed) or "drain": true (the phase's time includes landing its s
 {"flush": true} as a phase lets saves land between phases. Each
 output records its tokens, greedy logprobs, the margin of each greedy choice over the
 runner-up, a digest of its prompt, num_cached_tokens and seconds.
+
+With ``ENGINE_PROFILE_DIR`` set, each phase runs under cProfile (the engine's own process:
+in single-process mode the scheduler's and the worker's connector calls are in it) and
+leaves ``<dir>/<engine>-<phase>.prof`` and the top entries by cumulative time beside it
+(``.txt``): where an engine-path cost goes, measured as the engine runs it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -185,35 +191,66 @@ def main() -> None:
         if phase.get("flush"):  # let background saves land before the next phase
             flush_stores()
             continue
-        options = {
-            "max_tokens": phase.get("max_tokens", default_max_tokens),
-            "request": phase.get("request"),
-            "read_prefix_cache": phase.get("read_prefix_cache", True),
-        }
-        if "prompts" in phase and phase.get("settle"):
-            results[phase["name"]] = []
-            for prompt in phase["prompts"]:
-                results[phase["name"]] += run([prompt], **options)
-                flush_stores()
-        elif "prompts" in phase:
-            t0 = time.perf_counter()
-            results[phase["name"]] = run(phase["prompts"], **options)
-            if phase.get("drain"):  # the phase's time includes landing its background saves
-                flush_stores()
-                for out in results[phase["name"]]:
-                    out["seconds"] = time.perf_counter() - t0
-        else:
-            chat, prompt, rounds = phase["chat"], list(phase["chat"]["first"]), []
-            for question in [None, *chat["questions"]]:
-                if question is not None:
-                    prompt = prompt + rounds[-1]["tokens"] + question
-                rounds.append(run([prompt], **options)[0])
-                if phase.get("settle"):  # the user reads the answer before the next question
-                    flush_stores()
-            results[phase["name"]] = rounds
+        with _profiled(Path(sys.argv[2]).name.split(".")[0], phase["name"]):
+            _run_phase(phase, results, run, flush_stores, default_max_tokens)
     stats = (flush_stores() or [{}])[-1]
     llm.llm_engine.engine_core.shutdown()  # workers flush their saves on shutdown
     Path(sys.argv[2]).write_text(json.dumps({"results": results, "stats": stats}))
+
+
+def _run_phase(phase: dict, results: dict, run, flush_stores, default_max_tokens: int) -> None:
+    """One scripted phase (see the module docstring); its outputs go into ``results``."""
+    options = {
+        "max_tokens": phase.get("max_tokens", default_max_tokens),
+        "request": phase.get("request"),
+        "read_prefix_cache": phase.get("read_prefix_cache", True),
+    }
+    if "prompts" in phase and phase.get("settle"):
+        results[phase["name"]] = []
+        for prompt in phase["prompts"]:
+            results[phase["name"]] += run([prompt], **options)
+            flush_stores()
+    elif "prompts" in phase:
+        t0 = time.perf_counter()
+        results[phase["name"]] = run(phase["prompts"], **options)
+        if phase.get("drain"):  # the phase's time includes landing its background saves
+            flush_stores()
+            for out in results[phase["name"]]:
+                out["seconds"] = time.perf_counter() - t0
+    else:
+        chat, prompt, rounds = phase["chat"], list(phase["chat"]["first"]), []
+        for question in [None, *chat["questions"]]:
+            if question is not None:
+                prompt = prompt + rounds[-1]["tokens"] + question
+            rounds.append(run([prompt], **options)[0])
+            if phase.get("settle"):  # the user reads the answer before the next question
+                flush_stores()
+        results[phase["name"]] = rounds
+
+
+@contextlib.contextmanager
+def _profiled(engine: str, phase: str):
+    """cProfile around one phase when ``ENGINE_PROFILE_DIR`` is set (see the docstring)."""
+    where = os.environ.get("ENGINE_PROFILE_DIR")
+    if not where:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        base = Path(where) / f"{engine}-{phase}"
+        base.parent.mkdir(parents=True, exist_ok=True)
+        profile.dump_stats(f"{base}.prof")
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+        Path(f"{base}.txt").write_text(text.getvalue())
 
 
 if __name__ == "__main__":

@@ -11,8 +11,13 @@ from pathlib import Path
 VOCAB = 512
 
 
-def build(out: str | Path, layers: int = 4, hidden: int = 256, seed: int = 0, kv_heads: int = 2) -> Path:
-    """A random-weight Llama of ``layers`` layers; its KV is ``layers x kv_heads x 256`` bytes per token."""
+def build(
+    out: str | Path, layers: int = 4, hidden: int = 256, seed: int = 0, kv_heads: int = 2, sliding_window: int = 0
+) -> Path:
+    """A random-weight Llama of ``layers`` layers; its KV is ``layers x kv_heads x 256`` bytes per token.
+    With ``sliding_window``, every second layer (1, 3, ...) attends to that many tokens
+    only: a hybrid model, whose cache vLLM splits into a full-attention and a
+    sliding-window group."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -30,6 +35,9 @@ def build(out: str | Path, layers: int = 4, hidden: int = 256, seed: int = 0, kv
         max_position_embeddings=16384,
         torch_dtype="bfloat16",
     )
+    if sliding_window:
+        config.layer_types = ["sliding_attention" if i % 2 else "full_attention" for i in range(layers)]
+        config.sliding_window = sliding_window
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
     tokenizer = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
