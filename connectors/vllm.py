@@ -53,9 +53,10 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -115,6 +116,7 @@ class SavePlan:
     keys: list[list[bytes]]  # [rank][chunk]
     block_ids: list[int]  # engine blocks of those chunks, in token order
     lane: int = 0
+    digests: list[bytes] = field(default_factory=list)  # [rank]: the namespace the keys are in
 
 
 @dataclass
@@ -263,6 +265,7 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
             for lane in self.lanes
         ]
         self.namespaces = self.lane_namespaces[0]
+        self._model_id = model_id
         self.windowed = any(lane.window for lane in self.lanes)
         self.store = _shared_store(self.config, max(lane.layout.chunk_bytes(self.chunk_tokens) for lane in self.lanes))
         announce("vllm", self.config.tiers, self.namespaces, model_id)
@@ -326,7 +329,7 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
         loadable = 0
         try:
             state.hit_chunks, state.sources = 0, []
-            if state.load and limit >= self.chunk_tokens:
+            if state.load and prompt_len >= self.chunk_tokens:
                 loadable = self._lookup(state, prompt_len, limit)
         except Exception:  # never break the scheduler: a lookup that fails is a miss
             log.exception("lmtier lookup failed for %s", request.request_id)
@@ -511,6 +514,7 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
                     [[k[c] for c in chunks] for k in keys],
                     [b for c in chunks for b in blocks[c * per : (c + 1) * per]],
                     lane=i,
+                    digests=[ns.digest for ns in self.lane_namespaces[i]],
                 )
             )
             state.saving = True
@@ -525,6 +529,26 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._book is not None:
             tokens = state.request.all_token_ids[: len(keys[0]) * self.chunk_tokens]
             self._book.remember(keys[0], tokens, first, group=self.lanes[lane].index if len(self.lanes) > 1 else 0)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after a weight update:
+        this instance never again loads a chunk stored before. Its namespaces move to a
+        fresh epoch (a random salt), so a chunk computed with the old weights is a miss,
+        never a hit; what the tiers hold stays for the instances that still use it, and
+        the memory tier lets the old chunks go as new ones come. The new digests are
+        logged (for ``lmtier match``); routers get ``AllBlocksCleared``."""
+        if self.role != KVConnectorRole.SCHEDULER:
+            return None
+        epoch = secrets.token_hex(8)
+        salt = f"{self.config.salt}/reset={epoch}"
+        self.lane_namespaces = [[replace(ns, salt=salt) for ns in lane] for lane in self.lane_namespaces]
+        self.namespaces = self.lane_namespaces[0]
+        for state in self._requests.values():  # keys and what is stored start over
+            state.keys, state.saved = [], [0] * len(self.lanes)
+        if self._book is not None:
+            self._book.clear()
+        announce("vllm", self.config.tiers, self.namespaces, f"{self._model_id} (after a cache reset)")
+        return True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
@@ -823,10 +847,10 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
                 self._copied_one(plan.req_id)
             if len(bufs) < len(keys):
                 self._count("dropped", (len(keys) - len(bufs)) * self.chunk_tokens)
-            ns = self.lane_namespaces[plan.lane][self._rank]
+            digest = plan.digests[self._rank] if plan.digests else self.lane_namespaces[plan.lane][self._rank].digest
             shape = lane.layout.byte_shape(self.chunk_tokens)
             chunks = [
-                Chunk(key, lane.layout, buf.view(torch.uint8).numpy().reshape(shape), namespace=ns.digest)
+                Chunk(key, lane.layout, buf.view(torch.uint8).numpy().reshape(shape), namespace=digest)
                 for key, buf in zip(keys, bufs, strict=False)
             ]
             if chunks:

@@ -25,6 +25,8 @@ What each event says:
   a router counts a shared chunk once rather than as each pod's.
 - With tensor parallelism a chunk is stored once every rank has stored its slice, and
   removed as soon as one rank has lost its own.
+- ``AllBlocksCleared`` after vLLM resets the cache with its connector (a weight update):
+  the instance has moved to a fresh namespace and serves nothing it announced before.
 - Stores are published at the step after they land (a save finishes in the background);
   an idle engine publishes at its next step. What a tier evicts on its own (Redis, a
   cache server, another process sharing a disk) is not seen here: routers ask a shared
@@ -45,6 +47,7 @@ import numpy as np
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_STORAGE,
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
@@ -135,6 +138,14 @@ class EventBook:
         self._ranks: OrderedDict[tuple[int, bytes], set[int]] = OrderedDict()  # stored by some ranks so far
         self._ready: list[tuple[int, bytes]] = []  # (tier, key) stored by every rank
         self._removed: list[tuple[int, bytes]] = []
+        self._cleared = False
+
+    def clear(self) -> None:
+        """The engine's cache was reset: nothing announced before serves it any longer
+        (``AllBlocksCleared`` at the next step; records still in flight are dropped)."""
+        self._tokens.clear()
+        self._ranks.clear()
+        self._ready, self._removed, self._cleared = [], [], True
 
     def remember(self, keys: Sequence[bytes], tokens: Any, first: int = 0, group: int = 0) -> None:
         """The token ids behind ``keys[first:]`` (rank 0's keys of a request's full chunks,
@@ -165,7 +176,8 @@ class EventBook:
     def take(self) -> list[KVCacheEvent]:
         """This step's events in the order things happened per tier: stores, then removals
         (a chunk stored and evicted within one step is announced both ways)."""
-        events: list[KVCacheEvent] = []
+        events: list[KVCacheEvent] = [AllBlocksCleared()] if self._cleared else []
+        self._cleared = False
         ready, self._ready = self._ready, []
         removed, self._removed = self._removed, []
         for tier, run in _runs(ready, self._tokens):

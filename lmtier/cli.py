@@ -101,6 +101,12 @@ def _namespaces(args: argparse.Namespace, command: str) -> list[Namespace]:
     ]
 
 
+def _server_args(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--server", required=required, help="grpc://host:port (or grpcs://...) of a running lmtier serve")
+    p.add_argument("--token", help="bearer token for the server (default: from the URL or LMTIER_TOKEN)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)")
+
+
 def _namespace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default="", help="model revision")
     p.add_argument("--tp-size", type=int, default=1, help="the engine's tensor-parallel size")
@@ -409,9 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("match", help="for routers: how many leading tokens of a prompt a cache server holds")
-    p.add_argument("--server", required=True, help="grpc://host:port (or grpcs://...) of a running lmtier serve")
-    p.add_argument("--token", help="bearer token for the server (default: from the URL or LMTIER_TOKEN)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)")
+    _server_args(p, required=True)
     p.add_argument("--tokens-file", required=True, help="JSON list of token ids ('-' for stdin)")
     p.add_argument(
         "--namespace",
@@ -467,10 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("stats", help="ask a running server, or read a disk tier: chunks, bytes, hit ratio")
-    p.add_argument("--server", help="grpc://host:port (or grpcs://...) of a running lmtier serve")
-    p.add_argument("--token", help="bearer token for the server (default: from the URL or LMTIER_TOKEN)")
+    _server_args(p)
     p.add_argument("--disk", help="a disk tier's directory")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_stats)
 

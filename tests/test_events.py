@@ -114,3 +114,25 @@ def test_a_tier_that_opens_late_announces_through_the_listener_set_before(tmp_pa
             assert ("stored", 1, a.keys) in records(events)
         finally:
             node.stop()
+
+
+def test_the_event_book_turns_records_into_vllm_events_and_a_reset_into_all_blocks_cleared():
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    from lmtier.connectors.vllm_events import EventBook, LMTierKVEvents
+
+    book = EventBook(["cpu://?size=1GiB", "redis://cache:6379?password=secret"], chunk_tokens=4, tp_size=2)
+    keys, tokens = [b"k0" * 8, b"k1" * 8], list(range(8))
+    book.remember(keys, tokens)
+    book.absorb(LMTierKVEvents([(0, "stored", 0, keys), (0, "stored", 1, keys[:1])]))
+    assert book.take() == []  # rank 1 has not stored them yet
+    book.absorb(LMTierKVEvents([(1, "stored", 0, keys), (1, "stored", 1, keys[:1]), (1, "removed", 0, keys[1:])]))
+    stored, shared, removed = book.take()
+    assert isinstance(stored, BlockStored) and stored.block_hashes == keys and stored.token_ids == tokens
+    assert (stored.block_size, stored.parent_block_hash, stored.medium, stored.locality) == (4, None, "CPU", "LOCAL")
+    assert shared.ownership == "lmtier:redis://cache:6379" and shared.locality == "REMOTE"  # no secret
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == keys[1:]
+    book.clear()
+    book.absorb(LMTierKVEvents([(0, "stored", 0, keys), (1, "stored", 0, keys)]))  # in flight: dropped
+    assert book.take() == [AllBlocksCleared()]
+    assert book.take() == []

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 from test_vllm_engine import mismatches, reference
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from test_vllm_scheduler import config_for, scheduler_for
+from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 from lmtier.chunk import Chunk
 from lmtier.connectors.vllm import LMTierConnector
@@ -42,29 +42,8 @@ def model(tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def vllm_config(model, tmp_path) -> VllmConfig:
-    transfer = KVTransferConfig(
-        kv_connector="LMTierConnector",
-        kv_connector_module_path="lmtier.connectors.vllm",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"tiers": ["cpu://?size=64MiB"], "chunk_tokens": CHUNK},
-    )
-    cache = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=False)
-    cache.num_gpu_blocks = NUM_BLOCKS
-    return VllmConfig(
-        model_config=ModelConfig(model=model, dtype="bfloat16", max_model_len=4096),
-        cache_config=cache,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=4096,
-            max_model_len=4096,
-            is_encoder_decoder=False,
-            enable_chunked_prefill=True,
-        ),
-        kv_transfer_config=transfer,
-        device_config=DeviceConfig("cpu"),
-    )
+def vllm_config(model) -> VllmConfig:
+    return config_for(model, ["cpu://?size=64MiB"])
 
 
 def kv_cache_config(window: int = WINDOW) -> KVCacheConfig:
@@ -77,12 +56,7 @@ def kv_cache_config(window: int = WINDOW) -> KVCacheConfig:
 
 
 def make_scheduler(vllm_config, window: int = WINDOW) -> Scheduler:
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config(window),
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK,
-    )
+    return scheduler_for(vllm_config, kv_cache_config(window))
 
 
 @pytest.fixture

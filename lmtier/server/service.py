@@ -27,18 +27,17 @@ import logging
 from collections.abc import Callable, Iterator
 
 import grpc
-import numpy as np
 
 from lmtier import codec, metrics
 from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk, release_all
 from lmtier.config import Config, ServerConfig, public_view
 from lmtier.errors import IntegrityError, LayoutError, LmtierError
-from lmtier.keys import HASHES, chained_keys
 from lmtier.pieces import PIECE_BYTES, FrameAssembler, FrameTooLarge, Region, no_release, pack, piece, split, unpack
 from lmtier.server.auth import Authenticator
 from lmtier.server.calls import Abort, Calls
 from lmtier.server.leases import Leases
+from lmtier.server.match import match
 from lmtier.shm import SegmentMaps, SegmentUnavailable
 from lmtier.store import TieredStore
 from lmtier.v1 import cache_pb2
@@ -52,7 +51,6 @@ PUT_BATCH_BYTES = 16 * 1024 * 1024
 GET_BATCH = 8
 STATS_COUNT_LIMIT = 100_000  # Stats counts a tenant's chunks up to this many (a bounded listing)
 LIST_DEFAULT, LIST_MAX = 1000, 100_000
-MATCH_RANKS = 64  # namespaces (tensor-parallel ranks) one Match may name
 
 
 class CacheService:
@@ -353,6 +351,11 @@ class CacheService:
         keys = list(seen)
         return keys if limit is None else keys[:limit]
 
+    def Match(
+        self, request: cache_pb2.MatchRequest, context: grpc.ServicerContext, tag: bytes
+    ) -> cache_pb2.MatchResponse:
+        return match(self.store, request, tag, self.config.max_keys)
+
     def Stats(
         self, request: cache_pb2.StatsRequest, context: grpc.ServicerContext, tag: bytes
     ) -> cache_pb2.StatsResponse:
@@ -375,57 +378,6 @@ class CacheService:
             tenant_chunks=len(self.tenant_keys(tag, STATS_COUNT_LIMIT)),
             config_json=self._config_json,
         )
-
-    def Match(
-        self, request: cache_pb2.MatchRequest, context: grpc.ServicerContext, tag: bytes
-    ) -> cache_pb2.MatchResponse:
-        """The leading whole chunks of the prompt that every rank's namespace holds for the
-        caller's tenant (keys scoped to it, as every call's), and the tiers rank 0's lie in."""
-        hash_name = request.hash or "xxh3"
-        if hash_name not in HASHES:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown key hash {hash_name!r}; one of {HASHES}")
-        size = 16 if hash_name == "xxh3" else 32
-        if not 1 <= len(request.namespaces) <= MATCH_RANKS:
-            raise Abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{len(request.namespaces)} namespace digests; name 1 to {MATCH_RANKS} (one per tensor-parallel rank)",
-            )
-        for i, digest in enumerate(request.namespaces):
-            if len(digest) != size:
-                raise Abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"namespace {i} is {len(digest)} bytes; a {hash_name} namespace digest is {size}",
-                )
-        chunk = request.chunk_tokens
-        if not 1 <= chunk <= 1 << 20:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk_tokens must lie in [1, 2^20], got {chunk}")
-        chunks = len(request.token_ids) // chunk
-        if chunks > self.config.max_keys:
-            raise Abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{chunks} chunks in one prompt; the limit is {self.config.max_keys} (max_keys)",
-            )
-        try:
-            tokens = np.frombuffer(np.asarray(request.token_ids, dtype="<u4").tobytes(), dtype="<i4")[: chunks * chunk]
-            if tokens.size and int(tokens.min()) < 0:
-                raise LayoutError("token ids must lie in [0, 2**31)")
-            ranks = [chained_keys(tokens, digest, chunk, hash_name) for digest in request.namespaces]
-        except LayoutError as exc:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
-        held, runs = chunks, []
-        for rank, keys in enumerate(ranks):
-            found = self.store.lookup_tiers([tag + k for k in keys[:held]])
-            held = sum(n for _, n in found)
-            if rank == 0:
-                runs = found
-            if held == 0:
-                break
-        out, left = [], held
-        for tier, n in runs:
-            if left > 0:
-                out.append(cache_pb2.MatchRun(tier=tier.name, chunks=min(n, left)))
-                left -= n
-        return cache_pb2.MatchResponse(tokens=held * chunk, chunks=held, runs=out)
 
 
 _SIZES = {"capacity_bytes", "used_bytes", "chunks"}

@@ -45,7 +45,7 @@ T = TypeVar("T")
 
 DEFAULT_PORT = 50051
 MIN_RATE = 100e6  # bytes/s: a bulk call's deadline grows by its size at this rate
-RELEASE_WAIT_S = 0.25  # a write waits at most this long for the releases sent before it
+RELEASE_WAIT_S = 1.0  # a write waits at most this long for the releases sent before it
 
 
 def _shm_mode(text: str) -> str:

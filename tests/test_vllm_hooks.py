@@ -1,0 +1,134 @@
+"""The connector's lifecycle hooks beyond loads and saves, under vLLM's real Scheduler:
+the hooks of the installed vLLM's base class (and 0.33's sleep mode), sleep mode's
+unregister / restore, and a cache reset with the connector (as after a weight update)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from test_vllm_scheduler import (
+    LAYERS,
+    config_for,
+    hold_copies,
+    kv_cache_config,
+    schedule,
+    scheduler_for,
+    store_chunks,
+    tokens,
+    worker_for,
+)
+
+from lmtier.connectors.vllm import LMTierConnector
+from lmtier.testing.tinymodel import build
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(build(tmp_path_factory.mktemp("model")))
+
+
+@pytest.fixture
+def vllm_config(model, tmp_path):
+    return config_for(model, [f"file://{tmp_path}/disk?size=256MiB"])
+
+
+@pytest.fixture
+def scheduler(vllm_config):
+    return scheduler_for(vllm_config, kv_cache_config())
+
+
+def test_sleep_mode_no_copy_touches_the_cache_while_it_is_freed(vllm_config, scheduler):
+    """vLLM 0.33's sleep hooks: unregister_kv_caches waits for the copies in flight and
+    lets no copy start until restore_kv_caches; a load planned meanwhile is a load error
+    (recomputed), a save is skipped and its request's blocks go back."""
+    prompt = tokens(400)
+    request, _, meta = schedule(scheduler, prompt)
+    (save,) = meta.saves
+    worker, caches = worker_for(vllm_config)
+    gate = hold_copies(worker)
+    worker.bind_connector_metadata(meta)
+    worker.wait_for_save()
+    threading.Timer(0.2, gate.set).start()  # a gather still reading the cache as sleep begins
+    worker.unregister_kv_caches()
+    assert worker.store.lookup(save.keys[0]) == 3  # it landed before the cache went away
+    worker.unregister_kv_caches()  # idempotent
+    scheduler.finish_requests(["r"], request.status.FINISHED_ABORTED)
+    assert worker.get_finished({"r"}) == ({"r"}, None)
+
+    # asleep: the caches may be unmapped; a step that plans a load or a save copies nothing
+    other = tokens(400, seed=1)
+    _, _, asleep_meta = schedule(scheduler, prompt + [9] * 10, req_id="hit")
+    _, _, save_meta = schedule(scheduler, other, req_id="miss")
+    (load,) = asleep_meta.loads
+    for tensor in caches.values():
+        tensor.fill_(0)
+    worker.bind_connector_metadata(asleep_meta)
+    worker.start_load_kv(None)
+    assert worker.get_block_ids_with_load_errors() == set(load.block_ids[load.first_block : load.num_blocks])
+    assert all(not t.any() for t in caches.values())  # nothing written
+    worker.bind_connector_metadata(save_meta)
+    worker.wait_for_save()
+    worker.flush()
+    assert worker.store.lookup(save_meta.saves[0].keys[0]) == 0
+    assert worker.get_finished({"miss"}) == ({"miss"}, None)  # its blocks go back
+
+    # awake: the same tensors are copied into again
+    worker.restore_kv_caches()
+    worker.restore_kv_caches()
+    worker.bind_connector_metadata(asleep_meta)
+    worker.start_load_kv(None)
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert caches[LAYERS[0]][load.block_ids[load.first_block]].any()
+
+
+def test_after_a_cache_reset_nothing_stored_before_is_loaded(scheduler):
+    """vLLM's reset_prefix_cache(reset_connector=True), as after a weight update: the old
+    chunks (computed with the old weights) must never be served to this instance again."""
+    prompt = tokens(450)
+    store_chunks(scheduler.connector, prompt, 3)
+    request, out, meta = schedule(scheduler, prompt)
+    assert len(meta.loads) == 1
+    scheduler.finish_requests(["r"], request.status.FINISHED_ABORTED)
+    before = [ns.digest for ns in scheduler.connector.namespaces]
+    assert scheduler.reset_prefix_cache(reset_connector=True)
+    assert [ns.digest for ns in scheduler.connector.namespaces] != before
+    request, out, meta = schedule(scheduler, prompt, req_id="after")
+    assert meta.loads == [] and out.num_scheduled_tokens["after"] == 450
+    (save,) = meta.saves  # stored anew, under the new namespace
+    assert save.digests == [ns.digest for ns in scheduler.connector.namespaces]
+    assert not set(save.keys[0]) & set(scheduler.connector.store.tiers[0].keys())
+
+
+def test_the_connector_implements_every_abstract_hook_of_the_installed_vllm_as_declared():
+    """Against the vLLM installed here (not a copy of its API): every abstract method of
+    its connector base class is overridden, with the same parameters in the same order
+    and of the same kinds, so that a vLLM that calls a hook by keyword reaches it."""
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    abstract = sorted(KVConnectorBase_V1.__abstractmethods__)
+    assert abstract and not LMTierConnector.__abstractmethods__
+    for name in abstract:
+        assert name in vars(LMTierConnector), f"{name} is not overridden"
+        want = inspect.signature(getattr(KVConnectorBase_V1, name)).parameters
+        have = inspect.signature(getattr(LMTierConnector, name)).parameters
+        assert [(p.name, p.kind) for p in want.values()] == [(p.name, p.kind) for p in have.values()], name
+    # the optional hooks lmtier implements keep vLLM's signatures too
+    for name in ("request_finished", "get_finished", "get_block_ids_with_load_errors", "register_kv_caches",
+                 "handle_preemptions", "shutdown", "requires_piecewise_for_cudagraph", "get_kv_connector_stats",
+                 "build_kv_connector_stats", "build_prom_metrics", "get_external_cache_hit_sources",
+                 "take_events", "get_kv_connector_kv_cache_events", "update_connector_output"):  # fmt: skip
+        want = inspect.signature(getattr(KVConnectorBase_V1, name)).parameters
+        have = inspect.signature(getattr(LMTierConnector, name)).parameters
+        assert list(want) == list(have), name
+    # vLLM 0.33's sleep-mode hooks: the installed vLLM's where it has them (0.32 has none),
+    # else as 0.33's base class declares them
+    declared_in_033 = {"supports_sleep_mode": ["kv_transfer_config"], "unregister_kv_caches": ["self"],
+                       "restore_kv_caches": ["self"]}  # fmt: skip
+    for name, params in declared_in_033.items():
+        base = getattr(KVConnectorBase_V1, name, None)
+        want = list(inspect.signature(base).parameters) if base is not None else params
+        assert list(inspect.signature(getattr(LMTierConnector, name)).parameters) == want, name
+    assert isinstance(vars(LMTierConnector)["supports_sleep_mode"], classmethod)
