@@ -101,6 +101,7 @@ class Prefault:
             self._cond.notify()
 
     def _run(self) -> None:
+        _idle_priority()  # speculative work: never at the expense of the engine's threads
         while True:
             with self._cond:
                 while not self._stopped and self.done >= self._want:
@@ -123,6 +124,17 @@ class Prefault:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+
+
+def _idle_priority() -> None:
+    """Lower the calling thread's scheduling priority to the least (Linux: ``nice`` is per
+    thread). A thread that faults pages in ahead of need competes with the engine's
+    forward pass for the same cores (measured: 0.6 s of CPU beside a 192 MiB load, the
+    forward pass 0.25 s slower); at the lowest priority it runs on what the engine leaves."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the same work at normal priority
+        pass
 
 
 POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)

@@ -239,18 +239,43 @@ def _profiled(engine: str, phase: str):
     import io
     import pstats
 
+    before = _thread_cpu()
     profile = cProfile.Profile()
     profile.enable()
     try:
         yield
     finally:
         profile.disable()
+        after = _thread_cpu()
         base = Path(where) / f"{engine}-{phase}"
         base.parent.mkdir(parents=True, exist_ok=True)
         profile.dump_stats(f"{base}.prof")
         text = io.StringIO()
+        # what every thread of the process (the engine's, lmtier's, the kernel's work for
+        # them) spent on the CPU during the phase: cProfile sees the calling thread only
+        for tid, (name, cpu) in sorted(after.items(), key=lambda t: -t[1][1]):
+            spent = cpu - before.get(tid, (name, 0.0))[1]
+            if spent >= 0.001:
+                print(f"thread {tid} {name}: {spent:.3f} s of CPU", file=text)
         pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
         Path(f"{base}.txt").write_text(text.getvalue())
+
+
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of each thread of this process, by thread id (Linux)."""
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}  # Python's names; C threads: their comm
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = names.get(int(task.name)) or (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return out
 
 
 if __name__ == "__main__":
