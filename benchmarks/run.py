@@ -7,7 +7,8 @@ same-run reference, summarized in one table of every ratio target (met or not) a
     run(out, short=False, only=None)  -> summary dict; writes into ``out``:
         NAME.json, NAME.txt     each benchmark's own report and printed tables
         results.json            {"benchmarks": {NAME: report}, "targets": [rows]}
-        results.md              the targets table, then each benchmark's own tables
+        results.md              the targets table, then each benchmark's own tables (and
+                                the peer comparison's, when peer-lmcache.md lies in ``out``)
         throughput.png          lmtier against its reference, per tier and operation
         ttft.png                TTFT against prompt length, with and without lmtier
 
@@ -271,21 +272,31 @@ def markdown(summary: dict[str, Any], out: Path) -> str:
     lines += ["", "![throughput](throughput.png)"]
     if (out / "ttft.png").exists():
         lines += ["", "![TTFT](ttft.png)"]
-    for name in summary["benchmarks"]:
-        text = (out / f"{name}.txt").read_text()
-        tables: list[list[str]] = []  # each run of table lines, kept apart
-        previous = False
-        for line in text.splitlines():
-            if line.startswith("|"):
-                if not previous:
-                    tables.append([])
-                tables[-1].append(line)
-            previous = line.startswith("|")
+    pages = [(name, out / f"{name}.txt") for name in summary["benchmarks"]]
+    # `make bench-peer`'s page, a run of its own, when it lies beside this one
+    pages.append(
+        ("peer: LMCache (`make bench-peer`, its own run: [peer-lmcache.md](peer-lmcache.md))", out / "peer-lmcache.md")
+    )
+    for title, page in pages:
+        tables = _tables(page.read_text()) if page.exists() else []
         if tables:
-            lines += ["", f"## {name}"]
+            lines += ["", f"## {title}"]
             for table in tables:
                 lines += ["", *table]
     return "\n".join(lines) + "\n"
+
+
+def _tables(text: str) -> list[list[str]]:
+    """Each run of Markdown table lines in ``text``, kept apart."""
+    tables: list[list[str]] = []
+    previous = False
+    for line in text.splitlines():
+        if line.startswith("|"):
+            if not previous:
+                tables.append([])
+            tables[-1].append(line)
+        previous = line.startswith("|")
+    return tables
 
 
 def throughput_plot(rows: list[dict[str, Any]], path: Path) -> None:

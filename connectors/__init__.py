@@ -29,8 +29,10 @@ def announce(engine: str, tiers: tuple[str, ...], namespaces: list[Namespace], m
         root.addHandler(handler)
         root.setLevel(logging.INFO)
     first = namespaces[0]
+    identity = f"; engine identity {first.engine!r} (lmtier match --engine)" if first.engine else ""
     logging.getLogger(f"lmtier.{engine}").info(
-        "lmtier: %s connector: tiers %s; chunks of %d tokens (%s keys); model id %r; namespace %s (by tp rank, of %d)",
+        "lmtier: %s connector: tiers %s; chunks of %d tokens (%s keys); model id %r; namespace %s "
+        "(by tp rank, of %d)%s",
         engine,
         ", ".join(redact_url(t) for t in tiers),
         first.chunk_tokens,
@@ -38,4 +40,5 @@ def announce(engine: str, tiers: tuple[str, ...], namespaces: list[Namespace], m
         model_id,
         " ".join(ns.digest.hex() for ns in namespaces),
         first.tp_size,
+        identity,
     )

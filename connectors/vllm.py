@@ -72,7 +72,7 @@ from lmtier import metrics
 from lmtier.chunk import Chunk, release_all
 from lmtier.config import StoreConfig, engine_config, engine_keys, resolve_chunk_tokens
 from lmtier.connectors import announce
-from lmtier.connectors.vllm_events import EventBook, LMTierKVEvents, WorkerEvents
+from lmtier.connectors.vllm_events import EventBook, LMTierKVEvents, WorkerEvents, group_specs
 from lmtier.connectors.vllm_groups import Group, groups_of, layer_index
 from lmtier.connectors.vllm_stats import Interval, LMTierPromMetrics, LMTierStats, hit_sources
 from lmtier.keys import Namespace, chunk_keys
@@ -277,7 +277,11 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
         # KV events for routers (vLLM's KVEventsConfig): lmtier's tiers in vLLM's stream
         events = getattr(vllm_config, "kv_events_config", None)
         self._with_events = bool(events is not None and events.enable_kv_cache_events)
-        self._book = EventBook(self.config.tiers, self.chunk_tokens, self.tp_size) if self._with_events else None
+        self._book = (
+            EventBook(self.config.tiers, self.chunk_tokens, self.tp_size, group_specs(kv_cache_config))
+            if self._with_events
+            else None
+        )
         self._worker_events: WorkerEvents | None = None
         # scheduler side
         self._requests: dict[str, _Request] = {}
@@ -536,15 +540,18 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
         fresh epoch (a random salt), so a chunk computed with the old weights is a miss,
         never a hit; what the tiers hold stays for the instances that still use it, and
         the memory tier lets the old chunks go as new ones come. The new digests are
-        logged (for ``lmtier match``); routers get ``AllBlocksCleared``."""
+        logged (for ``lmtier match``); routers get vLLM's own ``AllBlocksCleared``. A
+        request already in the engine saves nothing more (its KV may predate the reset)."""
         if self.role != KVConnectorRole.SCHEDULER:
             return None
         epoch = secrets.token_hex(8)
         salt = f"{self.config.salt}/reset={epoch}"
         self.lane_namespaces = [[replace(ns, salt=salt) for ns in lane] for lane in self.lane_namespaces]
         self.namespaces = self.lane_namespaces[0]
-        for state in self._requests.values():  # keys and what is stored start over
-            state.keys, state.saved = [], [0] * len(self.lanes)
+        for state in self._requests.values():
+            # Requests already here (vLLM's reset fails while any runs) computed their KV,
+            # or part of it, before the reset: none of it is saved under the new epoch.
+            state.save = False
         if self._book is not None:
             self._book.clear()
         announce("vllm", self.config.tiers, self.namespaces, f"{self._model_id} (after a cache reset)")

@@ -25,8 +25,9 @@ What each event says:
   a router counts a shared chunk once rather than as each pod's.
 - With tensor parallelism a chunk is stored once every rank has stored its slice, and
   removed as soon as one rank has lost its own.
-- ``AllBlocksCleared`` after vLLM resets the cache with its connector (a weight update):
-  the instance has moved to a fresh namespace and serves nothing it announced before.
+- After vLLM resets its cache with the connector (a weight update), the instance has moved
+  to a fresh namespace and serves nothing it announced before: vLLM's own
+  ``AllBlocksCleared`` (no medium: every tier of the instance) says so.
 - Stores are published at the step after they land (a save finishes in the background);
   an idle engine publishes at its next step. What a tier evicts on its own (Redis, a
   cache server, another process sharing a disk) is not seen here: routers ask a shared
@@ -38,6 +39,9 @@ Bounded: the store's queue (``lmtier.events``, drops counted), the book of token
 
 from __future__ import annotations
 
+import hashlib
+import os
+import socket
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -47,7 +51,6 @@ import numpy as np
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_STORAGE,
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
@@ -55,18 +58,36 @@ from vllm.distributed.kv_events import (
 )
 
 from lmtier import metrics
-from lmtier.tiers.base import redact_url
+from lmtier.tiers.base import TierURL
 
 BOOK_CHUNKS = 1 << 16  # chunks whose tokens the scheduler keeps for events (~chunk_tokens x 4 bytes each)
-SHARED_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "grpc", "grpcs")
+TENANT_SEED = b"lmtier.tenant\x00"  # what a cache server tenant's digest in ownership is seeded with
+SHARED_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix", "grpc", "grpcs")
 
 
 def tier_labels(url: str) -> tuple[str, str, str]:
-    """(medium, locality, ownership) of the tier a URL opens."""
-    scheme = url.split("://", 1)[0].lower()
-    if scheme in SHARED_SCHEMES:
-        return MEDIUM_CPU, "REMOTE", f"lmtier:{redact_url(url).split('?', 1)[0]}"
-    return (MEDIUM_STORAGE if scheme == "file" else MEDIUM_CPU), "LOCAL", f"lmtier:{scheme}"
+    """(medium, locality, ownership) of the tier a URL opens. ``ownership`` names what the
+    tier's chunks are shared by, the same however the URL is written (user info,
+    passwords and option order left out): a Redis key space (server, database, key
+    prefix), a cache server and the caller's tenant on it (a digest of the bearer token,
+    never the token), a disk directory on this host; the memory tier is this instance's."""
+    parsed = TierURL.parse(url)
+    scheme, opts = parsed.scheme, parsed.options
+    host = parsed.netloc.rsplit("@", 1)[-1]
+    if scheme in ("grpc", "grpcs"):
+        token = opts.get("token") or os.environ.get(opts.get("token_env", "LMTIER_TOKEN"), "")
+        digest = hashlib.sha256(TENANT_SEED + token.encode()).hexdigest()[:16]
+        tenant = f"/tenant={digest}" if token else ""
+        return MEDIUM_CPU, "REMOTE", f"lmtier:grpc://{host}{tenant}"
+    if scheme in SHARED_SCHEMES:  # Redis: its key space
+        where = f"redis+unix://{parsed.path}" if scheme == "unix" else f"{scheme.replace('rediss', 'redis')}://{host}"
+        db = opts.get("db") or ("" if scheme == "unix" else parsed.path.strip("/"))
+        space = [f"db={db}"] if db and db != "0" else []
+        space += [f"prefix={opts['prefix']}"] if opts.get("prefix", "lmtier:") != "lmtier:" else []
+        return MEDIUM_CPU, "REMOTE", f"lmtier:{where}" + (f"?{'&'.join(space)}" if space else "")
+    if scheme == "file":  # shared by the instances on this host that name the same directory
+        return MEDIUM_STORAGE, "LOCAL", f"lmtier:file://{socket.gethostname()}{os.path.abspath(parsed.path)}"
+    return MEDIUM_CPU, "LOCAL", f"lmtier:{scheme}"
 
 
 class LMTierKVEvents(KVConnectorKVEvents):
@@ -128,9 +149,30 @@ class WorkerEvents:
         return LMTierKVEvents(records) if records else None
 
 
+def group_specs(kv_cache_config: Any) -> list[tuple[str | None, int | None]]:
+    """(kind, sliding window) of each KV cache group, as vLLM's own events describe a
+    group: what lets a router tell a sliding-window group's chunks from full attention's."""
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+    except ImportError:  # a vLLM without them: groups go undescribed
+        return []
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return [
+        (get_kv_cache_spec_kind(g.kv_cache_spec).value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+        for g in groups
+    ]
+
+
 class EventBook:
-    def __init__(self, tier_urls: Sequence[str], chunk_tokens: int, tp_size: int) -> None:
+    def __init__(
+        self,
+        tier_urls: Sequence[str],
+        chunk_tokens: int,
+        tp_size: int,
+        specs: Sequence[tuple[str | None, int | None]] = (),
+    ) -> None:
         self.labels = [tier_labels(u) for u in tier_urls]
+        self.specs = list(specs)  # per KV cache group: (kind, sliding window)
         self.chunk_tokens = chunk_tokens
         self.tp_size = tp_size
         # key -> (parent, int32 tokens, KV cache group)
@@ -138,14 +180,15 @@ class EventBook:
         self._ranks: OrderedDict[tuple[int, bytes], set[int]] = OrderedDict()  # stored by some ranks so far
         self._ready: list[tuple[int, bytes]] = []  # (tier, key) stored by every rank
         self._removed: list[tuple[int, bytes]] = []
-        self._cleared = False
 
     def clear(self) -> None:
-        """The engine's cache was reset: nothing announced before serves it any longer
-        (``AllBlocksCleared`` at the next step; records still in flight are dropped)."""
+        """The engine's cache was reset with its connector: nothing announced before
+        serves it any longer. vLLM publishes ``AllBlocksCleared`` for the reset itself (an
+        event of no medium: every tier of the instance); the records still in flight are
+        dropped here."""
         self._tokens.clear()
         self._ranks.clear()
-        self._ready, self._removed, self._cleared = [], [], True
+        self._ready, self._removed = [], []
 
     def remember(self, keys: Sequence[bytes], tokens: Any, first: int = 0, group: int = 0) -> None:
         """The token ids behind ``keys[first:]`` (rank 0's keys of a request's full chunks,
@@ -176,13 +219,13 @@ class EventBook:
     def take(self) -> list[KVCacheEvent]:
         """This step's events in the order things happened per tier: stores, then removals
         (a chunk stored and evicted within one step is announced both ways)."""
-        events: list[KVCacheEvent] = [AllBlocksCleared()] if self._cleared else []
-        self._cleared = False
+        events: list[KVCacheEvent] = []
         ready, self._ready = self._ready, []
         removed, self._removed = self._removed, []
         for tier, run in _runs(ready, self._tokens):
             medium, locality, ownership = self.labels[tier]
-            parent = self._tokens[run[0]][0]
+            parent, _, group = self._tokens[run[0]]
+            kind, window = self.specs[group] if group < len(self.specs) else (None, None)
             events.append(
                 BlockStored(
                     block_hashes=list(run),
@@ -192,7 +235,9 @@ class EventBook:
                     lora_id=None,
                     medium=medium,
                     lora_name=None,
-                    group_idx=self._tokens[run[0]][2],
+                    group_idx=group,
+                    kv_cache_spec_kind=kind,
+                    kv_cache_spec_sliding_window=window,
                     locality=locality,
                     ownership=ownership,
                 )

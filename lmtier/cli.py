@@ -71,6 +71,9 @@ def _read_tokens(path: str) -> list[int]:
         raise LmtierError(f"{path}: not a JSON list of token ids ({exc})") from exc
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise LmtierError(f"{path}: expected a JSON list of token ids")
+    bad = next((i for i, t in enumerate(tokens) if not 0 <= t < 2**31), None)
+    if bad is not None:
+        raise LmtierError(f"{path}: token id {bad} is {tokens[bad]}; token ids lie in [0, 2**31)")
     return tokens
 
 
@@ -283,8 +286,10 @@ def cmd_match(args: argparse.Namespace) -> int:
     from lmtier.errors import TierError
 
     tokens = _read_tokens(args.tokens_file)
+    if args.chunk_tokens is not None and args.chunk_tokens <= 0:
+        raise LmtierError(f"--chunk-tokens must be positive, got {args.chunk_tokens}")
     if args.namespace:
-        if not args.chunk_tokens:
+        if args.chunk_tokens is None:
             raise LmtierError("--namespace needs --chunk-tokens (the engine's chunk size)")
         try:
             digests = [bytes.fromhex(h) for h in args.namespace]

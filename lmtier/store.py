@@ -376,6 +376,10 @@ class TieredStore:
             # without a trace. What the first tier did not keep is counted as unwritten.
             held = self._call(first, "get", first.get, keys, default=None) or [None] * len(keys)
             kept = next((i for i, c in enumerate(held) if c is None), len(held))
+            batch = chunks[: len(keys)]
+            if kept < len(keys) and 0 < first.capacity < sum(c.nbytes for c in batch) and self._put_lower(batch):
+                release_all(held)  # a batch larger than the whole first tier: written here, whole
+                return len(keys)
             release_all(held[kept:])
             self._unwritten(len(keys) - kept)
             if kept and not self._enqueue(keys[:kept], self.tiers[1:], held[:kept]):
@@ -384,6 +388,21 @@ class TieredStore:
         if len(self.tiers) > 1 and not self.write_back:  # a first tier without leases: read back later
             self._enqueue(keys, self.tiers[1:])
         return self._call(first, "contains", first.contains, keys, default=0)
+
+    def _put_lower(self, chunks: Sequence[Chunk]) -> bool:
+        """Write ``chunks`` (the caller's, valid for the length of its ``put``) to the lower
+        tiers now, in the caller's thread: a batch larger than the whole first tier (a long
+        prompt of a big model beside a small memory tier) still reaches the tiers that have
+        room for it, instead of being lost everywhere. (A batch that would fit but finds the
+        first tier full of chunks still being written is counted unwritten, as before: the
+        caller is never held by a slow lower tier for that.) True when a lower tier holds
+        them all."""
+        keys = [c.key for c in chunks]
+        stored = False
+        for tier in self.tiers[1:]:
+            self._call(tier, "put", tier.put, chunks, default=None)
+            stored = stored or self._call(tier, "contains", tier.contains, keys, default=0) == len(keys)
+        return stored
 
     def _unwritten(self, n: int) -> None:
         if n:

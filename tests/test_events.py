@@ -116,12 +116,13 @@ def test_a_tier_that_opens_late_announces_through_the_listener_set_before(tmp_pa
             node.stop()
 
 
-def test_the_event_book_turns_records_into_vllm_events_and_a_reset_into_all_blocks_cleared():
-    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+def test_the_event_book_turns_records_into_vllm_events_and_forgets_them_at_a_reset():
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
     from lmtier.connectors.vllm_events import EventBook, LMTierKVEvents
 
-    book = EventBook(["cpu://?size=1GiB", "redis://cache:6379?password=secret"], chunk_tokens=4, tp_size=2)
+    tiers = ["cpu://?size=1GiB", "redis://cache:6379?password=secret"]
+    book = EventBook(tiers, chunk_tokens=4, tp_size=2, specs=[("full_attention", None)])
     keys, tokens = [b"k0" * 8, b"k1" * 8], list(range(8))
     book.remember(keys, tokens)
     book.absorb(LMTierKVEvents([(0, "stored", 0, keys), (0, "stored", 1, keys[:1])]))
@@ -130,9 +131,34 @@ def test_the_event_book_turns_records_into_vllm_events_and_a_reset_into_all_bloc
     stored, shared, removed = book.take()
     assert isinstance(stored, BlockStored) and stored.block_hashes == keys and stored.token_ids == tokens
     assert (stored.block_size, stored.parent_block_hash, stored.medium, stored.locality) == (4, None, "CPU", "LOCAL")
+    assert (stored.group_idx, stored.kv_cache_spec_kind, stored.kv_cache_spec_sliding_window) == (
+        0,
+        "full_attention",
+        None,
+    )
     assert shared.ownership == "lmtier:redis://cache:6379" and shared.locality == "REMOTE"  # no secret
     assert isinstance(removed, BlockRemoved) and removed.block_hashes == keys[1:]
-    book.clear()
-    book.absorb(LMTierKVEvents([(0, "stored", 0, keys), (1, "stored", 0, keys)]))  # in flight: dropped
-    assert book.take() == [AllBlocksCleared()]
+    book.clear()  # vLLM's own AllBlocksCleared says the reset; what was in flight is dropped
+    book.absorb(LMTierKVEvents([(0, "stored", 0, keys), (1, "stored", 0, keys)]))
     assert book.take() == []
+
+
+def test_ownership_names_what_is_shared_however_the_url_is_written(monkeypatch):
+    """A router counts a shared chunk once per ownership: the same key space written three
+    ways is one owner; another tenant, database or key prefix is another; no secret shows."""
+    from lmtier.connectors.vllm_events import tier_labels
+
+    def owner(url):
+        return tier_labels(url)[2]
+
+    same = {
+        owner(u) for u in ("redis://:pw@cache:6379", "redis://user:pw@cache:6379/0", "redis://cache:6379?password=pw")
+    }
+    assert same == {"lmtier:redis://cache:6379"}
+    assert owner("redis://cache:6379/2") != owner("redis://cache:6379") != owner("redis://cache:6379?prefix=b:")
+    assert tier_labels("unix:///run/redis.sock")[1] == "REMOTE"
+    alice, bob = owner("grpc://cache:50051?token=alice-secret"), owner("grpc://cache:50051?token=bob-secret")
+    assert alice != bob and "secret" not in alice + bob
+    monkeypatch.setenv("LMTIER_TOKEN", "alice-secret")  # the token from the environment: the same tenant
+    assert owner("grpc://cache:50051") == alice
+    assert tier_labels("file:///var/lib/lmtier?size=1GiB")[:2] == ("STORAGE", "LOCAL")

@@ -85,7 +85,9 @@ def test_match_with_tensor_parallel_ranks_counts_what_every_rank_holds(server):
         ({"hash": "sha256"}, "sha256 namespace digest is 32"),
         ({"chunk_tokens": 0}, "chunk_tokens"),
         ({"token_ids": [2**31] * 16}, "[0, 2**31)"),
-        ({"token_ids": list(range(16 * 5000))}, "the limit is"),
+        ({"token_ids": list(range(16 * 5000))}, "the limit is 4096"),
+        ({"token_ids": [1] * ((1 << 21) + 1), "chunk_tokens": 1 << 20}, "token ids in one prompt; the limit is"),
+        ({"token_ids": [1] * 32 + [2**31]}, "token id 32 is 2147483648"),  # in the partial tail too
     ],
 )
 def test_a_malformed_match_is_invalid_argument_with_the_reason(server, request_kw, says):

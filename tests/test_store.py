@@ -61,6 +61,23 @@ def test_put_writes_through_to_every_tier():
         assert hot.contains(p.keys) == cold.contains(p.keys) == 5
 
 
+def test_a_batch_larger_than_the_first_tier_reaches_the_lower_tiers_whole(tmp_path):
+    """A long prompt of a big model: the memory tier keeps what it can, every lower tier
+    with room gets the whole batch (none of it is lost everywhere)."""
+    from lmtier.tiers.base import open_tier
+
+    hot, disk = cpu(3, "hot"), open_tier(f"file://{tmp_path}/d?size=64MiB")
+    with TieredStore([hot, disk]) as store:
+        p = make_prompt(8, seed=9)
+        assert store.put(p.chunks()) == 8
+        assert store.flush()
+        assert disk.contains(p.keys) == 8 and hot.contains(p.keys) < 8
+        assert store.unwritten_chunks == 0
+        got = store.get(p.keys)
+        assert [c.tobytes() for c in got] == [p.chunk_bytes(i) for i in range(8)]
+        release_all(got)
+
+
 def test_lookup_finds_a_prefix_spread_over_tiers_and_get_promotes_it():
     hot, cold = cpu(8, "hot"), cpu(64, "cold")
     with TieredStore([hot, cold]) as store:

@@ -100,6 +100,26 @@ def test_after_a_cache_reset_nothing_stored_before_is_loaded(scheduler):
     assert not set(save.keys[0]) & set(scheduler.connector.store.tiers[0].keys())
 
 
+def test_a_request_running_through_a_reset_saves_nothing_after_it(vllm_config):
+    """vLLM's reset fails while a request runs, yet the connector's moves on: the running
+    request's KV (computed before) must not be saved under the new namespace, where a later
+    request would load it as fresh."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    scheduler = scheduler_for(vllm_config, kv_cache_config())
+    scheduler.max_num_scheduled_tokens = 200
+    prompt = tokens(640, seed=8)
+    request, out, meta = schedule(scheduler, prompt)
+    assert meta.saves  # its first chunk, before the reset
+    assert not scheduler.reset_prefix_cache(reset_connector=True)  # vLLM's own fails: the request runs
+    while request.num_computed_tokens < len(prompt):
+        scheduler.update_from_output(
+            out, ModelRunnerOutput(req_ids=["r"], req_id_to_index={"r": 0}, sampled_token_ids=[[]])
+        )
+        out = scheduler.schedule()
+        assert out.kv_connector_metadata.saves == []
+
+
 def test_the_connector_implements_every_abstract_hook_of_the_installed_vllm_as_declared():
     """Against the vLLM installed here (not a copy of its API): every abstract method of
     its connector base class is overridden, with the same parameters in the same order

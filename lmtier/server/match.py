@@ -2,7 +2,8 @@
 the caller's tenant, from the prompt's token ids and the engine's namespace digests (one
 per tensor-parallel rank). The server chains the keys itself (``keys.chained_keys``), so a
 router needs no key scheme of its own; the keys are scoped to the tenant like every call's.
-Bounded: ``max_keys`` chunks and ``MATCH_RANKS`` ranks per request.
+Bounded: ``MATCH_TOKENS`` token ids, ``max_keys`` chunks and ``MATCH_RANKS`` ranks per request,
+and each rank's keys are computed only for the chunks the ranks before it hold.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from lmtier.store import TieredStore
 from lmtier.v1 import cache_pb2
 
 MATCH_RANKS = 64  # namespaces (tensor-parallel ranks) one Match may name
+MATCH_TOKENS = 1 << 21  # token ids one Match may carry (2M: longer than any model's context)
 
 
 def match(store: TieredStore, request: cache_pb2.MatchRequest, tag: bytes, max_keys: int) -> cache_pb2.MatchResponse:
@@ -40,22 +42,28 @@ def match(store: TieredStore, request: cache_pb2.MatchRequest, tag: bytes, max_k
     chunk = request.chunk_tokens
     if not 1 <= chunk <= 1 << 20:
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk_tokens must lie in [1, 2^20], got {chunk}")
-    chunks = len(request.token_ids) // chunk
+    count = len(request.token_ids)  # no conversion yet: a prompt past the bound costs nothing more
+    if count > MATCH_TOKENS:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{count} token ids in one prompt; the limit is {MATCH_TOKENS}")
+    chunks = count // chunk
     if chunks > max_keys:
         raise Abort(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{chunks} chunks in one prompt; the limit is {max_keys} (max_keys)",
         )
-    try:
-        tokens = np.frombuffer(np.asarray(request.token_ids, dtype="<u4").tobytes(), dtype="<i4")[: chunks * chunk]
-        if tokens.size and int(tokens.min()) < 0:
-            raise LayoutError("token ids must lie in [0, 2**31)")
-        ranks = [chained_keys(tokens, digest, chunk, hash_name) for digest in request.namespaces]
-    except LayoutError as exc:
-        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+    ids = np.fromiter(request.token_ids, dtype=np.int64, count=count)
+    if count and int(ids.max()) >= 1 << 31:
+        first = int(np.argmax(ids >= 1 << 31))
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"token id {first} is {int(ids[first])}; ids lie in [0, 2**31)")
+    tokens = ids[: chunks * chunk].astype("<i4")
+    # rank after rank, each asked only for what the ranks before it hold
     held, runs = chunks, []
-    for rank, keys in enumerate(ranks):
-        found = store.lookup_tiers([tag + k for k in keys[:held]])
+    for rank, digest in enumerate(request.namespaces):
+        try:
+            keys = chained_keys(tokens[: held * chunk], digest, chunk, hash_name)
+        except LayoutError as exc:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        found = store.lookup_tiers([tag + k for k in keys])
         held = sum(n for _, n in found)
         if rank == 0:
             runs = found
