@@ -37,6 +37,7 @@ left out. Timings of a 2-core machine: meaningful only when nothing else compete
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -231,6 +232,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("--tokens must be a multiple of 256 (whole chunks of both systems)")
     os.environ.update(QUIET)
     tmp = Path(tempfile.mkdtemp(prefix="lmtier-peer-"))
+    atexit.register(shutil.rmtree, tmp, True)  # models, disks and logs of this run: gone with it
     model = str(build(tmp / "model", layers=args.layers, hidden=args.hidden, kv_heads=args.kv_heads))
     layout = KVLayout(args.layers, args.kv_heads, 64, "bfloat16")
     tokens, docs = args.tokens, args.docs

@@ -30,7 +30,9 @@ machine, meaningful only when nothing else competes for it.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -55,6 +57,7 @@ def ids(n: int, seed: int) -> list[int]:
 
 def run(tokens: int, docs: int, layers: int, hidden: int, kv_heads: int, out_json: Path | None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="lmtier-tiers-"))
+    atexit.register(shutil.rmtree, tmp, True)  # models, disks and logs of this run: gone with it
     model = str(build(tmp / "model", layers=layers, hidden=hidden, kv_heads=kv_heads))
     layout = KVLayout(layers, kv_heads, 64, "bfloat16")
     mib = layout.chunk_bytes(tokens) / 2**20

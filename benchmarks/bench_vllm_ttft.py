@@ -28,7 +28,8 @@ Also: throughput on prompts that never repeat, with and without lmtier (best of 
 passes in each engine), and the same in one engine with passes alternating between
 lmtier on and off for their requests, each pass timed until its saves have landed: with
 the default save policy (``always``: every chunk stored), and in another engine with
-``save_policy=reuse``.
+``save_policy=reuse`` over a memory tier of half a pass (so that every pass evicts the
+chunks of the one before, which the policy then writes down or not).
 
 Prints JSON and a Markdown table and writes a PNG plot.
 
@@ -38,7 +39,9 @@ Prints JSON and a Markdown table and writes a PNG plot.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -66,11 +69,16 @@ def run(
     lengths: list[int], docs: int, out_dir: Path, layers: int, hidden: int, throughput_prompts: int, chunk: int = 0
 ) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="lmtier-ttft-"))
+    atexit.register(shutil.rmtree, tmp, True)  # models, disks and logs of this run: gone with it
     model = str(build(tmp / "model", layers=layers, hidden=hidden))
     disk = tmp / "disk"
     lmtier = {"tiers": ["cpu://?size=4GiB", f"file://{disk}?size=16GiB"], "chunk_tokens": chunk}
-    reuse_tiers = ["cpu://?size=4GiB", f"file://{tmp / 'disk-reuse'}?size=16GiB"]
     token_bytes = KVLayout(layers, 2, 64, "bfloat16").chunk_bytes(1)
+    # save_policy=reuse writes down what memory lets go: a memory tier holding half of one
+    # pass of the throughput prompts makes every pass evict (and write back) the one before,
+    # so that the row measures the policy's writes, not memory alone
+    reuse_memory = max(64 << 20, throughput_prompts * 1024 * token_bytes // 2)
+    reuse_tiers = [f"cpu://?size={reuse_memory}", f"file://{tmp / 'disk-reuse'}?size=16GiB"]
     chunk = resolve_chunk_tokens(chunk, BLOCK, token_bytes)
     base = {"model": model, "block_size": BLOCK, "max_model_len": max(lengths) + 1024, "max_tokens": 1}
 

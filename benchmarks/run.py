@@ -328,7 +328,7 @@ def throughput_plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/run.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--short", action="store_true", help="small sizes: a few minutes in all")
-    parser.add_argument("--only", action="append", help="one benchmark, repeatable (cpu, disk, redis, grpc, vllm)")
+    parser.add_argument("--only", action="append", help=f"one benchmark, repeatable ({', '.join(SUITE)})")
     parser.add_argument("--out", default="benchmarks/results", help="where the reports go (default benchmarks/results)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print JSON")

@@ -129,6 +129,9 @@ class LMTierMetadata(KVConnectorMetadata):
     # a hybrid model with sliding-window layers: vLLM lets go of a window's old blocks at
     # every step, so the step waits for every copy still reading blocks
     fence_all: bool = False
+    # [request][rank]: chunks a new request's lookup found (save_policy=reuse counts them as
+    # sightings in the worker's store, whose memory decides at eviction what is written down)
+    seen: list[list[list[bytes]]] = field(default_factory=list)
 
 
 @dataclass
@@ -145,6 +148,7 @@ class _Request:
     saved: list[int] = field(default_factory=list)  # per lane: leading chunks known stored (hit or saved)
     saving: bool = False  # save plans were sent: the workers copy its blocks after the step
     keys: list[list[list[bytes]]] = field(default_factory=list)  # [lane][rank][chunk], grown as tokens grow
+    sighted: int = 0  # chunks its first lookup found, for the workers' save policy (reuse)
     load: bool = True  # per request: kv_transfer_params {"lmtier": {"load": false}}
     save: bool = True  # ... {"lmtier": {"save": false}}
 
@@ -345,6 +349,8 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
             state.saved[i] = max(state.saved[i], known)
         if first_look:  # the scheduler may ask again for a request it could not place
             state.save = state.save and self.store.policy.stores(prompt_len)  # min_tokens
+            if self.store.policy.sketch is not None:  # reuse: a prefix found is a reuse sighted
+                state.sighted = state.hit_chunks
             metrics.ENGINE_TOKENS.labels(ENGINE, "requested").inc(prompt_len)
             metrics.ENGINE_TOKENS.labels(ENGINE, "hit").inc(max(loadable, num_computed_tokens))
         return state.external_tokens, False
@@ -444,6 +450,9 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
             if state is None:
                 continue
             state.block_ids = list(new.block_ids[0])
+            if state.sighted:
+                meta.seen.append(self._keys_for(state, state.sighted * self.chunk_tokens))
+                state.sighted = 0
             self._plan(state, new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -653,6 +662,8 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if not isinstance(meta, LMTierMetadata):
             return
+        for keys in meta.seen:  # reuse: prefixes found by lookups, served or not by lmtier
+            self.store.policy.seen(keys[self._rank])
         if self._engine is None:  # no cache to load into (asleep): the engine recomputes them
             for plan in meta.loads:
                 self._failed_blocks.update(plan.block_ids[plan.first_block : plan.num_blocks])

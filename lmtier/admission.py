@@ -49,8 +49,13 @@ whose measured return rate is under ``min_reuse``. On the conversation trace, me
 lower tier, ``reuse`` hits 12% more with 74% fewer writes). And after each start, about
 ``keys / 2`` unproven chunks are written before a workload without returns is recognised.
 
-Every call is cheap (about 1.5 us a key: one xxh3 hash and a few byte updates, under one
-lock, for calls from the scheduler and from the writer thread) and does no I/O.
+Every call is cheap and does no I/O: about 5 us a key in this pure-Python code (one xxh3
+hash and a few byte updates, under one lock shared by the engine's calls and the writer
+thread), a few milliseconds for a long prompt. A halving of the sketch (every ``2 x
+keys`` sightings) copies it once under that lock: about 2 ms at the default size, 0.16 s at
+the 4M-key cap. Sightings come from reads (``get``), saves (``put``) and, in an engine,
+the lookups that find a prefix the engine then serves from its own prefix cache (the vLLM
+connector hands those to its workers, whose memory tier decides at eviction).
 """
 
 from __future__ import annotations

@@ -142,10 +142,17 @@ class KVStore:
         return self.store.stats()
 
     def flush(self, timeout: float = 30.0) -> bool:
+        """Wait for the background writes queued so far; False on timeout."""
         return self.store.flush(timeout)
 
-    def close(self) -> None:
-        self.store.close()
+    def persist(self, timeout: float = 30.0) -> bool:
+        """``flush``, and with ``save_policy=reuse`` (write-back) first write what only the
+        memory tier holds to the lower tiers; False on timeout."""
+        return self.store.persist(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """``persist`` (at most ``timeout`` seconds for each step), then close every tier."""
+        self.store.close(timeout)
 
     def __enter__(self) -> KVStore:
         return self

@@ -182,6 +182,8 @@ class StoreConfig:
             raise ConfigError(
                 "min_tokens applies to save_policy=min_tokens or reuse; save_policy=always stores every prompt"
             )
+        if self.save_policy == "min_tokens" and not self.min_tokens:
+            raise ConfigError("save_policy=min_tokens needs min_tokens (the shortest prompt stored), e.g. 2048")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must lie in [0, 65536), got {self.metrics_port}")
         if self.load_deadline < 0:

@@ -61,6 +61,8 @@ WRITE_MODES = ("auto", "through", "back")  # auto: the save policy's
 READ_AHEAD = 2  # batches in flight beyond the one being used, in iter_get
 LOAD_BATCH_BYTES = 4 << 20  # an engine's load reads this much KV per iter_get batch
 _STOP = object()
+_DEMOTED = object()  # a write job's chunks: those evicted from the first tier, waiting together
+DEMOTE_BYTES = 256 << 20  # bound on evicted chunks waiting for the lower tiers (write-back)
 
 
 def load_batch(chunk_bytes: int) -> int:
@@ -113,6 +115,10 @@ class TieredStore:
         self._closed = False
         self.dropped_writes = 0
         self.unwritten_chunks = 0  # chunks a put could not hand to the lower tiers
+        self._demote_lock = threading.Lock()
+        self._demoting: list[Chunk] = []  # evicted (write-back), waiting for one job of the writer
+        self._demote_bytes = 0
+        self._demote_queued = False
         self.events: TierEvents | None = None  # what lands in and leaves the tiers, once watched
 
     @classmethod
@@ -387,7 +393,11 @@ class TieredStore:
             return kept
         if len(self.tiers) > 1 and not self.write_back:  # a first tier without leases: read back later
             self._enqueue(keys, self.tiers[1:])
-        return self._call(first, "contains", first.contains, keys, default=0)
+        held = self._call(first, "contains", first.contains, keys, default=0)
+        # write-back: memory writes a chunk down when it lets it go, but a batch larger than
+        # all of memory was never kept whole: the lower tiers get it now, or nothing does
+        oversized = self.write_back and held < len(keys) and 0 < first.capacity < sum(c.nbytes for c in chunks)
+        return len(keys) if oversized and self._put_lower(chunks) else held
 
     def _put_lower(self, chunks: Sequence[Chunk]) -> bool:
         """Write ``chunks`` (the caller's, valid for the length of its ``put``) to the lower
@@ -437,23 +447,50 @@ class TieredStore:
         try:
             self._writer().put_nowait((keys, targets, chunks))
         except queue.Full:
-            self.dropped_writes += 1
-            for tier in targets:
-                metrics.WRITE_QUEUE_DROPS.labels(tier.name).inc()
-            if chunks is not None and targets == self.tiers[1:]:
-                self._unwritten(len(chunks))
+            self._drop_write(targets, len(chunks) if chunks is not None and chunks is not _DEMOTED else 0)
             return False
         return True
 
+    def _drop_write(self, targets: list[Tier], chunks: int) -> None:
+        """A background write that found no room: counted, ``chunks`` of it unwritten."""
+        self.dropped_writes += 1
+        for tier in targets:
+            metrics.WRITE_QUEUE_DROPS.labels(tier.name).inc()
+        if chunks and targets == self.tiers[1:]:
+            self._unwritten(chunks)
+
     def _demote(self, chunk: Chunk, reads: int = 0) -> bool:
         """The first tier's evict hook in write-back mode: queue the chunk for the lower
-        tiers, if the save policy says it earned it (``reads``: its reads in memory)."""
+        tiers, if the save policy says it earned it (``reads``: its reads in memory).
+
+        One save can evict hundreds of chunks at once: they wait together (at most
+        ``DEMOTE_BYTES``), written as one batch by one job of the write queue, rather than
+        a job each (a queue of 64 jobs dropped most of a burst)."""
         if self._closed:
             return False
         if not self.policy.admit_lower([chunk.key], [reads])[0]:
             self.policy_skipped += 1
             return False
-        return self._enqueue([chunk.key], self.tiers[1:], [chunk])
+        with self._demote_lock:
+            if self._demote_bytes + chunk.nbytes > DEMOTE_BYTES:
+                full = True
+            else:
+                full = False
+                self._demoting.append(chunk)
+                self._demote_bytes += chunk.nbytes
+                if self._demote_queued:
+                    return True
+                self._demote_queued = True
+        if full:
+            self._drop_write(self.tiers[1:], 1)
+            return False
+        if self._enqueue(None, self.tiers[1:], _DEMOTED):  # type: ignore[arg-type]
+            return True
+        with self._demote_lock:  # the queue is full: what waits is dropped, counted
+            dropped, self._demoting, self._demote_bytes, self._demote_queued = self._demoting, [], 0, False
+        self._unwritten(len(dropped))
+        release_all(dropped)
+        return True  # released here, with the rest
 
     def _drain(self) -> None:
         jobs = self._jobs
@@ -463,6 +500,10 @@ class TieredStore:
                 if job is _STOP:
                     return
                 keys, targets, given = job
+                if given is _DEMOTED:  # every chunk evicted since the job was queued, as one batch
+                    with self._demote_lock:
+                        given, self._demoting = self._demoting, []
+                        self._demote_bytes, self._demote_queued = 0, False
                 first = self.tiers[0]
                 held = given if given is not None else self._call(first, "get", first.get, keys, default=None) or []
                 chunks = []
@@ -521,15 +562,23 @@ class TieredStore:
         return self.flush(max(0.0, deadline - time.monotonic()))
 
     def _flush_first_tier(self, timeout: float) -> None:
-        """Write-back mode, closing: write what only the first tier holds to the others."""
-        first = self.tiers[0]
+        """Write-back mode, closing: write what only the first tier holds to the others
+        (a chunk the next tier holds already, read from it or written before, is not
+        written again), as far as ``timeout`` allows."""
+        first, below = self.tiers[0], self.tiers[1]
         deadline = time.monotonic() + timeout
         keys = self._call(first, "keys", first.keys, default=[]) if first.capabilities.listing else []
         for start in range(0, len(keys), 16):
             if time.monotonic() > deadline:
-                log.warning("write-back flush of %s stopped at its deadline", first.name)
+                log.warning(
+                    "write-back flush of %s stopped at its deadline (%.0f s) with %d of %d chunks left: "
+                    "give close() or persist() more time",
+                    first.name, timeout, len(keys) - start, len(keys),
+                )  # fmt: skip
                 return
-            batch = keys[start : start + 16]
+            batch = [
+                k for k in keys[start : start + 16] if not self._call(below, "contains", below.contains, [k], default=0)
+            ]
             held = self._call(first, "get", first.get, batch, default=None) or []
             chunks = [c for c in held if c is not None]
             try:
@@ -599,7 +648,9 @@ class TieredStore:
             "policy": {**self.policy.stats(), "skipped_chunks": self.policy_skipped},
         }
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Write back what only memory holds (write-back mode), wait for queued writes (at
+        most ``timeout`` seconds for each), and close every tier."""
         if self._closed:
             return
         if self.write_back:

@@ -62,6 +62,7 @@ def test_json_files_and_whitespace_separated_tier_lists(tmp_path):
         ({"LMTIER_TIERS": ""}, "at least one tier"),
         ({"LMTIER_WRITE_QUEUE": "0"}, "write_queue must be at least 1"),
         ({"LMTIER_MIN_TOKENS": "512"}, "min_tokens applies to save_policy=min_tokens or reuse"),
+        ({"LMTIER_SAVE_POLICY": "min_tokens"}, "save_policy=min_tokens needs min_tokens"),
     ],
 )
 def test_bad_settings_are_refused(env, match):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,18 +107,10 @@ def test_a_symlinked_subdirectory_is_refused_never_followed(tmp_path, sub):
     assert (elsewhere / "report.txt").read_text() == "keep"
 
 
-def test_a_stranger_that_cannot_be_removed_is_left_and_the_tier_works(tmp_path, monkeypatch):
+def test_a_stranger_in_the_tiers_own_directories_is_left_and_the_tier_works(tmp_path):
     new_tier(tmp_path).close()
-    stuck = tmp_path / "segments" / "immutable.txt"
-    stuck.write_text("cannot go")
-    real_unlink = Path.unlink
-
-    def unlink(self, missing_ok=False):
-        if self == stuck:
-            raise PermissionError(1, "Operation not permitted", str(self))
-        return real_unlink(self, missing_ok=missing_ok)
-
-    monkeypatch.setattr(Path, "unlink", unlink)
+    stranger = tmp_path / "segments" / "notes.txt"
+    stranger.write_text("someone's")
     tier = new_tier(tmp_path)
     p = make_prompt(2, seed=23)
     tier.put(p.chunks())
@@ -127,6 +118,51 @@ def test_a_stranger_that_cannot_be_removed_is_left_and_the_tier_works(tmp_path, 
     assert [c.tobytes() for c in got] == [p.chunk_bytes(0), p.chunk_bytes(1)]
     release_all(got)
     tier.close()
+    assert stranger.read_text() == "someone's"
+
+
+def test_a_project_directory_is_refused_and_never_written_into(tmp_path):
+    """A path to a project (no index, files of its own at the top) is refused: nothing of
+    the tier's is written there."""
+    (tmp_path / "README.md").write_text("a project")
+    (tmp_path / "src").mkdir()
+    with pytest.raises(ConfigError, match=r"did not write.*README\.md"):
+        DiskTier(tmp_path, size=64 * FRAME)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "src"]
+
+
+def test_another_applications_database_named_like_the_index_is_refused_and_left_as_it_was(tmp_path):
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "index.sqlite")
+    db.execute("CREATE TABLE users (name TEXT)")
+    db.execute("INSERT INTO users VALUES ('alice')")
+    db.commit()
+    db.close()
+    (tmp_path / "segments").mkdir()
+    (tmp_path / "segments" / "data.bin").write_bytes(b"theirs")
+    before = (tmp_path / "index.sqlite").read_bytes()
+    with pytest.raises(ConfigError, match=r"not a disk tier's index.*users"):
+        DiskTier(tmp_path, size=64 * FRAME)
+    assert (tmp_path / "index.sqlite").read_bytes() == before
+    assert (tmp_path / "segments" / "data.bin").read_bytes() == b"theirs"
+
+
+def test_a_damaged_index_in_the_tiers_own_directory_is_rebuilt_from_its_segments(tmp_path):
+    tier = new_tier(tmp_path)
+    p = make_prompt(3, seed=24)
+    tier.put(p.chunks())
+    tier.close()
+    (tmp_path / "index.sqlite").write_bytes(b"not a database any more" * 100)
+    for suffix in ("-wal", "-shm"):
+        (tmp_path / f"index.sqlite{suffix}").unlink(missing_ok=True)
+    tier = new_tier(tmp_path)  # nothing but the tier's own files here: it is the tier's
+    assert tier.contains(p.keys) == 3
+    tier.close()
+    (tmp_path / "index.sqlite").write_bytes(b"garbage" * 100)
+    (tmp_path / "thesis.tex").write_text("mine")  # ... but not with a stranger beside it
+    with pytest.raises(ConfigError, match="did not write"):
+        new_tier(tmp_path)
 
 
 def test_a_batch_larger_than_the_room_is_cut_before_it_is_written(tmp_path, monkeypatch):

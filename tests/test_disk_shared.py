@@ -188,11 +188,11 @@ def test_dead_writers_temporary_files_are_removed_on_open_and_live_ones_kept(tmp
     from lmtier.tiers.disk import STALE_TEMP_S
 
     new_tier(tmp_path).close()
-    stale = tmp_path / "tmp" / "999999999-abc-1.tmp"
+    stale = tmp_path / "tmp" / "999999999-00000000abcd-1.tmp"  # a writer's temporary, by its name
     stale.write_bytes(b"half a chunk")
     old = time.time() - STALE_TEMP_S - 5
     os.utime(stale, (old, old))
-    elsewhere = tmp_path / "tmp" / "999999999-def-1.tmp"  # a pid dead here, alive in its container
+    elsewhere = tmp_path / "tmp" / "999999999-00000000def0-1.tmp"  # a pid dead here, alive elsewhere
     elsewhere.write_bytes(b"being written")
     new_tier(tmp_path).close()
     assert not stale.exists() and elsewhere.exists()

@@ -211,16 +211,22 @@ def test_a_full_disk_is_a_dropped_write_not_a_crash(tmp_path, monkeypatch):
     tier.close()
 
 
-def test_files_that_are_not_segments_are_removed_and_never_counted(tmp_path):
+def test_files_that_are_not_segments_are_left_alone_and_never_counted(tmp_path):
+    """A file the tier did not write is never removed (not even in its own directories): it
+    is ignored. A file with a segment's name and no frame in it is the tier's: reclaimed."""
     new_tier(tmp_path).close()
     segments = tmp_path / "segments"
     (segments / "notes.txt").write_text("hello")
     (segments / "1-0123456789ab-0.seg").write_bytes(b"a segment's name, not its bytes" * 300)
     (segments / "link.seg").symlink_to(tmp_path / "elsewhere.txt")
     (tmp_path / "elsewhere.txt").write_text("not to be touched")
+    (tmp_path / "tmp" / "my-notes.txt").write_text("mine")
+    old = time.time() - 3600  # older than any temporary of a live writer
+    os.utime(tmp_path / "tmp" / "my-notes.txt", (old, old))
     tier = new_tier(tmp_path)
-    assert segments_on_disk(tmp_path) == {}
+    assert segments_on_disk(tmp_path) == {"notes.txt": 5, "link.seg": 17}
     assert (tmp_path / "elsewhere.txt").read_text() == "not to be touched"
+    assert (tmp_path / "tmp" / "my-notes.txt").read_text() == "mine"
     assert tier.stats()["used_bytes"] == 0
     tier.close()
 
@@ -365,7 +371,8 @@ def write_old_layout(root: Path, chunks, atimes: list[int]) -> None:
 
 def test_a_directory_of_the_one_file_per_chunk_layout_is_adopted(tmp_path):
     """Each old chunk file becomes a one-frame segment (a rename: nothing copied), with
-    the recency the old index gave it; strangers go; a damaged old file is a miss."""
+    the recency the old index gave it; a stranger stays where it was (with its directory,
+    nothing else); a damaged old file is a miss."""
     p = make_prompt(5, seed=3)
     write_old_layout(tmp_path, p.chunks(), atimes=[1000 - i for i in range(5)])
     (tmp_path / "chunks" / "00").mkdir(exist_ok=True)
@@ -374,7 +381,8 @@ def test_a_directory_of_the_one_file_per_chunk_layout_is_adopted(tmp_path):
         f.seek(-30, os.SEEK_END)
         f.write(b"rot")
     tier = new_tier(tmp_path)
-    assert not (tmp_path / "chunks").exists()
+    left = sorted(str(f.relative_to(tmp_path)) for f in (tmp_path / "chunks").rglob("*"))
+    assert left == ["chunks/00", "chunks/00/notes.txt"]
     assert tier.keys() == p.keys  # most recent first, as the old index had it
     got = tier.get(p.keys)
     assert [c.tobytes() for c in got[:4]] == [p.chunk_bytes(i) for i in range(4)]

@@ -152,7 +152,7 @@ def test_a_damaged_disk_chunk_ends_the_prefix_served(tmp_path):
 
 def test_the_embedded_api_shares_kv_between_processes_through_the_disk(tmp_path):
     layout = lmtier.KVLayout(2, 2, 16, "float16")
-    tiers = ["cpu://?size=4MiB", f"file://{tmp_path}?size=16MiB"]
+    tiers = ["cpu://?size=4MiB", f"file://{tmp_path}/disk?size=16MiB"]
     kv = np.random.default_rng(0).standard_normal(layout.tensor_shape(100)).astype(np.float16)
     np.save(tmp_path / "kv.npy", kv)
     script = textwrap.dedent(f"""

@@ -18,6 +18,7 @@ from test_vllm_scheduler import (
     tokens,
     worker_for,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from lmtier.connectors.vllm import LMTierConnector
 from lmtier.testing.tinymodel import build
@@ -118,6 +119,25 @@ def test_a_request_running_through_a_reset_saves_nothing_after_it(vllm_config):
         )
         out = scheduler.schedule()
         assert out.kv_connector_metadata.saves == []
+
+
+def test_with_save_policy_reuse_a_prefix_found_by_a_lookup_is_a_sighting_in_the_workers_store(model, tmp_path):
+    """A prefix vLLM serves from its own cache is never read from lmtier, yet it is reused:
+    the lookup that found it counts, in the worker's store (whose memory decides what is
+    written down at eviction), so that it is proven there."""
+    config = config_for(model, ["cpu://?size=64MiB", f"file://{tmp_path}/disk?size=256MiB"], save_policy="reuse")
+    scheduler = scheduler_for(config, kv_cache_config())
+    prompt = tokens(450, seed=9)
+    store_chunks(scheduler.connector, prompt, 3)
+    _, _, meta = schedule(scheduler, prompt)
+    keys = scheduler.connector.namespaces[0].keys(prompt)[:3]
+    assert meta.seen == [[keys]]
+    worker = LMTierConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    sketch = worker.store.policy.sketch
+    before = [sketch.estimate(k) for k in keys]
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    assert all(sketch.estimate(k) == b + 1 for k, b in zip(keys, before, strict=True))
 
 
 def test_the_connector_implements_every_abstract_hook_of_the_installed_vllm_as_declared():

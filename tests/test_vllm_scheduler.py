@@ -41,14 +41,15 @@ def vllm_config(model, tmp_path) -> VllmConfig:
     return config_for(model, [f"file://{tmp_path}/disk?size=256MiB"])
 
 
-def config_for(model: str, tiers: list[str]) -> VllmConfig:
-    """A CPU engine's configuration with lmtier over ``tiers``, chunks of CHUNK tokens."""
+def config_for(model: str, tiers: list[str], **extra) -> VllmConfig:
+    """A CPU engine's configuration with lmtier over ``tiers``, chunks of CHUNK tokens
+    (``extra``: more of lmtier's extra config)."""
     transfer = KVTransferConfig(
         kv_connector="LMTierConnector",
         kv_connector_module_path="lmtier.connectors.vllm",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"tiers": tiers, "chunk_tokens": CHUNK},
+        kv_connector_extra_config={"tiers": tiers, "chunk_tokens": CHUNK, **extra},
     )
     cache = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=False)
     cache.num_gpu_blocks = NUM_BLOCKS

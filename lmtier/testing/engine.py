@@ -253,11 +253,16 @@ def _profiled(engine: str, phase: str):
         text = io.StringIO()
         # what every thread of the process (the engine's, lmtier's, the kernel's work for
         # them) spent on the CPU during the phase: cProfile sees the calling thread only
+        # (clock ticks of 10 ms; C threads, torch's among them, show their OS name)
         for tid, (name, cpu) in sorted(after.items(), key=lambda t: -t[1][1]):
             spent = cpu - before.get(tid, (name, 0.0))[1]
-            if spent >= 0.001:
-                print(f"thread {tid} {name}: {spent:.3f} s of CPU", file=text)
-        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+            if spent > 0:
+                print(f"thread {tid} {name}: {spent:.2f} s of CPU", file=text)
+        stats = pstats.Stats(profile, stream=text).sort_stats("cumulative")
+        print("\nlmtier's own calls (this thread):", file=text)
+        stats.print_stats(r"/lmtier/|/connectors/", 25)
+        print("everything (this thread):", file=text)
+        stats.print_stats(40)
         Path(f"{base}.txt").write_text(text.getvalue())
 
 

@@ -269,15 +269,18 @@ class SegmentFiles:
         return locked(path)
 
     def remove_dead_temporaries(self) -> None:
-        """Files crashed writers left in tmp/. A pid says nothing about a writer in another
-        container, so age decides: a new segment is renamed into place within
-        milliseconds, and a file untouched for STALE_TEMP_S is no live writer's."""
+        """Files crashed writers left in tmp/ (by their names: nothing else is removed). A
+        pid says nothing about a writer in another container, so age decides: a new segment
+        is renamed into place within milliseconds, and a file untouched for STALE_TEMP_S is
+        no live writer's."""
         cutoff = time.time() - STALE_TEMP_S
         if self.tmp.is_symlink():  # replaced since the tier claimed it: never follow it
             return
+        from lmtier.tiers.disk.claim import temporary
+
         for entry in os.scandir(self.tmp):
             try:
-                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                if temporary(entry.name) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
                     Path(entry.path).unlink(missing_ok=True)
             except OSError:  # gone meanwhile, a directory, or not ours to remove
                 pass

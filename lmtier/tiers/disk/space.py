@@ -23,16 +23,17 @@ ratio are in docs/architecture.md, "The disk tier").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmtier import codec, metrics
 from lmtier.buffers import round_up
 from lmtier.errors import ConfigError
+from lmtier.tiers.disk.claim import legacy_chunk
 from lmtier.tiers.disk.files import MAX_FRAME, Frame, Writer, segment_name
 from lmtier.tiers.disk.index import Location, Segment, Txn
 
@@ -240,9 +241,7 @@ class Space:
             raise ConfigError(f"{self.files.segments} became a symlink: the disk tier will not follow it")
         for entry in os.scandir(self.files.segments):
             if segment_name(entry.name) and entry.is_file(follow_symlinks=False):
-                on_disk[entry.name] = entry
-            elif not entry.is_dir(follow_symlinks=False):
-                _unlink(entry.path)  # not ours: nothing else lives here
+                on_disk[entry.name] = entry  # anything else is left as it is, and ignored
         gone = [s.id for name, s in known.items() if name not in on_disk]
         txn.drop_segments(gone)
         adopted = 0
@@ -279,7 +278,7 @@ class Space:
     def migrate(self, txn: Txn) -> int:
         """Adopt the chunk files of the one-file-per-chunk layout: each file is one frame,
         so it becomes a segment of one frame by a rename (no copy), with the recency the
-        old index gave it. Anything else under ``chunks/`` is removed."""
+        old index gave it. Anything else under ``chunks/`` is left as it is."""
         atimes = txn.legacy_rows()
         old = self.tier.root / "chunks"
         if not old.is_dir():
@@ -287,16 +286,14 @@ class Space:
         moved = 0
         for sub in os.scandir(old):
             if not sub.is_dir(follow_symlinks=False):
-                _unlink(sub.path)
-                continue
+                continue  # not the older layout's: left as it is
             for entry in os.scandir(sub.path):
                 key = _legacy_key(entry.name)
-                size = entry.stat(follow_symlinks=False).st_size if entry.is_file(follow_symlinks=False) else -1
-                if key is None or not codec.PREAMBLE.size <= size <= MAX_FRAME or txn.locate([key]):
-                    if entry.is_dir(follow_symlinks=False):
-                        shutil.rmtree(entry.path, ignore_errors=True)
-                    else:
-                        _unlink(entry.path)
+                if key is None or not legacy_chunk(entry):
+                    continue  # not a chunk file: left as it is
+                size = entry.stat(follow_symlinks=False).st_size
+                if not codec.PREAMBLE.size <= size <= MAX_FRAME or txn.locate([key]):
+                    _unlink(entry.path)  # a chunk file that cannot be one, or one adopted already
                     continue
                 name = self.files.new_name()
                 os.rename(entry.path, self.files.path(name))
@@ -305,8 +302,8 @@ class Space:
                 txn.add([(key, sid, 0, size, atimes.get(key, entry.stat().st_mtime_ns))])
                 txn.resize(sid, round_up(size))
                 moved += 1
-            shutil.rmtree(sub.path, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+            _rmdir(sub.path)  # once empty: what is not ours stays, with its directory
+        _rmdir(str(old))
         return moved
 
 
@@ -318,6 +315,11 @@ def _legacy_key(name: str) -> bytes | None:
         return bytes.fromhex(stem)
     except ValueError:
         return None
+
+
+def _rmdir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 def _unlink(path: str) -> None:
