@@ -211,26 +211,6 @@ def test_a_full_disk_is_a_dropped_write_not_a_crash(tmp_path, monkeypatch):
     tier.close()
 
 
-def test_files_that_are_not_segments_are_left_alone_and_never_counted(tmp_path):
-    """A file the tier did not write is never removed (not even in its own directories): it
-    is ignored. A file with a segment's name and no frame in it is the tier's: reclaimed."""
-    new_tier(tmp_path).close()
-    segments = tmp_path / "segments"
-    (segments / "notes.txt").write_text("hello")
-    (segments / "1-0123456789ab-0.seg").write_bytes(b"a segment's name, not its bytes" * 300)
-    (segments / "link.seg").symlink_to(tmp_path / "elsewhere.txt")
-    (tmp_path / "elsewhere.txt").write_text("not to be touched")
-    (tmp_path / "tmp" / "my-notes.txt").write_text("mine")
-    old = time.time() - 3600  # older than any temporary of a live writer
-    os.utime(tmp_path / "tmp" / "my-notes.txt", (old, old))
-    tier = new_tier(tmp_path)
-    assert segments_on_disk(tmp_path) == {"notes.txt": 5, "link.seg": 17}
-    assert (tmp_path / "elsewhere.txt").read_text() == "not to be touched"
-    assert (tmp_path / "tmp" / "my-notes.txt").read_text() == "mine"
-    assert tier.stats()["used_bytes"] == 0
-    tier.close()
-
-
 def test_context_is_optional_and_chunks_of_any_layout_share_a_directory(tmp_path):
     tier = open_tier(f"file://{tmp_path}?size=1MiB", TierContext(chunk_bytes=CHUNK_BYTES))
     a = make_prompt(2)
@@ -345,58 +325,6 @@ def test_compaction_copies_a_prompts_hot_head_forward_and_keeps_the_bound(tmp_pa
     assert tier.stats()["compacted_bytes"] >= 2 * FRAME
     assert tier.contains(make_prompt(2, seed=139).keys) == 2  # the newest prompt is whole
     tier.close()
-
-
-def write_old_layout(root: Path, chunks, atimes: list[int]) -> None:
-    """A directory as lmtier wrote it before segments: chunks/<byte>/<hex key>.lmt, one
-    frame per file, and an index of (key, size, atime)."""
-    import sqlite3
-
-    db = sqlite3.connect(root / "index.sqlite")
-    db.executescript(
-        "CREATE TABLE chunks (key BLOB PRIMARY KEY, size INTEGER NOT NULL, atime INTEGER NOT NULL) WITHOUT ROWID;"
-        "CREATE INDEX chunks_by_atime ON chunks (atime);"
-        "CREATE TABLE meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);"
-    )
-    for chunk, atime in zip(chunks, atimes, strict=True):
-        frame = codec.encode(chunk)
-        path = root / "chunks" / chunk.key.hex()[:2] / f"{chunk.key.hex()}.lmt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(frame)
-        db.execute("INSERT INTO chunks VALUES (?, ?, ?)", (chunk.key, len(frame), atime))
-    db.execute("INSERT INTO meta VALUES ('usage', ?)", (sum(len(codec.encode(c)) for c in chunks),))
-    db.commit()
-    db.close()
-
-
-def test_a_directory_of_the_one_file_per_chunk_layout_is_adopted(tmp_path):
-    """Each old chunk file becomes a one-frame segment (a rename: nothing copied), with
-    the recency the old index gave it; a stranger stays where it was (with its directory,
-    nothing else); a damaged old file is a miss."""
-    p = make_prompt(5, seed=3)
-    write_old_layout(tmp_path, p.chunks(), atimes=[1000 - i for i in range(5)])
-    (tmp_path / "chunks" / "00").mkdir(exist_ok=True)
-    (tmp_path / "chunks" / "00" / "notes.txt").write_text("not a chunk")
-    with open(tmp_path / "chunks" / p.keys[4].hex()[:2] / f"{p.keys[4].hex()}.lmt", "r+b") as f:
-        f.seek(-30, os.SEEK_END)
-        f.write(b"rot")
-    tier = new_tier(tmp_path)
-    left = sorted(str(f.relative_to(tmp_path)) for f in (tmp_path / "chunks").rglob("*"))
-    assert left == ["chunks/00", "chunks/00/notes.txt"]
-    assert tier.keys() == p.keys  # most recent first, as the old index had it
-    got = tier.get(p.keys)
-    assert [c.tobytes() for c in got[:4]] == [p.chunk_bytes(i) for i in range(4)]
-    assert got[4] is None
-    release_all(got)
-    assert tier.contains(p.keys) == 4
-    assert tier.stats()["used_bytes"] == sum(segments_on_disk(tmp_path).values()) == 4 * FRAME
-    tier.close()
-    again = new_tier(tmp_path, chunks=6)  # reopened smaller: the adopted segments evict as any other
-    assert again.contains(p.keys) == 4
-    again.put(make_prompt(4, seed=4).chunks())
-    assert again.contains(p.keys) == 2
-    assert again.stats()["used_bytes"] <= 6 * FRAME
-    again.close()
 
 
 @pytest.mark.parametrize("bad", [0, 1])

@@ -23,8 +23,8 @@ SUBDIRS = ("segments", "tmp", "chunks")
 
 # what a disk tier writes at the top of its directory
 TOP = frozenset(
-    {"segments", "tmp", "chunks", "index.sqlite", "index.sqlite-wal", "index.sqlite-shm", "index.sqlite.lock"}
-    | {f"index.sqlite.damaged{suffix}" for suffix in ("", "-wal", "-shm")}
+    {"segments", "tmp", "chunks", "index.sqlite.lock"}
+    | {f"index.sqlite{damaged}{suffix}" for damaged in ("", ".damaged") for suffix in ("", "-wal", "-shm", "-journal")}
 )
 
 

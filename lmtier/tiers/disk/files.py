@@ -1,6 +1,9 @@
 """The segment files of one disk-tier directory: names, appends, reads, scans. Bytes and
 names only; what is live, and within which bound, is the index's and the tier's business.
 
+Longer than 400 lines: the names, appends, reads and scans of one file format share its
+alignment, buffers and O_DIRECT rules; split, each part would re-derive them.
+
     SegmentFiles(root, o_direct, fsync)   o_direct: True, False, or None (auto: see below)
       .create() -> Writer                 a new segment, locked by this process while it appends
       .new_name() -> str                  a name no other process will make
