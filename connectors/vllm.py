@@ -65,6 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -97,6 +98,7 @@ EXTRA_KEYS = engine_keys()
 
 SAVE_BUFFER_BYTES = 256 << 20  # bound on host memory holding chunks on their way to the store
 WINDOW_TRIES = 8  # shorter prefixes tried when a sliding-window lane lacks a hit's window
+MAX_COPY_REPORTS = 65536  # per step: requests whose copies a worker reports done to the scheduler
 
 
 # -- plans: scheduler -> workers ----------------------------------------------------------------
@@ -132,6 +134,22 @@ class LMTierMetadata(KVConnectorMetadata):
     # [request][rank]: chunks a new request's lookup found (save_policy=reuse counts them as
     # sightings in the worker's store, whose memory decides at eviction what is written down)
     seen: list[list[list[bytes]]] = field(default_factory=list)
+    # finished requests whose blocks went back at once (every copy of them was reported
+    # done before they finished): the workers forget them instead of reporting them
+    released: list[str] = field(default_factory=list)
+
+
+class LMTierWorkerMeta(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, each step: per request, how many of its save plans have
+    stopped reading the engine's blocks since the last step (vLLM adds the workers' up)."""
+
+    def __init__(self, copied: dict[str, int] | None = None) -> None:
+        self.copied = dict(copied or {})
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> LMTierWorkerMeta:
+        for req_id, n in getattr(other, "copied", {}).items():
+            self.copied[req_id] = self.copied.get(req_id, 0) + n
+        return self
 
 
 @dataclass
@@ -147,6 +165,8 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)  # a model with one lane (hybrid: the cache manager's)
     saved: list[int] = field(default_factory=list)  # per lane: leading chunks known stored (hit or saved)
     saving: bool = False  # save plans were sent: the workers copy its blocks after the step
+    plans: int = 0  # save plans sent
+    copied: int = 0  # ... and reported copied by the workers (each worker's report counts)
     keys: list[list[list[bytes]]] = field(default_factory=list)  # [lane][rank][chunk], grown as tokens grow
     sighted: int = 0  # chunks its first lookup found, for the workers' save policy (reuse)
     load: bool = True  # per request: kv_transfer_params {"lmtier": {"load": false}}
@@ -289,6 +309,8 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_events: WorkerEvents | None = None
         # scheduler side
         self._requests: dict[str, _Request] = {}
+        self._workers = max(1, int(getattr(parallel, "world_size", self.tp_size) or 1))
+        self._released: list[str] = []  # finished without holding their blocks, for the next step
         # worker side
         self._engine: CopyEngine | None = None  # the first lane's
         self._engines: list[CopyEngine] = []  # per lane
@@ -310,6 +332,7 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._saving: set[str] = set()
         self._finishing: set[str] = set()
         self._copied: set[str] = set()
+        self._copy_counts: dict[str, int] = {}  # plans copied since the last step, for the scheduler
         self._copy_cond = threading.Condition()
         _CONNECTORS.add(self)
 
@@ -428,6 +451,12 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
+        copies = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(copies, LMTierWorkerMeta):
+            for req_id, n in copies.copied.items():
+                state = self._requests.get(req_id)
+                if state is not None:  # (a finished request's blocks wait for get_finished)
+                    state.copied += n
         events = getattr(connector_output, "kv_cache_events", None)
         if self._book is not None and isinstance(events, LMTierKVEvents):
             self._book.absorb(events)
@@ -443,7 +472,8 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
         state.load_pending = num_external_tokens > 0
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = LMTierMetadata(fence_all=self.windowed)
+        meta = LMTierMetadata(fence_all=self.windowed, released=self._released)
+        self._released = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -531,6 +561,7 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             )
             state.saving = True
+            state.plans += 1
 
     def _null_block(self) -> int:
         """The id of vLLM's null block (what a sliding window's let-go blocks become)."""
@@ -568,9 +599,17 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
-        # With saves sent, the blocks stay until the workers report their copies done
+        if state is None or not state.saving:
+            return False, None
+        if state.copied >= state.plans * self._workers:
+            # Every worker has reported every copy of its blocks done (a request that
+            # finishes a step or more after its last save): they go back now, so that an
+            # idle engine holds no block (vLLM's prefix-cache reset needs them all free).
+            self._released.append(request.request_id)
+            return False, None
+        # Copies in flight: the blocks stay until the workers report them done
         # (get_finished), which every worker does for every request it had a save plan for.
-        return bool(state is not None and state.saving), None
+        return True, None
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -794,6 +833,8 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._engine is None:  # no cache to copy from (asleep): nothing saved, the blocks go back
             with self._copy_cond:
                 self._saving.update(plan.req_id for plan in meta.saves)
+                for plan in meta.saves:
+                    self._copy_counts[plan.req_id] = self._copy_counts.get(plan.req_id, 0) + 1
             return
         if not self._save_buffers:
             cuda = self._engine.device.type == "cuda"
@@ -822,6 +863,8 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
     def _copied_one(self, req_id: str) -> None:
         """One save plan of ``req_id`` no longer reads the engine's blocks."""
         with self._copy_cond:
+            if len(self._copy_counts) < MAX_COPY_REPORTS:  # (past it: those requests hold their blocks a step longer)
+                self._copy_counts[req_id] = self._copy_counts.get(req_id, 0) + 1
             left = self._copying.get(req_id, 0) - 1
             if left > 0:
                 self._copying[req_id] = left
@@ -886,13 +929,24 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
         """Finished requests whose blocks no save still reads: exactly those with save
         plans (``request_finished`` held their blocks), once their copies are done."""
         self._finish_loads(wait=False)  # a layer-by-layer load that has landed lets its chunks go
+        meta = self._connector_metadata
+        released = meta.released if isinstance(meta, LMTierMetadata) else ()
         with self._copy_cond:
+            for req_id in released:  # vLLM freed their blocks already: nothing to report
+                self._saving.discard(req_id)
             for req_id in finished_req_ids:
                 if req_id in self._saving:
                     self._saving.discard(req_id)
                     (self._finishing if self._copying.get(req_id) else self._copied).add(req_id)
             done, self._copied = self._copied, set()
         return done or None, None
+
+    def build_connector_worker_meta(self) -> LMTierWorkerMeta | None:
+        """The save plans whose copies are done since the last step, per request: a
+        request whose copies are all done when it finishes gives its blocks back at once."""
+        with self._copy_cond:
+            counts, self._copy_counts = self._copy_counts, {}
+        return LMTierWorkerMeta(counts) if counts else None
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for queued saves (tests and shutdown)."""

@@ -39,6 +39,7 @@ Bounded: the store's queue (``lmtier.events``, drops counted), the book of token
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import socket
@@ -62,32 +63,56 @@ from lmtier.tiers.base import TierURL
 
 BOOK_CHUNKS = 1 << 16  # chunks whose tokens the scheduler keeps for events (~chunk_tokens x 4 bytes each)
 TENANT_SEED = b"lmtier.tenant\x00"  # what a cache server tenant's digest in ownership is seeded with
+TENANT_ROUNDS = 200_000  # PBKDF2 rounds of that digest (~0.1 s once per token and process)
 SHARED_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix", "grpc", "grpcs")
 
 
 def tier_labels(url: str) -> tuple[str, str, str]:
     """(medium, locality, ownership) of the tier a URL opens. ``ownership`` names what the
     tier's chunks are shared by, the same however the URL is written (user info,
-    passwords and option order left out): a Redis key space (server, database, key
-    prefix), a cache server and the caller's tenant on it (a digest of the bearer token,
-    never the token), a disk directory on this host; the memory tier is this instance's."""
+    passwords, option order, the host's case and a default port or database left out): a
+    Redis key space (server, database, key prefix), a cache server and the caller's tenant
+    on it (a slow digest of the bearer token, never the token), a disk directory on this
+    host; the memory tier is this instance's own (host and process)."""
     parsed = TierURL.parse(url)
     scheme, opts = parsed.scheme, parsed.options
-    host = parsed.netloc.rsplit("@", 1)[-1]
     if scheme in ("grpc", "grpcs"):
         token = opts.get("token") or os.environ.get(opts.get("token_env", "LMTIER_TOKEN"), "")
-        digest = hashlib.sha256(TENANT_SEED + token.encode()).hexdigest()[:16]
-        tenant = f"/tenant={digest}" if token else ""
-        return MEDIUM_CPU, "REMOTE", f"lmtier:grpc://{host}{tenant}"
+        tenant = f"/tenant={tenant_digest(token)}" if token else ""
+        return MEDIUM_CPU, "REMOTE", f"lmtier:grpc://{_endpoints(parsed.netloc, 50051)}{tenant}"
     if scheme in SHARED_SCHEMES:  # Redis: its key space
-        where = f"redis+unix://{parsed.path}" if scheme == "unix" else f"{scheme.replace('rediss', 'redis')}://{host}"
+        if scheme == "unix":
+            where = f"redis+unix://{parsed.path}"
+        else:
+            where = f"{scheme.replace('rediss', 'redis')}://{_endpoints(parsed.netloc, 6379)}"
         db = opts.get("db") or ("" if scheme == "unix" else parsed.path.strip("/"))
         space = [f"db={db}"] if db and db != "0" else []
         space += [f"prefix={opts['prefix']}"] if opts.get("prefix", "lmtier:") != "lmtier:" else []
         return MEDIUM_CPU, "REMOTE", f"lmtier:{where}" + (f"?{'&'.join(space)}" if space else "")
     if scheme == "file":  # shared by the instances on this host that name the same directory
         return MEDIUM_STORAGE, "LOCAL", f"lmtier:file://{socket.gethostname()}{os.path.abspath(parsed.path)}"
-    return MEDIUM_CPU, "LOCAL", f"lmtier:{scheme}"
+    # a memory tier is this process's alone: no other instance's chunks are these
+    return MEDIUM_CPU, "LOCAL", f"lmtier:{scheme}://{socket.gethostname()}/pid={os.getpid()}"
+
+
+def _endpoints(netloc: str, default_port: int) -> str:
+    """``host:port[,host:port...]`` of a URL's authority, written one way: no user info,
+    hosts in lower case, the scheme's default port where none is given."""
+    hosts = []
+    for host in netloc.rsplit("@", 1)[-1].split(","):
+        host = host.strip().lower()
+        bracketed = host.startswith("[")  # an IPv6 address: its port follows the ']'
+        has_port = host.rsplit("]", 1)[-1].count(":") == 1 if bracketed else host.count(":") == 1
+        hosts.append(host if has_port or not host else f"{host}:{default_port}")
+    return ",".join(sorted(hosts))  # a cluster named by the same nodes in another order is the same
+
+
+@functools.lru_cache(maxsize=16)
+def tenant_digest(token: str) -> str:
+    """A cache server tenant's name in events: a digest of its bearer token that is the
+    same from every instance yet slow to test guesses against (PBKDF2, 200,000 rounds:
+    the events stream is readable by whoever reaches the publisher's socket)."""
+    return hashlib.pbkdf2_hmac("sha256", token.encode(), TENANT_SEED, TENANT_ROUNDS).hex()[:16]
 
 
 class LMTierKVEvents(KVConnectorKVEvents):

@@ -183,6 +183,10 @@ def test_chunk_tokens_auto_follows_the_engine_block_and_the_kv_size():
         ("redis://:PW2/SECRET@127.0.0.1:6399", "redis://:***@127.0.0.1:6399"),  # unencoded '/', '#', '?'
         ("redis://:PW3#SECRET@h:1", "redis://:***@h:1"),
         ("redis://:PW4?SECRET@h:1?timeout=1", "redis://:***@h:1?timeout=1"),
+        # an '@' inside a secret option's value is not the end of user info
+        ("redis://cache:6379/0?password=pa@SECRETTAIL", "redis://cache:6379/0?password=***"),
+        ("grpc://cache:50051?token=ab@TOKENTAIL&timeout=1", "grpc://cache:50051?token=***&timeout=1"),
+        ("redis://:pw@cache?PASSWORD=pa@x#frag", "redis://:***@cache?PASSWORD=***"),
     ],
 )
 def test_urls_are_shown_without_their_secrets(url, shown):

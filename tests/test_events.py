@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 from lmtier import metrics
 from lmtier.chunk import release_all
 from lmtier.config import ServerConfig
@@ -152,9 +154,18 @@ def test_ownership_names_what_is_shared_however_the_url_is_written(monkeypatch):
         return tier_labels(url)[2]
 
     same = {
-        owner(u) for u in ("redis://:pw@cache:6379", "redis://user:pw@cache:6379/0", "redis://cache:6379?password=pw")
+        owner(u)
+        for u in (
+            "redis://:pw@cache:6379",
+            "redis://user:pw@cache:6379/0",
+            "redis://cache:6379?password=pw",
+            "redis://cache/0",  # the default port and database
+            "rediss://CACHE",  # the host's case; TLS reaches the same key space
+        )
     }
     assert same == {"lmtier:redis://cache:6379"}
+    assert owner("redis+cluster://b:7001,A:7000") == owner("redis+cluster://a:7000,b:7001")
+    assert owner("grpc://Cache?token=t") == owner("grpc://cache:50051?token=t")
     assert owner("redis://cache:6379/2") != owner("redis://cache:6379") != owner("redis://cache:6379?prefix=b:")
     assert tier_labels("unix:///run/redis.sock")[1] == "REMOTE"
     alice, bob = owner("grpc://cache:50051?token=alice-secret"), owner("grpc://cache:50051?token=bob-secret")
@@ -162,3 +173,6 @@ def test_ownership_names_what_is_shared_however_the_url_is_written(monkeypatch):
     monkeypatch.setenv("LMTIER_TOKEN", "alice-secret")  # the token from the environment: the same tenant
     assert owner("grpc://cache:50051") == alice
     assert tier_labels("file:///var/lib/lmtier?size=1GiB")[:2] == ("STORAGE", "LOCAL")
+    # a memory tier is this process's own: another instance's memory is another owner
+    medium, locality, memory = tier_labels("cpu://?size=1GiB")
+    assert (medium, locality) == ("CPU", "LOCAL") and memory.endswith(f"/pid={os.getpid()}")

@@ -113,7 +113,8 @@ def test_events_describe_what_lands_in_and_leaves_each_tier(tmp_path, model):
 
     # A, memory: the first prompt's three full chunks, rebuilt from the events' tokens alone
     local = stored(a, "LOCAL")
-    assert {e.medium for e in local} == {"CPU"} and {e.ownership for e in local} == {"lmtier:cpu"}
+    (own_a,) = {e.ownership for e in local}  # this instance's memory, named as its own
+    assert {e.medium for e in local} == {"CPU"} and own_a.startswith("lmtier:cpu://")
     first_event = local[0]
     assert first_event.token_ids == first[: 3 * CHUNK] and first_event.parent_block_hash is None
     first_keys = first_event.block_hashes
@@ -138,6 +139,7 @@ def test_events_describe_what_lands_in_and_leaves_each_tier(tmp_path, model):
     assert hashes(local_b)[:3] == first_keys
     assert local_b[0].token_ids[: 3 * CHUNK] == first[: 3 * CHUNK]
     assert shared_b and {e.ownership for e in shared_b} == {owner}
+    assert own_a not in {e.ownership for e in local_b}  # B's memory is not A's
     new = [e for e in shared_b if first_keys[-1] == e.parent_block_hash]
     assert new and new[0].block_hashes[0] not in first_keys
     assert not set(hashes(shared_b)) & set(first_keys)  # B never stored what the server held

@@ -9,6 +9,7 @@ import threading
 import pytest
 from test_vllm_scheduler import (
     LAYERS,
+    NUM_BLOCKS,
     config_for,
     hold_copies,
     kv_cache_config,
@@ -19,8 +20,10 @@ from test_vllm_scheduler import (
     worker_for,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.outputs import KVConnectorOutput
 
-from lmtier.connectors.vllm import LMTierConnector
+from lmtier.connectors.vllm import LMTierConnector, LMTierWorkerMeta
+from lmtier.testing.engine import run_engine
 from lmtier.testing.tinymodel import build
 
 
@@ -119,6 +122,69 @@ def test_a_request_running_through_a_reset_saves_nothing_after_it(vllm_config):
         )
         out = scheduler.schedule()
         assert out.kv_connector_metadata.saves == []
+
+
+def test_an_idle_engine_holds_no_block_so_its_cache_reset_succeeds(vllm_config, scheduler):
+    """A request whose copies every worker reported done before it finished gives its
+    blocks back at once: an engine gone idle (an offline LLM between two generate calls
+    takes no further step) holds none, and vLLM's prefix-cache reset, which needs every
+    block free, succeeds. The workers then forget the request instead of reporting it."""
+    request, _, meta = schedule(scheduler, tokens(300))
+    worker, _ = worker_for(vllm_config)
+    worker.bind_connector_metadata(meta)
+    worker.wait_for_save()
+    worker.flush()
+    report = worker.build_connector_worker_meta()
+    assert report.copied == {"r": 1}
+    assert worker.build_connector_worker_meta() is None  # reported once
+    scheduler._update_from_kv_xfer_finished(KVConnectorOutput(kv_connector_worker_meta=report))
+    scheduler.finish_requests(["r"], request.status.FINISHED_LENGTH_CAPPED)
+    assert "r" not in scheduler.requests
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1  # all but the null block
+    assert scheduler.reset_prefix_cache(reset_connector=True)
+    out = scheduler.schedule()
+    assert out.kv_connector_metadata.released == ["r"] and "r" in out.finished_req_ids
+    worker.bind_connector_metadata(out.kv_connector_metadata)
+    assert worker.get_finished(out.finished_req_ids) == (None, None)  # vLLM has freed them
+    assert worker.get_finished(set()) == (None, None)
+    assert scheduler.schedule().kv_connector_metadata.released == []
+
+
+def test_a_real_idle_engine_resets_and_loads_nothing_stored_before(model, tmp_path):
+    """The flow after a weight update on a real single-process engine (an offline LLM takes
+    no step between two generate calls): the reset succeeds, and the same prompt is then
+    computed whole, neither vLLM's prefix cache nor lmtier serving KV from before it."""
+    prompt = tokens(700, seed=3)
+    phases = [
+        {"name": "first", "prompts": [prompt]},
+        {"name": "reset", "reset": True},
+        {"name": "again", "prompts": [prompt]},
+        {"name": "reset2", "reset": True},
+    ]
+    lmtier = {"tiers": ["cpu://?size=64MiB", f"file://{tmp_path}/disk?size=256MiB"], "chunk_tokens": 128}
+    spec = {"model": model, "lmtier": lmtier, "block_size": 64, "prefix_caching": True, "phases": phases}
+    results = run_engine(spec, tmp_path, "reset", timeout=600)["results"]
+    (first,), (again,) = results["first"], results["again"]
+    assert results["reset"] is True and results["reset2"] is True
+    assert first["cached"] == 0 and again["cached"] == 0
+    assert again["tokens"] == first["tokens"]
+
+
+def test_blocks_stay_held_until_every_worker_reported_every_copy(vllm_config, scheduler):
+    """Tensor parallelism: each worker reports its own copies (vLLM adds the workers'
+    reports up); one rank's report is not enough to give the blocks back."""
+    assert LMTierWorkerMeta({"r": 1}).aggregate(LMTierWorkerMeta({"r": 1, "s": 2})).copied == {"r": 2, "s": 2}
+    scheduler.connector._workers = 2  # as with tensor_parallel_size=2
+    request, _, _ = schedule(scheduler, tokens(300))
+    free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    one_rank = KVConnectorOutput(kv_connector_worker_meta=LMTierWorkerMeta({"r": 1}))
+    scheduler._update_from_kv_xfer_finished(one_rank)
+    scheduler.finish_requests(["r"], request.status.FINISHED_ABORTED)
+    assert "r" in scheduler.requests  # held: the other rank may still be reading them
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+    assert scheduler.schedule().kv_connector_metadata.released == []
+    scheduler._update_from_kv_xfer_finished(KVConnectorOutput(finished_sending={"r"}))
+    assert "r" not in scheduler.requests
 
 
 def test_with_save_policy_reuse_a_prefix_found_by_a_lookup_is_a_sighting_in_the_workers_store(model, tmp_path):

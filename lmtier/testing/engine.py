@@ -11,7 +11,9 @@ next question), with optional "max_tokens", "request" (the requests' kv_transfer
 e.g. {"lmtier": {"save": false}}), "read_prefix_cache": false (the requests skip vLLM's own
 prefix cache: full prefills in an engine that has one) and "settle": true (let background saves land after
 each request, untimed) or "drain": true (the phase's time includes landing its saves).
-{"flush": true} as a phase lets saves land between phases. Each
+{"flush": true} as a phase lets saves land between phases; {"name", "reset": true} resets
+vLLM's prefix cache with the connector's (as after a weight update) and records whether
+vLLM said it succeeded. Each
 output records its tokens, greedy logprobs, the margin of each greedy choice over the
 runner-up, a digest of its prompt, num_cached_tokens and seconds.
 
@@ -190,6 +192,9 @@ def main() -> None:
     for phase in spec["phases"]:
         if phase.get("flush"):  # let background saves land before the next phase
             flush_stores()
+            continue
+        if phase.get("reset"):
+            results[phase["name"]] = llm.reset_prefix_cache(reset_connector=True)
             continue
         with _profiled(Path(sys.argv[2]).name.split(".")[0], phase["name"]):
             _run_phase(phase, results, run, flush_stores, default_max_tokens)

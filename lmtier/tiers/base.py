@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -255,6 +256,7 @@ class TierURL:
 
 # Options whose values are secrets (or name where one lies): never shown as written.
 SECRET_OPTIONS = frozenset({"password", "token", "tls_key"})
+_SECRET_VALUE = re.compile(rf"([?&](?:{'|'.join(sorted(SECRET_OPTIONS))})=)[^&#]*", re.IGNORECASE)
 
 
 def redact_url(url: str) -> str:
@@ -262,6 +264,9 @@ def redact_url(url: str) -> str:
     and the values of ``SECRET_OPTIONS`` replaced by ``***``. The user info is everything
     before the last ``@``, whatever it holds (a password with an unencoded ``/``, ``?`` or
     ``#`` too); unparsable text shows its scheme alone."""
+    # A secret option's value may hold an '@' (the tiers read it from the query): hidden
+    # first, so that no part of it is taken for user info below.
+    url = _SECRET_VALUE.sub(lambda m: f"{m.group(1)}***", url)
     if "://" not in url:  # not a URL: no query, no user info
         return url.split("?", 1)[0].rsplit("@", 1)[-1]
     scheme, rest = url.split("://", 1)
