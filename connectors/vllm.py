@@ -147,7 +147,8 @@ class LMTierWorkerMeta(KVConnectorWorkerMetadata):
         self.copied = dict(copied or {})
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> LMTierWorkerMeta:
-        for req_id, n in getattr(other, "copied", {}).items():
+        assert isinstance(other, LMTierWorkerMeta)
+        for req_id, n in other.copied.items():
             self.copied[req_id] = self.copied.get(req_id, 0) + n
         return self
 
@@ -164,8 +165,7 @@ class _Request:
     load_pending: bool = False
     block_ids: list[int] = field(default_factory=list)  # a model with one lane (hybrid: the cache manager's)
     saved: list[int] = field(default_factory=list)  # per lane: leading chunks known stored (hit or saved)
-    saving: bool = False  # save plans were sent: the workers copy its blocks after the step
-    plans: int = 0  # save plans sent
+    plans: int = 0  # save plans sent (the workers copy its blocks after the step)
     copied: int = 0  # ... and reported copied by the workers (each worker's report counts)
     keys: list[list[list[bytes]]] = field(default_factory=list)  # [lane][rank][chunk], grown as tokens grow
     sighted: int = 0  # chunks its first lookup found, for the workers' save policy (reuse)
@@ -309,7 +309,7 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_events: WorkerEvents | None = None
         # scheduler side
         self._requests: dict[str, _Request] = {}
-        self._workers = max(1, int(getattr(parallel, "world_size", self.tp_size) or 1))
+        self._workers = parallel.world_size  # each reports its copies (LMTierWorkerMeta)
         self._released: list[str] = []  # finished without holding their blocks, for the next step
         # worker side
         self._engine: CopyEngine | None = None  # the first lane's
@@ -497,7 +497,7 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._plan(state, req_id, cached.num_computed_tokens[i], scheduled.get(req_id, 0), meta)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             state = self._requests.get(req_id)
-            if state is not None and state.saving:
+            if state is not None and state.plans:
                 meta.fence.append(req_id)
         return meta
 
@@ -560,7 +560,6 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
                     digests=[ns.digest for ns in self.lane_namespaces[i]],
                 )
             )
-            state.saving = True
             state.plans += 1
 
     def _null_block(self) -> int:
@@ -599,7 +598,7 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
-        if state is None or not state.saving:
+        if state is None or not state.plans:
             return False, None
         if state.copied >= state.plans * self._workers:
             # Every worker has reported every copy of its blocks done (a request that

@@ -20,9 +20,10 @@ What each event says:
   tokens. A router can rebuild the prefix from the tokens alone.
 - ``medium``: ``CPU`` for the memory tier, ``STORAGE`` for a local disk, ``CPU`` for Redis
   and a cache server (memory, elsewhere). ``locality``: ``LOCAL`` for this instance's own
-  tiers, ``REMOTE`` for a tier every instance reaches. ``ownership`` names the tier:
-  ``lmtier:<url>`` (without secrets) for a shared one, the same from every instance, so
-  a router counts a shared chunk once rather than as each pod's.
+  tiers, ``REMOTE`` for a tier every instance reaches. ``ownership`` (``tier_labels``)
+  names who holds the chunks: a shared tier alike from every instance however its URL is
+  written (never a secret), so a router counts a shared chunk once rather than as each
+  pod's; a disk by host and directory; the memory tier by host and process.
 - With tensor parallelism a chunk is stored once every rank has stored its slice, and
   removed as soon as one rank has lost its own.
 - After vLLM resets its cache with the connector (a weight update), the instance has moved
@@ -60,6 +61,8 @@ from vllm.distributed.kv_events import (
 
 from lmtier import metrics
 from lmtier.tiers.base import TierURL
+from lmtier.tiers.grpc.tier import DEFAULT_PORT as GRPC_PORT
+from lmtier.tiers.redis.tier import DEFAULT_PORT as REDIS_PORT
 
 BOOK_CHUNKS = 1 << 16  # chunks whose tokens the scheduler keeps for events (~chunk_tokens x 4 bytes each)
 TENANT_SEED = b"lmtier.tenant\x00"  # what a cache server tenant's digest in ownership is seeded with
@@ -79,12 +82,12 @@ def tier_labels(url: str) -> tuple[str, str, str]:
     if scheme in ("grpc", "grpcs"):
         token = opts.get("token") or os.environ.get(opts.get("token_env", "LMTIER_TOKEN"), "")
         tenant = f"/tenant={tenant_digest(token)}" if token else ""
-        return MEDIUM_CPU, "REMOTE", f"lmtier:grpc://{_endpoints(parsed.netloc, 50051)}{tenant}"
+        return MEDIUM_CPU, "REMOTE", f"lmtier:grpc://{_endpoints(parsed.netloc, GRPC_PORT)}{tenant}"
     if scheme in SHARED_SCHEMES:  # Redis: its key space
         if scheme == "unix":
             where = f"redis+unix://{parsed.path}"
         else:
-            where = f"{scheme.replace('rediss', 'redis')}://{_endpoints(parsed.netloc, 6379)}"
+            where = f"{scheme.replace('rediss', 'redis')}://{_endpoints(parsed.netloc, REDIS_PORT)}"
         db = opts.get("db") or ("" if scheme == "unix" else parsed.path.strip("/"))
         space = [f"db={db}"] if db and db != "0" else []
         space += [f"prefix={opts['prefix']}"] if opts.get("prefix", "lmtier:") != "lmtier:" else []

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # the server streams values instead of piling a whole batch into its output buffer.
 # Measured on loopback: 1 MiB (one reply being read, the next request already sent) gave
 # 2.5-2.7 GB/s where a whole pipelined batch of 16-64 MiB gave 1.0-1.9.
+DEFAULT_PORT = 6379
 READ_WINDOW_BYTES = 1 << 20
 
 
@@ -127,7 +128,7 @@ class RedisTier(Tier):
             return cls(unix_path=url.path, context=context, **options)
         nodes = []
         for item in netloc.split(","):
-            host, _, port = item.rpartition(":") if ":" in item else (item, "", "6379")
+            host, _, port = item.rpartition(":") if ":" in item else (item, "", str(DEFAULT_PORT))
             try:
                 nodes.append((host.strip("[]") or "127.0.0.1", int(port)))
                 if not 0 < nodes[-1][1] < 65536:
