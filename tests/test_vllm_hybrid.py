@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_vllm_engine import mismatches, reference
-from test_vllm_scheduler import config_for, scheduler_for
+from test_vllm_engine import ids, mismatches, reference
+from test_vllm_scheduler import config_for, scheduler_for, tokens
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
 from vllm.sampling_params import SamplingParams
@@ -62,10 +62,6 @@ def make_scheduler(vllm_config, window: int = WINDOW) -> Scheduler:
 @pytest.fixture
 def scheduler(vllm_config) -> Scheduler:
     return make_scheduler(vllm_config)
-
-
-def tokens(n: int, seed: int = 0) -> list[int]:
-    return [int(x) for x in np.random.default_rng(seed).integers(5, 500, n)]
 
 
 def schedule(scheduler: Scheduler, prompt: list[int], req_id: str = "r"):
@@ -255,10 +251,6 @@ def test_a_group_lmtier_cannot_hold_is_refused_with_the_reason(vllm_config):
 
 
 # -- real engines ---------------------------------------------------------------------------
-def ids(n: int, seed: int) -> list[int]:
-    return [int(x) for x in np.random.default_rng(seed).integers(5, 500, n)]
-
-
 SHARED = ids(1024, 11)
 SCENARIO = [
     {"name": "doc0", "prompts": [SHARED + ids(300, 12)]},
