@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv system demo test lint wheel unit bench bench-peer gpu-check fuzz clean
+.PHONY: venv system demo test lint wheel unit user-envs bench bench-peer gpu-check fuzz clean
 
 venv:
 	@./scripts/setup-venv.sh
@@ -25,7 +25,20 @@ unit: venv system
 wheel: venv
 	@./scripts/check-wheel.sh
 
-test: lint wheel unit
+# The unit tests, then lmtier installed into engines' own environments (tests/user_envs.py),
+# whose environments are made meanwhile (downloads, mostly; reused while their recipe holds).
+test: lint wheel system
+	@mkdir -p build/userenv; \
+	$(PY) tests/user_envs.py --envs-only >build/userenv/envs.log 2>&1 & envs=$$!; \
+	$(PY) -m pytest -q $(PYTEST_ARGS); unit=$$?; \
+	wait $$envs || { cat build/userenv/envs.log; exit 1; }; \
+	$(PY) tests/user_envs.py; matrix=$$?; \
+	exit $$(( unit || matrix ))
+
+# lmtier in vLLM's and SGLang's own environments at their protobuf / grpcio versions
+# (the table in README's "Installing lmtier into an engine's environment").
+user-envs: wheel system
+	$(PY) tests/user_envs.py
 
 # Every benchmark against its same-run reference: benchmarks/results/results.{json,md}, plots.
 bench: venv system

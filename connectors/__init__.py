@@ -29,7 +29,7 @@ def announce(engine: str, tiers: tuple[str, ...], namespaces: list[Namespace], m
         root.addHandler(handler)
         root.setLevel(logging.INFO)
     first = namespaces[0]
-    identity = f"; engine identity {first.engine!r} (lmtier match --engine)" if first.engine else ""
+    identity = f"; engine identity {first.engine!r} (lmtier keys / match --engine)" if first.engine else ""
     logging.getLogger(f"lmtier.{engine}").info(
         "lmtier: %s connector: tiers %s; chunks of %d tokens (%s keys); model id %r; namespace %s "
         "(by tp rank, of %d)%s",

@@ -71,10 +71,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from lmtier import metrics
 from lmtier.chunk import Chunk, release_all
-from lmtier.config import StoreConfig, engine_config, engine_keys, resolve_chunk_tokens
+from lmtier.config import StoreConfig, resolve_chunk_tokens
 from lmtier.connectors import announce
 from lmtier.connectors.vllm_events import EventBook, LMTierKVEvents, WorkerEvents, group_specs
 from lmtier.connectors.vllm_groups import Group, groups_of, layer_index
+from lmtier.connectors.vllm_settings import EXTRA_KEYS, settings  # noqa: F401  (EXTRA_KEYS: the keys it takes)
 from lmtier.connectors.vllm_stats import Interval, LMTierPromMetrics, LMTierStats, hit_sources
 from lmtier.keys import Namespace, chunk_keys
 from lmtier.layout import KVLayout
@@ -92,9 +93,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lmtier.vllm")
 ENGINE = "vllm"  # the engine label of lmtier_engine_tokens_total
-# kv_connector_extra_config keys: the engine-side settings (lmtier.config.StoreConfig) a
-# connector takes per engine, plus the config file and the model's name in the keys.
-EXTRA_KEYS = engine_keys()
 
 SAVE_BUFFER_BYTES = 256 << 20  # bound on host memory holding chunks on their way to the store
 WINDOW_TRIES = 8  # shorter prefixes tried when a sliding-window lane lacks a hit's window
@@ -243,16 +241,18 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """With layer_loads, attention layers wait for their own layer's copy: full CUDA
-        graphs would skip those waits on replay, so vLLM must run piecewise ones."""
-        try:
-            return engine_config(dict(extra_config or {}), EXTRA_KEYS, "kv_connector_extra_config").layer_loads
-        except Exception:  # a bad config fails where the connector is made, with its message
-            return False
+        graphs would skip those waits on replay, so vLLM must run piecewise ones.
+
+        vLLM asks this while it validates its configuration (GPU engines with full CUDA
+        graphs, its default there), before any engine process starts or a model loads: the
+        one moment lmtier sees its settings that early, so they are checked here, and a bad
+        key or tier URL stops the start with lmtier's one-line ``ConfigError`` last."""
+        return settings(extra_config).layer_loads
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.config = engine_config(extra, EXTRA_KEYS, "kv_connector_extra_config")
+        self.config = settings(extra)
         if self.config.metrics_port and role == KVConnectorRole.SCHEDULER:
             metrics.export(self.config.metrics_port)
         self.block_size = vllm_config.cache_config.block_size

@@ -60,9 +60,7 @@ from vllm.distributed.kv_events import (
 )
 
 from lmtier import metrics
-from lmtier.tiers.base import TierURL
-from lmtier.tiers.grpc.tier import DEFAULT_PORT as GRPC_PORT
-from lmtier.tiers.redis.tier import DEFAULT_PORT as REDIS_PORT
+from lmtier.tiers.base import DEFAULT_PORTS, TierURL
 
 BOOK_CHUNKS = 1 << 16  # chunks whose tokens the scheduler keeps for events (~chunk_tokens x 4 bytes each)
 TENANT_SEED = b"lmtier.tenant\x00"  # what a cache server tenant's digest in ownership is seeded with
@@ -82,12 +80,12 @@ def tier_labels(url: str) -> tuple[str, str, str]:
     if scheme in ("grpc", "grpcs"):
         token = opts.get("token") or os.environ.get(opts.get("token_env", "LMTIER_TOKEN"), "")
         tenant = f"/tenant={tenant_digest(token)}" if token else ""
-        return MEDIUM_CPU, "REMOTE", f"lmtier:grpc://{_endpoints(parsed.netloc, GRPC_PORT)}{tenant}"
+        return MEDIUM_CPU, "REMOTE", f"lmtier:grpc://{_endpoints(parsed.netloc, DEFAULT_PORTS['grpc'])}{tenant}"
     if scheme in SHARED_SCHEMES:  # Redis: its key space
         if scheme == "unix":
             where = f"redis+unix://{parsed.path}"
         else:
-            where = f"{scheme.replace('rediss', 'redis')}://{_endpoints(parsed.netloc, REDIS_PORT)}"
+            where = f"{scheme.replace('rediss', 'redis')}://{_endpoints(parsed.netloc, DEFAULT_PORTS['redis'])}"
         db = opts.get("db") or ("" if scheme == "unix" else parsed.path.strip("/"))
         space = [f"db={db}"] if db and db != "0" else []
         space += [f"prefix={opts['prefix']}"] if opts.get("prefix", "lmtier:") != "lmtier:" else []

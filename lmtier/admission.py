@@ -5,6 +5,8 @@
       stores(prompt_tokens)              -> bool: is a prompt this long stored at all (min_tokens)
       admit_first(keys, prompt_tokens)   -> int: leading chunks to store in memory now
       admit_lower(keys, hits)            -> [bool]: which chunks earn a lower-tier write
+      checkpoint(keys, hits)             -> [bool]: write-back: which chunks still in memory to write now
+      let_go(keys, hits)                 write-back: memory let go of chunks written before
       write_mode                         "through" (ask admit_lower at save) or "back" (at eviction)
       stats()                            -> dict of counts, for metrics
     FrequencySketch(keys)                bounded sighting counts: add(key), estimate(key)
@@ -30,6 +32,12 @@ production trace, where plain LRU kept 0.76-0.99x). What the traces show, and wh
   chunk let go enters a ghost filter (its key, not its bytes), and a later sighting of it
   counts as a return. Unproven chunks are written while the measured return rate is at
   least ``min_reuse`` and skipped below it.
+- Write-back does not wait for the eviction to write what it will write anyway: a few
+  seconds after a chunk lands in memory the store asks ``checkpoint`` (the decision an
+  eviction would make now, without counting a let-go) and writes the chunks it admits,
+  so a process that dies (``kill -9``, a pod's stop without grace) loses only its last
+  seconds. An unproven chunk it turns away is asked again later (it may prove itself);
+  at its eviction, ``let_go`` does the ghost filter's bookkeeping for chunks already written.
 - Memory's eviction order stays LRU, each prompt's head most recent. Frequency-aware
   variants were measured and left out: TinyLFU's admission filter and LFU with aging lose
   hits to LRU on both traces (they turn away the first reuses), segmented LRU loses on the
@@ -259,21 +267,58 @@ class SavePolicy:
         out: list[bool] = []
         with self._lock:
             for key, read in zip(keys, hits, strict=True):
-                if read > 0 or self.sketch.estimate(key) >= 2:
+                if self._proven(key, read):
                     self._counts["proven"] += 1
                     out.append(True)
                     continue
-                self.ghost.add(key)
-                self._since_decay += 1
-                if self._since_decay >= self._decay_every:
-                    self._since_decay = 0
-                    self._let_go /= 2
-                    self._returned /= 2
-                self._let_go += 1
-                bet = self._returned >= self.min_reuse * self._let_go
+                self._let_go_unproven(key)
+                bet = self._betting()
                 self._counts["unproven_written" if bet else "unproven_skipped"] += 1
                 out.append(bet)
         return out
+
+    def checkpoint(self, keys: Sequence[bytes], hits: Sequence[int]) -> list[bool]:
+        """Write-back: which chunks still in memory to write to the lower tiers now, as
+        their eviction would decide now (proven, or unproven while such chunks come back),
+        so that they survive a process that dies before letting them go. Counts the writes
+        it admits, not a let-go: the chunks stay in memory (``let_go`` when they leave)."""
+        if self.sketch is None:
+            return [True] * len(keys)
+        out: list[bool] = []
+        with self._lock:
+            bet = self._betting()
+            for key, read in zip(keys, hits, strict=True):
+                proven = self._proven(key, read)
+                if proven or bet:
+                    self._counts["proven" if proven else "unproven_written"] += 1
+                out.append(proven or bet)
+        return out
+
+    def let_go(self, keys: Sequence[bytes], hits: Sequence[int]) -> None:
+        """Write-back: memory let go of chunks a checkpoint wrote down before. Nothing to
+        decide; an unproven one enters the ghost filter, so that its return still counts."""
+        if self.sketch is None:
+            return
+        with self._lock:
+            for key, read in zip(keys, hits, strict=True):
+                if not self._proven(key, read):
+                    self._let_go_unproven(key)
+
+    def _proven(self, key: bytes, read: int) -> bool:
+        return read > 0 or self.sketch.estimate(key) >= 2  # type: ignore[union-attr]
+
+    def _betting(self) -> bool:
+        """Whether unproven chunks are written: enough of those let go came back."""
+        return self._returned >= self.min_reuse * self._let_go
+
+    def _let_go_unproven(self, key: bytes) -> None:
+        self.ghost.add(key)  # type: ignore[union-attr]
+        self._since_decay += 1
+        if self._since_decay >= self._decay_every:
+            self._since_decay = 0
+            self._let_go /= 2
+            self._returned /= 2
+        self._let_go += 1
 
     # -- derived --------------------------------------------------------------------------
     @property

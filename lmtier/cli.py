@@ -1,34 +1,51 @@
 """The ``lmtier`` command: ``serve``, ``stats``, ``match``, ``inspect``, ``size``, ``keys``, ``demo``
 (and ``bench``, deprecated: it forwards to ``benchmarks/run.py``). Errors are one line on
-stderr and a non-zero exit; ``--json`` where a program reads the output.
+stderr and a non-zero exit, a missing optional dependency too (named with the extra that
+brings it); ``--json`` where a program reads the output.
 
 Longer than 400 lines: one parser for every subcommand, each a short function beside it."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from urllib.parse import quote
 
 from lmtier.config import resolve_chunk_tokens
-from lmtier.errors import LmtierError
+from lmtier.errors import LmtierError, MissingDependency
 from lmtier.keys import HASHES, Namespace
 from lmtier.layout import PRESETS, KVLayout, from_hf_config, preset
 from lmtier.sizing import plan
 from lmtier.units import format_bytes, parse_count, parse_size
 
 
+def _require(extra: str, *modules: str) -> None:
+    """Refuse a command whose optional dependencies are not installed before it starts, as
+    ``MissingDependency`` (one line naming the module and ``pip install 'lmtier[extra]'``),
+    rather than with the traceback of an import deep inside it, or minutes into it."""
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent package missing, or set to None
+            found = False
+        if not found:
+            raise MissingDependency(name, extra)
+
+
 def _layout(args: argparse.Namespace) -> KVLayout:
+    dtype = getattr(args, "dtype", None)  # inspect takes none: a chunk's dtype is in its frame
     if args.config:
-        layout = from_hf_config(args.config, dtype=args.dtype)
+        layout = from_hf_config(args.config, dtype=dtype)
     elif args.model:
         layout = preset(args.model)
     else:
         raise LmtierError(f"give --model (one of: {', '.join(sorted(PRESETS))}) or --config config.json")
-    return layout.with_dtype(args.dtype) if args.dtype else layout
+    return layout.with_dtype(dtype) if dtype else layout
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -77,9 +94,40 @@ def _read_tokens(path: str) -> list[int]:
     return tokens
 
 
+# An engine identity names its block size (vLLM on CPU: "vllm-cpu/block=64/isa=AVX512").
+_IDENTITY_BLOCK = re.compile(r"(?:^|/)block=([0-9]+)(?:/|$)")
+
+
+def _engine_identity(args: argparse.Namespace) -> str:
+    """``--engine`` as the engine's start-up line logs it (quotes and all), which also says
+    the engine's block size: the automatic chunk size is then the engine's without
+    ``--block-size``, and a ``--block-size`` that disagrees is refused."""
+    engine = args.engine.strip().strip("'\"")
+    block = _IDENTITY_BLOCK.search(engine)
+    if block:
+        if args.block_size is None:
+            args.block_size = int(block.group(1))
+        elif args.block_size != int(block.group(1)):
+            raise LmtierError(f"--engine {engine!r} is an engine with blocks of {block.group(1)} tokens, "
+                              f"not --block-size {args.block_size}")  # fmt: skip
+    return engine
+
+
+def _engine_note(args: argparse.Namespace, command: str) -> None:
+    """After a digest made without ``--engine``: a vLLM engine on CPU puts its engine
+    identity into its namespace, so its digest differs from this one, and nothing else
+    would say why or where to read the identity. A note on stderr, after the output."""
+    if not args.engine.strip():
+        print(f"lmtier {command}: note: no --engine, so this is the digest of an engine without an engine identity "
+              "(vLLM on GPU); a vLLM engine on CPU has one in its namespace and logs it at start "
+              "(\"engine identity 'vllm-cpu/block=N/isa=...'\"): pass that string as --engine for its digest",
+              file=sys.stderr)  # fmt: skip
+
+
 def _namespaces(args: argparse.Namespace, command: str) -> list[Namespace]:
     """The namespace of each tensor-parallel rank of an engine, as its connector builds
     them (each rank holds its shard of the KV heads)."""
+    engine = _engine_identity(args)
     layout = _layout(args)
     size = _chunk_tokens(args, layout)
     model = args.model
@@ -98,7 +146,7 @@ def _namespaces(args: argparse.Namespace, command: str) -> list[Namespace]:
             tp_size=args.tp_size,
             salt=args.salt,
             hash=args.hash,
-            engine=args.engine,
+            engine=engine,
         )
         for rank in range(args.tp_size)
     ]
@@ -116,7 +164,11 @@ def _namespace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--salt", default="", help="tenant / cache salt")
     p.add_argument("--hash", default="xxh3", choices=HASHES)
     p.add_argument(
-        "--engine", default="", help="the engine identity in the namespace (vLLM on CPU: vllm-cpu/block=N/isa=...)"
+        "--engine",
+        default="",
+        help="the engine identity in the namespace, as the engine logs it at start (\"engine identity '...'\"): "
+        "vLLM on CPU has one (vllm-cpu/block=N/isa=...; its block size then needs no --block-size), "
+        "on GPU none",
     )
 
 
@@ -141,6 +193,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 indent=2,
             )
         )
+        _engine_note(args, "keys")
         return 0
     print(f"namespace {ns.digest.hex()}")
     for name, value in ns.fields().items():
@@ -151,14 +204,17 @@ def cmd_keys(args: argparse.Namespace) -> int:
     )
     for i, key in enumerate(keys):
         print(f"chunk {i:>5}  tokens [{i * size}, {(i + 1) * size})  {key.hex()}")
+    _engine_note(args, "keys")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.store_only:
+        _require("torch", "torch")
         from lmtier.demo.embedded import run_demo
 
         return run_demo(tiers=args.tier or None, directory=args.dir)
+    _require("vllm", "vllm", "torch", "transformers", "tokenizers")  # the engines, and the model they load
     from lmtier.demo.vllm import run_vllm_demo
 
     return run_vllm_demo(out_dir=args.out, docs=args.docs, doc_tokens=args.doc_tokens, directory=args.dir)
@@ -167,6 +223,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
+    _require("server", "grpc", "google.protobuf")
     from lmtier.config import load_server_config, parse_token
     from lmtier.server import serve
 
@@ -199,11 +256,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _server_tier(url: str, token: str | None, timeout: float):
     """A client of a running cache server, for one call (no shared memory)."""
     from lmtier.tiers.base import TierContext, TierURL
-    from lmtier.tiers.grpc import GrpcTier
 
     parsed = TierURL.parse(url)
     if parsed.scheme not in ("grpc", "grpcs"):
         raise LmtierError(f"--server takes a grpc:// or grpcs:// URL, got {parsed.shown!r}")
+    _require("grpc", "grpc", "google.protobuf")
+    from lmtier.tiers.grpc import GrpcTier
+
     if token:  # encoded: a token may hold '+', '&' or '='
         url += ("&" if "?" in url else "?") + "token=" + quote(token, safe="")
     url += ("&" if "?" in url else "?") + f"shm=off&timeout={timeout}"
@@ -230,7 +289,8 @@ def _server_stats(url: str, token: str | None, timeout: float) -> dict:
         "server": tier.target,
         "tenant_chunks": server["tenant_chunks"],
         "chunks": server["tenant_chunks"],  # distinct: a chunk in memory and on disk is one
-        "used_bytes": sum(t["used_bytes"] for t in tiers),
+        # no sum of the tiers' bytes: a chunk in memory and on disk would count twice, and
+        # no tier holds the sum; each tier's used and capacity bytes are in "tiers"
         "hit_ratio": hits / (hits + misses) if hits + misses else None,
         "tiers": tiers,
         "config": server["config"],
@@ -269,8 +329,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     ratio = "n/a" if out["hit_ratio"] is None else f"{out['hit_ratio']:.1%}"
-    print(f"{out.get('server') or out.get('disk')}: {out['chunks']} chunks, {format_bytes(out['used_bytes'])}, "
-          f"hit ratio {ratio}")  # fmt: skip
+    if args.disk:
+        print(f"{out['disk']}: {out['chunks']} chunks, {format_bytes(out['used_bytes'])}, hit ratio {ratio}")
+    else:  # what each tier holds: a chunk may be in several, so their bytes add up to nothing held
+        held = "; ".join(f"{t['name']} holds {t['chunks']} chunks, {_bytes_of(t)}" for t in out["tiers"])
+        print(f"{out['server']}: {out['chunks']} distinct chunks, hit ratio {ratio}; {held}")
     for t in out.get("tiers", ()):
         counters = ", ".join(f"{k} {v}" for k, v in sorted(t["counters"].items()))
         print(f"  {t['name']:<10} {t['chunks']:>8} chunks  {format_bytes(t['used_bytes']):>10} of "
@@ -278,6 +341,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if out.get("config"):
         print(f"  tenant chunks {out['tenant_chunks']}; settings: {json.dumps(out['config'], sort_keys=True)}")
     return 0
+
+
+def _bytes_of(tier: dict) -> str:
+    """``1.5 MiB of 16 MiB``; a tier that reports no capacity (0) has its bytes alone."""
+    used = format_bytes(tier["used_bytes"])
+    return f"{used} of {format_bytes(tier['capacity_bytes'])}" if tier.get("capacity_bytes") else used
 
 
 def cmd_match(args: argparse.Namespace) -> int:
@@ -310,9 +379,12 @@ def cmd_match(args: argparse.Namespace) -> int:
     out = {"server": tier.target, "prompt_tokens": len(tokens), "chunk_tokens": chunk, **out}
     if args.json:
         print(json.dumps(out, indent=2))
-        return 0
-    where = ", ".join(f"{r['chunks']} in {r['tier']}" for r in out["runs"]) or "nothing"
-    print(f"{out['server']}: {out['tokens']} of {len(tokens)} tokens held ({out['chunks']} chunks of {chunk}: {where})")
+    else:
+        where = ", ".join(f"{r['chunks']} in {r['tier']}" for r in out["runs"]) or "nothing"
+        print(f"{out['server']}: {out['tokens']} of {len(tokens)} tokens held ({out['chunks']} chunks of {chunk}: "
+              f"{where})")  # fmt: skip
+    if not args.namespace:  # the digests came from --model/--config and the rest
+        _engine_note(args, "match")
     return 0
 
 
@@ -322,6 +394,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from lmtier.errors import IntegrityError
 
     root = Path(args.path)
+    model = _layout(args) if args.model or args.config else None
     frames = _disk_frames(root)
     rows, corrupt = [], []
     for key, path, offset, length in _progress(
@@ -333,7 +406,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 f.seek(offset)
                 frame = f.read(length)
             header, _ = codec.read_header(frame)
-            row["layout"] = header.layout.describe()
+            row["attention"] = _attention_of(header.layout, model)
+            row["layout"] = header.layout.describe(row["attention"])
             row["tokens"] = header.num_tokens
             if args.verify:
                 codec.decode(frame, key=key)
@@ -364,10 +438,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 1 if corrupt and not deleted else 0
 
 
+def _attention_of(stored: KVLayout, model: KVLayout | None) -> str | None:
+    """The attention kind of a stored chunk: its frame records the KV heads (of one
+    tensor-parallel rank) but not the query heads, so only MLA shows without the model;
+    with it (``--model``/``--config``), the model's kind for the chunks shaped like its own
+    or one rank's share of its KV heads."""
+    if model is None:
+        return stored.attention
+    alike = (stored.num_layers, stored.head_dim, stored.mla) == (model.num_layers, model.head_dim, model.mla)
+    return (model if alike and model.num_kv_heads % stored.num_kv_heads == 0 else stored).attention
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Deprecated: the benchmark runner lives beside the benchmarks, in a source checkout
     (``python benchmarks/run.py``); this forwards to it with the same arguments."""
     runner = next((p for p in _BENCH_RUNNERS if p.is_file()), None)
+    if runner is None and {"-h", "--help"} & set(args.bench_args):  # help needs no runner
+        args.bench_parser.print_help()
+        return 0
     if runner is None:
         raise LmtierError("the benchmarks live in a source checkout: run `python benchmarks/run.py` there")
     print("lmtier bench is deprecated: run `python benchmarks/run.py` (or `make bench`)", file=sys.stderr)
@@ -406,7 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("size", help="plan KV memory: bytes per token, per context, what each tier holds")
     _model_args(p)
-    p.add_argument("--tokens", required=True, help="context length, e.g. 8k, 128k, 100000")
+    p.add_argument(
+        "--tokens", required=True, help="context length: 100000, 100k (100,000), 1M (1,000,000) or 128Ki (131,072)"
+    )
     p.add_argument("--batch", type=int, default=1, help="concurrent contexts (default 1)")
     p.add_argument("--cpu", help="host-memory tier size, e.g. 64GiB")
     p.add_argument("--disk", help="disk tier size, e.g. 2TiB")
@@ -483,6 +573,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="list a disk tier's chunks; --verify finds corrupt ones")
     p.add_argument("path", help="the disk tier's directory")
+    p.add_argument(
+        "--model", help="the model of the chunks, a preset: names their attention kind (chunks record KV heads only)"
+    )
+    p.add_argument("--config", help="the model's Hugging Face config.json, instead of --model")
     p.add_argument("--verify", action="store_true", help="read every chunk and check its checksum")
     p.add_argument("--delete-corrupt", action="store_true", help="with --verify: delete the chunks that fail")
     p.add_argument("--limit", type=int, default=50, help="chunks listed (default 50; all are checked)")
@@ -490,8 +584,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("bench", help="deprecated: python benchmarks/run.py in a checkout", add_help=False)
-    p.set_defaults(func=cmd_bench)
+    # No options of its own (add_help=False): every argument is the runner's, --help too,
+    # which in a checkout prints the runner's options and elsewhere this parser's help.
+    p = sub.add_parser(
+        "bench",
+        help="deprecated: python benchmarks/run.py in a checkout",
+        add_help=False,
+        usage="lmtier bench [RUNNER ARGUMENT ...]",
+        description="Deprecated: runs `python benchmarks/run.py` of the source checkout lmtier was installed "
+        "from (editable), with the same arguments; `lmtier bench --help` there lists them. An installed wheel "
+        "has no benchmarks: clone the repository and run `python benchmarks/run.py` (or `make bench`).",
+    )
+    p.set_defaults(func=cmd_bench, bench_parser=p)
     return parser
 
 
@@ -510,6 +614,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (LmtierError, ValueError, OSError) as exc:
         print(f"lmtier {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # one that _require could not foresee (a dependency's own)
+        if (exc.name or "lmtier").split(".")[0] == "lmtier":
+            raise  # lmtier's own: a bug, with its traceback
+        print(
+            f"lmtier {args.command}: error: {exc.name!r}, which this command needs, is not installed", file=sys.stderr
+        )
         return 2
 
 

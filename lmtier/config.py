@@ -139,10 +139,11 @@ class StoreConfig:
     # "auto": what the save policy asks for ("back" for reuse, else "through").
     write_mode: str = setting("auto", STRING)
     # Which chunks earn a write (lmtier.admission): "always" (every chunk to every tier),
-    # "reuse" (every chunk to memory; to the lower tiers, when memory lets it go, what
-    # proved it is reused, and new chunks while such chunks measurably come back; an
-    # engine in vLLM's multiprocess mode then finds its own chunks only once they left
-    # memory), "min_tokens" ("always" for prompts of at least min_tokens tokens).
+    # "reuse" (every chunk to memory; to the lower tiers what proved it is reused, and new
+    # chunks while such chunks measurably come back, written a few seconds after they land
+    # or when memory lets them go; an engine in vLLM's multiprocess mode finds its own
+    # chunks only once they are written down), "min_tokens" ("always" for prompts of at
+    # least min_tokens tokens).
     save_policy: str = setting("always", STRING)
     # Prompts shorter than this are not stored ("min_tokens" and "reuse"; 0: no bound).
     min_tokens: int = setting(0, INTEGER)
@@ -473,7 +474,12 @@ def engine_config(extra: Mapping[str, Any], accepted: frozenset[str], where: str
     if unknown:
         raise ConfigError(f"lmtier: unknown {where} keys {unknown}; known: {sorted(accepted)}")
     store_keys = {f.name for f in fields(StoreConfig)}
-    return load_config(extra.get("config"), **{k: v for k, v in extra.items() if k in store_keys})
+    config = load_config(extra.get("config"), **{k: v for k, v in extra.items() if k in store_keys})
+    from lmtier.tiers.base import check_tier_url
+
+    for url in config.tiers:  # a URL that can never open is refused now, not when the store opens
+        check_tier_url(url)
+    return config
 
 
 def load_server_config(

@@ -95,14 +95,21 @@ class KVLayout:
         return self.bytes_per_token * chunk_tokens
 
     @property
-    def attention(self) -> str:
+    def attention(self) -> str | None:
+        """``"MHA"``, ``"GQA"``, ``"MQA"`` or ``"MLA"``, from the query heads per KV head of a
+        whole model's layout; None where the layout cannot tell. A stored chunk's layout
+        records its KV heads only (the query heads do not change a byte), and 8 KV heads are
+        MHA with 8 query heads, GQA with 64: guessing "MHA" there named Llama-3 wrongly. (A
+        tensor-parallel shard keeps the model's query heads but not its KV heads: ask of the
+        whole model.)"""
         if self.mla:
             return "MLA"
-        if self.num_kv_heads == 1:
-            return "MQA"
-        if self.num_attention_heads and self.num_attention_heads > self.num_kv_heads:
-            return "GQA"
-        return "MHA"
+        heads, kv = self.num_attention_heads, self.num_kv_heads
+        if not heads or heads < kv:
+            return None  # unknown, or not a count of query heads
+        if heads == kv:
+            return "MHA"
+        return "MQA" if kv == 1 else "GQA"
 
     # -- shapes -----------------------------------------------------------------------
     def tensor_shape(self, num_tokens: int) -> tuple[int, ...]:
@@ -165,12 +172,16 @@ class KVLayout:
         except (KeyError, TypeError) as exc:
             raise LayoutError(f"malformed layout {data!r}: {exc}") from exc
 
-    def describe(self) -> str:
+    def describe(self, attention: str | None = None) -> str:
+        """``80 layers x 8 KV heads x 128 head dim (GQA), bfloat16``: the attention kind is
+        ``attention`` when given (``lmtier inspect`` knows it from the model, not the chunk),
+        else the layout's own, and left out when neither knows it."""
+        kind = attention or self.attention
+        label = f" ({kind})" if kind else ""
         if self.mla:
-            return f"{self.num_layers} layers x {self.head_dim}-wide latent ({self.attention}), {self.dtype}"
+            return f"{self.num_layers} layers x {self.head_dim}-wide latent{label}, {self.dtype}"
         return (
-            f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} "
-            f"head dim ({self.attention}), {self.dtype}"
+            f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} head dim{label}, {self.dtype}"
         )
 
 

@@ -21,8 +21,11 @@ Policy, in one place:
   and counted. The caller never waits on a slow tier.
 - In write-back mode ``put`` writes the first tier only; a chunk it evicts is demoted to
   the lower tiers (through the same queue) instead of being lost, and ``close`` flushes
-  what the first tier still holds. Less write traffic, at the price of chunks that live
-  only in memory until evicted or flushed.
+  what the first tier still holds. So that a process that dies without closing (``kill
+  -9``, a pod stopped without grace) loses only its last seconds, not all of memory, the
+  writer also checkpoints: every ``writeback_after`` seconds it writes down the chunks
+  that have been in memory that long and that the policy would write at their eviction
+  (``SavePolicy.checkpoint``); their eviction then writes nothing.
 - What reaches the lower tiers at all is the save policy's call (``lmtier.admission``):
   ``always`` writes every chunk; ``reuse`` (write-back) writes what memory lets go once it
   has proven itself (read while resident, or seen by two requests) and new chunks only
@@ -63,6 +66,9 @@ LOAD_BATCH_BYTES = 4 << 20  # an engine's load reads this much KV per iter_get b
 _STOP = object()
 _DEMOTED = object()  # a write job's chunks: those evicted from the first tier, waiting together
 DEMOTE_BYTES = 256 << 20  # bound on evicted chunks waiting for the lower tiers (write-back)
+WRITEBACK_AFTER_S = 2.0  # write-back: a chunk only memory holds is written down after this long
+CHECKPOINT_KEYS = 4096  # chunks a checkpoint considers at most (the rest at the next one)
+CHECKPOINT_BATCH = 16  # chunks per lower-tier write of a checkpoint
 
 
 def load_batch(chunk_bytes: int) -> int:
@@ -84,6 +90,7 @@ class TieredStore:
         write_mode: str = "through",
         breaker: Callable[[], CircuitBreaker] | None = None,  # default: each tier's cooldown
         policy: SavePolicy | None = None,  # default: always
+        writeback_after: float = WRITEBACK_AFTER_S,  # write-back's checkpoint (0: off)
     ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
@@ -96,6 +103,7 @@ class TieredStore:
         if write_mode == "auto":  # the policy's choice, where the first tier allows it
             write_mode = self.policy.write_mode if self.tiers[0].capabilities.leases else "through"
         self.write_back = write_mode == "back" and len(self.tiers) > 1
+        self.writeback_after = writeback_after
         if self.write_back:
             if not self.tiers[0].capabilities.leases:
                 raise ConfigError(f"write-back needs a first tier that reports evictions (cpu://), not {tiers[0]}")
@@ -120,6 +128,7 @@ class TieredStore:
         self._demote_bytes = 0
         self._demote_queued = False
         self.events: TierEvents | None = None  # what lands in and leaves the tiers, once watched
+        self.checkpointed = 0  # chunks written down by write-back's checkpoint
 
     @classmethod
     def open(
@@ -393,6 +402,8 @@ class TieredStore:
             return kept
         if len(self.tiers) > 1 and not self.write_back:  # a first tier without leases: read back later
             self._enqueue(keys, self.tiers[1:])
+        if self.write_back and self.writeback_after:
+            self._writer()  # its thread checkpoints what memory holds
         held = self._call(first, "contains", first.contains, keys, default=0)
         # write-back: memory writes a chunk down when it lets it go, but a batch larger than
         # all of memory was never kept whole: the lower tiers get it now, or nothing does
@@ -459,16 +470,20 @@ class TieredStore:
         if chunks and targets == self.tiers[1:]:
             self._unwritten(chunks)
 
-    def _demote(self, chunk: Chunk, reads: int = 0) -> bool:
+    def _demote(self, key: bytes, reads: int, chunk: Chunk | None) -> bool:
         """The first tier's evict hook in write-back mode: queue the chunk for the lower
-        tiers, if the save policy says it earned it (``reads``: its reads in memory).
+        tiers, if the save policy says it earned it (``reads``: its reads in memory);
+        ``chunk`` None: a checkpoint wrote it down already, the policy only learns it went.
 
         One save can evict hundreds of chunks at once: they wait together (at most
         ``DEMOTE_BYTES``), written as one batch by one job of the write queue, rather than
         a job each (a queue of 64 jobs dropped most of a burst)."""
+        if chunk is None:
+            self.policy.let_go([key], [reads])
+            return False
         if self._closed:
             return False
-        if not self.policy.admit_lower([chunk.key], [reads])[0]:
+        if not self.policy.admit_lower([key], [reads])[0]:
             self.policy_skipped += 1
             return False
         with self._demote_lock:
@@ -494,8 +509,19 @@ class TieredStore:
 
     def _drain(self) -> None:
         jobs = self._jobs
+        checkpoint = self.write_back and self.writeback_after > 0
+        due = time.monotonic() + self.writeback_after
         while True:
-            job = jobs.get()
+            if checkpoint and time.monotonic() >= due:
+                try:
+                    self._checkpoint()
+                except Exception:  # the writer thread must survive anything
+                    log.exception("write-back checkpoint failed")
+                due = time.monotonic() + self.writeback_after
+            try:
+                job = jobs.get(timeout=max(0.0, due - time.monotonic())) if checkpoint else jobs.get()
+            except queue.Empty:
+                continue
             try:
                 if job is _STOP:
                     return
@@ -521,6 +547,32 @@ class TieredStore:
                 log.exception("background write failed")
             finally:
                 jobs.task_done()
+
+    def _checkpoint(self) -> None:
+        """Write-back: write down the chunks memory has held for ``writeback_after`` seconds
+        and that the policy admits now (what their eviction would write), then mark them
+        written so that their eviction writes nothing. A chunk is marked only once the
+        next tier holds it; one the policy turns away waits for the next checkpoint."""
+        if self._closed:
+            return
+        first, below = self.tiers[0], self.tiers[1]
+        pending = first.unwritten(self.writeback_after, CHECKPOINT_KEYS)
+        if not pending:
+            return
+        keys, reads = zip(*pending, strict=True)
+        wanted = [k for k, ok in zip(keys, self.policy.checkpoint(keys, reads), strict=True) if ok]
+        for start in range(0, len(wanted), CHECKPOINT_BATCH):
+            if self._closed:
+                return
+            chunks = [c for c in first.hold(wanted[start : start + CHECKPOINT_BATCH]) if c is not None]
+            try:
+                for tier in self.tiers[1:]:
+                    self._call(tier, "put", tier.put, chunks, default=None)
+            finally:
+                release_all(chunks)
+            landed = [c.key for c in chunks if self._call(below, "contains", below.contains, [c.key], default=0)]
+            first.mark_written(landed)
+            self.checkpointed += len(landed)
 
     def watch(self, limit: int = DEFAULT_EVENTS) -> TierEvents:
         """The queue of what lands in and leaves each tier (``lmtier.events``), made on the
@@ -644,6 +696,7 @@ class TieredStore:
             "tiers": tiers,
             "dropped_writes": self.dropped_writes,
             "unwritten_chunks": self.unwritten_chunks,
+            "checkpointed_chunks": self.checkpointed,
             "write_mode": "back" if self.write_back else "through",
             "policy": {**self.policy.stats(), "skipped_chunks": self.policy_skipped},
         }

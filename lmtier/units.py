@@ -1,4 +1,8 @@
-"""Parsing and printing sizes: ``8GiB``, ``500GB``, ``128k`` tokens."""
+"""Parsing and printing sizes: ``8GiB``, ``500GB``, ``128k`` tokens.
+
+One convention for both: a suffix without ``i`` is decimal (k = 1,000, M = 1,000,000), one
+with ``i`` binary (Ki = 1,024, Mi = 1,048,576). ``100k`` tokens are 100,000 tokens, as a
+model card's "100k" reads; a context of 131,072 tokens is ``128Ki``."""
 
 from __future__ import annotations
 
@@ -26,19 +30,20 @@ _BYTE_UNITS = {
     "ti": 1024**4,
     "tib": 1024**4,
 }
-# Token counts follow the usual "128k context" convention: k = 1024.
-_COUNT_UNITS = {"": 1, "k": 1024, "m": 1024**2}
+# Token counts take the size units without bytes: k, M, G decimal; Ki, Mi, Gi binary. (Counts
+# once read k as 1,024, so that 100k meant 102,400 tokens: one suffix, one meaning.)
+_COUNT_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
 _NUMBER = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def _parse(text: str | int, units: dict[str, int], what: str) -> int:
+def _parse(text: str | int, units: dict[str, int], what: str, known: str = "") -> int:
     if isinstance(text, int):
         if text < 0:
             raise ConfigError(f"{what} must not be negative: {text}")
         return text
     match = _NUMBER.match(str(text))
     if not match or match.group(2).lower() not in units:
-        known = ", ".join(sorted({u for u in units if u}))
+        known = known or ", ".join(sorted({u for u in units if u}))
         raise ConfigError(f"cannot parse {what} {text!r} (a number with one of: {known})")
     value = float(match.group(1)) * units[match.group(2).lower()]
     return round(value)
@@ -50,8 +55,9 @@ def parse_size(text: str | int) -> int:
 
 
 def parse_count(text: str | int) -> int:
-    """A token count from ``"128k"`` (131,072), ``"8k"``, ``"100000"``."""
-    return _parse(text, _COUNT_UNITS, "count")
+    """A token count from ``"100k"`` (100,000), ``"1M"`` (1,000,000), ``"128Ki"`` (131,072)
+    or ``"100000"``."""
+    return _parse(text, _COUNT_UNITS, "count", "k, M, G (powers of 1000), Ki, Mi, Gi (powers of 1024)")
 
 
 def _format(n: float, base: int, units: tuple[str, ...], digits: int) -> str:

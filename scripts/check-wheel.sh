@@ -52,7 +52,7 @@ from pathlib import Path
 
 import grpc
 import lmtier
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lmtier.server.health import SERVING, check
 
 if "wheel-check/venv" not in lmtier.__file__:
     sys.exit(f"check-wheel: lmtier imported from {lmtier.__file__}, not from the wheel's venv")
@@ -61,11 +61,8 @@ while time.monotonic() < deadline:
     found = re.search(r"listening on [^:]+:(\d+)", Path("server.log").read_text())
     if found:
         with grpc.insecure_channel(f"127.0.0.1:{found[1]}") as channel:
-            try:
-                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
-            except grpc.RpcError:
-                status = None
-        if status == health_pb2.HealthCheckResponse.SERVING:
+            status = check(channel, timeout=2)
+        if status == SERVING:
             print(f"check-wheel: lmtier serve from the wheel is serving on port {found[1]}")
             sys.exit(0)
     time.sleep(0.2)

@@ -13,6 +13,9 @@ from lmtier.chunk import Chunk
 from lmtier.keys import Namespace
 from lmtier.layout import KVLayout
 
+# Helper modules whose asserts are the tests' own: pytest shows their values on failure.
+pytest.register_assert_rewrite("manifests", "tier_contract")
+
 # tests/gpu needs a CUDA device: `make gpu-check` runs it (LMTIER_GPU_CHECK=1); the CPU
 # suite collects it only to keep it importable (test_gpu_check.py).
 collect_ignore = [] if os.environ.get("LMTIER_GPU_CHECK") else ["gpu"]

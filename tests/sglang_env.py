@@ -10,6 +10,7 @@ takes it away again, so later tests in the same process see the machine as it is
 
 from __future__ import annotations
 
+import hashlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -131,3 +132,63 @@ def page_bytes(pool, host_indices) -> list[bytes]:
         page = pool.get_data_page(int(host_indices[start]), flat=False)
         out.append(page.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
     return out
+
+
+def backend(tiers, *, mla=False, layout="page_first", pool=None, interface_v1=1, **extra):
+    """A backend made the way SGLang's cache controller makes one: the factory's
+    ``dynamic`` option, then ``register_mem_pool_host``."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    tp_rank = extra.pop("tp_rank", 0)
+    tp_size = extra.pop("tp_size", 1)
+    model = extra.pop("model", "tiny")
+    pool = pool or host_pool("mla" if mla else "mha", layout)
+    config = storage_config(
+        mla=mla,
+        page_first=layout != "layer_first",
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        model=model,
+        extra={
+            "backend_name": "lmtier",
+            "module_path": "lmtier.connectors.sglang",
+            "class_name": "LMTierStorage",
+            "interface_v1": interface_v1,
+            "tiers": list(tiers),
+            **extra,
+        },
+    )
+    storage = StorageBackendFactory.create_backend("dynamic", config, pool)
+    storage.register_mem_pool_host(pool)
+    return storage, pool
+
+
+def page_keys(n: int, seed: int = 0) -> list[str]:
+    """SGLang-style page hashes: a sha256 chain, hex."""
+    keys, prev = [], b"seed-%d" % seed
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
+        keys.append(prev.hex())
+    return keys
+
+
+def alloc(pool, pages: int):
+    indices = pool.alloc(pages * pool.page_size)
+    assert indices is not None
+    return indices
+
+
+def token_kv(pool, indices):
+    """KV of the tokens at ``indices`` read through SGLang's own per-layer views (not
+    through lmtier's page mapping): MHA [layers, K/V, tokens, heads, dim]; MLA [layers,
+    tokens, latent]."""
+    import torch
+
+    idx = indices.long()
+    if hasattr(pool, "kv_cache_dim"):
+        if pool.layout == "layer_first":
+            return pool.kv_buffer[:, idx, 0].clone()
+        return pool.kv_buffer[idx, :, 0].transpose(0, 1).clone()
+    return torch.stack(
+        [torch.stack([pool.k_data_refs[i][idx], pool.v_data_refs[i][idx]]) for i in range(pool.layer_num)]
+    )

@@ -171,6 +171,46 @@ def test_reuse_keeps_writing_unproven_chunks_that_come_back_after_eviction():
     assert all(written)
 
 
+def test_a_checkpoint_writes_what_an_eviction_would_now_and_the_let_go_still_counts():
+    """Write-back writes chunks down a few seconds after they land (so a process that dies
+    loses little): the decision is the eviction's, taken early; the let-go is counted when
+    memory really lets the chunk go, so a chunk that comes back still shows as a return."""
+    policy = SavePolicy("reuse", keys=1024)
+    keys = prompt(4)
+    policy.seen(keys)
+    assert policy.checkpoint(keys, [0, 1, 0, 0]) == [True] * 4  # bets pay at start: all written
+    assert policy.stats()["unproven_written"] == 3 and policy.stats()["proven"] == 1
+    policy.let_go(keys, [0, 1, 0, 0])  # memory lets them go later: nothing decided, nothing counted as written
+    assert policy.stats()["unproven_written"] == 3
+    assert all(k in policy.ghost for k in (keys[0], keys[2], keys[3])) and keys[1] not in policy.ghost
+    before = policy._returned
+    policy.seen(keys[:1])  # an unproven one comes back: a return, as if it had been evicted unwritten
+    assert policy._returned == before + 1
+
+
+def test_a_checkpoint_leaves_unproven_chunks_in_memory_when_bets_do_not_pay_until_they_prove_themselves():
+    policy = SavePolicy("reuse", keys=1024)
+    for _ in range(400):  # the workload shows that unproven chunks never come back
+        keys = prompt(8)
+        policy.seen(keys)
+        let_go(policy, keys)
+    assert policy.return_rate < policy.min_reuse
+    fresh = prompt(2)
+    policy.seen(fresh)
+    counts = dict(policy.stats())
+    assert policy.checkpoint(fresh, [0, 0]) == [False, False]  # not yet: asked again later
+    assert policy.stats()["unproven_skipped"] == counts["unproven_skipped"]  # a wait, not a let-go
+    assert policy.checkpoint(fresh, [1, 0]) == [True, False]  # read while resident: proven, written
+    policy.seen(fresh[1:])
+    assert policy.checkpoint(fresh[1:], [0]) == [True]  # looked up by a second request: proven
+
+
+def test_always_checkpoints_everything():
+    policy = SavePolicy("always")
+    assert policy.checkpoint(prompt(3), [0, 0, 0]) == [True] * 3
+    policy.let_go(prompt(1), [0])  # nothing to learn
+
+
 def test_concurrent_calls_from_two_threads_keep_consistent_counts():
     policy = SavePolicy("reuse", keys=4096)
     batches = [prompt(50) for _ in range(40)]

@@ -29,7 +29,7 @@ def test_demo_runs_and_checks_its_own_results():
 def test_console_script_is_installed():
     lmtier = Path(sys.executable).parent / "lmtier"
     run = subprocess.run(
-        [str(lmtier), "size", "--model", "llama-3-8b", "--tokens", "8k", "--json"],
+        [str(lmtier), "size", "--model", "llama-3-8b", "--tokens", "8Ki", "--json"],
         capture_output=True,
         text=True,
         timeout=120,

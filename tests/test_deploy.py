@@ -1,11 +1,17 @@
 """deploy/: every manifest validated offline (kubernetes-validate's bundled schemas, and
-yamllint), kustomizations that name only files that exist, and the sidecar's and the
-server's settings checked against lmtier's own configuration schema."""
+yamllint), kustomizations that name only files that exist and build (by tests/manifests.py's
+own reading of them: there is no cluster and no container engine on the CI machine) into
+resources whose every reference is met, and the sidecar's and the server's settings checked
+against lmtier's own configuration schema. The images, the users the pods run as and how
+they stop: tests/test_deploy_pods.py."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -15,13 +21,37 @@ from yamllint import linter
 from yamllint.config import YamlLintConfig
 
 from lmtier import metrics
-from lmtier.config import Config, load
-from lmtier.tiers.base import TierURL
+from lmtier.tiers.base import TierURL, tier_class
 from lmtier.units import parse_size
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-K8S = DEPLOY / "k8s"
-MANIFESTS = sorted(K8S.rglob("*.yaml"))
+from manifests import (
+    DEPLOY,
+    K8S,
+    KUSTOMIZATIONS,
+    MANIFESTS,
+    MERGE_KEYS,
+    PATCHES,
+    built,
+    config_of,
+    container_named,
+    containers,
+    documents,
+    find,
+    hosts,
+    in_build,
+    kustomize,
+    lmtier_config,
+    memory_tier,
+    mounts_of,
+    network_tiers,
+    one,
+    pod_spec,
+    ports_of,
+    references,
+    service_for,
+    what_you_create,
+)
+
 K8S_VERSION = "1.33"
 LINT = YamlLintConfig(
     "extends: default\n"
@@ -31,10 +61,6 @@ LINT = YamlLintConfig(
     "  comments: {min-spaces-from-content: 1}\n"
 )
 OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor"}  # CRDs: no bundled schema, checked below
-
-
-def documents(path: Path) -> list[dict]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
 def test_there_are_manifests_for_each_part():
@@ -48,59 +74,21 @@ def test_manifests_pass_yamllint_and_the_kubernetes_schemas(path):
     assert not problems, "\n".join(f"{path}:{p.line}: {p.message}" for p in problems)
     for doc in documents(path):
         if doc["kind"] == "Kustomization":
-            for ref in doc.get("resources", []):
+            for ref in [*doc.get("resources", []), *(p["path"] for p in doc.get("patches", []) if "path" in p)]:
                 assert (path.parent / ref).exists(), f"{path} names {ref}, which does not exist"
             continue
+        if path.resolve() in PATCHES:
+            continue  # a patch: test_every_kustomization_builds_valid_resources validates the result
         if doc["kind"] in OPERATOR_KINDS:
             assert doc["apiVersion"] == "monitoring.coreos.com/v1"
             continue
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
-def _one(kind: str, directory: str) -> dict:
-    found = [d for p in sorted((K8S / directory).glob("*.yaml")) for d in documents(p) if d["kind"] == kind]
-    assert len(found) == 1, (kind, directory)
-    return found[0]
-
-
-def _config(directory: str, name: str, tmp_path: Path) -> Config:
-    """Load a ConfigMap's lmtier.yaml with lmtier's own loader: unknown keys or bad values
-    fail here as they would in the pod."""
-    cm = _one("ConfigMap", directory)
-    assert cm["metadata"]["name"] == name
-    path = tmp_path / "lmtier.yaml"
-    path.write_text(cm["data"]["lmtier.yaml"])
-    data = yaml.safe_load(path.read_text())
-    token_file = data.get("server", {}).pop("token_file", None)
-    if token_file:  # a Secret in the pod; a stand-in here
-        (tmp_path / "tokens").write_text("secret=tenant\n")
-        data["server"]["token_file"] = str(tmp_path / "tokens")
-        path.write_text(yaml.safe_dump(data))
-    return load(path, env={})
-
-
-def _container(pod_spec: dict, name: str) -> dict:
-    return next(c for c in pod_spec["containers"] if c["name"] == name)
-
-
-def _ports(container: dict) -> dict[str, int]:
-    return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
-
-
-def _mounts(container: dict) -> dict[str, str]:
-    return {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
-
-
-def _memory_tier(tiers) -> int:
-    url = TierURL.parse(tiers[0])
-    assert url.scheme == "cpu"
-    return parse_size(url.options["size"])
-
-
 def test_the_sidecar_agrees_with_lmtiers_configuration(tmp_path):
-    cfg = _config("sidecar", "lmtier-sidecar", tmp_path)
-    pod = _one("Deployment", "sidecar")["spec"]["template"]["spec"]
-    engine, sidecar = _container(pod, "vllm"), _container(pod, "lmtier")
+    cfg = config_of("sidecar", "lmtier-sidecar", tmp_path)
+    pod = one("Deployment", "sidecar")["spec"]["template"]["spec"]
+    engine, sidecar = container_named(pod, "vllm"), container_named(pod, "lmtier")
     volumes = {v["name"]: v for v in pod["volumes"]}
 
     # the connector: its settings parse, and it reads the mounted config file
@@ -113,8 +101,8 @@ def test_the_sidecar_agrees_with_lmtiers_configuration(tmp_path):
     extra = transfer["kv_connector_extra_config"]
     assert set(extra) <= EXTRA_KEYS
     config_dir = str(Path(extra["config"]).parent)
-    assert volumes[_mounts(engine)[config_dir]]["configMap"]["name"] == "lmtier-sidecar"
-    assert volumes[_mounts(sidecar)[config_dir]]["configMap"]["name"] == "lmtier-sidecar"
+    assert volumes[mounts_of(engine)[config_dir]]["configMap"]["name"] == "lmtier-sidecar"
+    assert volumes[mounts_of(sidecar)[config_dir]]["configMap"]["name"] == "lmtier-sidecar"
     assert sidecar["args"] == ["--config", extra["config"]]
 
     # the engine's last tier is this sidecar, on loopback, on the port it listens on
@@ -122,46 +110,46 @@ def test_the_sidecar_agrees_with_lmtiers_configuration(tmp_path):
     remote = TierURL.parse(cfg.store.tiers[-1])
     assert remote.scheme == "grpc" and remote.netloc == f"127.0.0.1:{server.port}"
     assert server.host == "127.0.0.1"
-    assert _ports(sidecar)["grpc"] == server.port
-    assert _ports(sidecar)["metrics"] == server.metrics_port
-    assert _ports(engine)["engine-metrics"] == cfg.store.metrics_port
+    assert ports_of(sidecar)["grpc"] == server.port
+    assert ports_of(sidecar)["metrics"] == server.metrics_port
+    assert ports_of(engine)["engine-metrics"] == cfg.store.metrics_port
     assert sidecar["readinessProbe"]["grpc"]["port"] == server.port
 
     # same-host fast path: one memory-backed /dev/shm in both containers, large enough
     # for the sidecar's memory tier (which lives there with a single tenant)
     assert server.shm_dir == "/dev/shm" and not server.tokens
-    shm = volumes[_mounts(engine)["/dev/shm"]]
-    assert _mounts(sidecar)["/dev/shm"] == _mounts(engine)["/dev/shm"]
+    shm = volumes[mounts_of(engine)["/dev/shm"]]
+    assert mounts_of(sidecar)["/dev/shm"] == mounts_of(engine)["/dev/shm"]
     assert shm["emptyDir"]["medium"] == "Memory"
-    assert parse_size(shm["emptyDir"]["sizeLimit"]) > _memory_tier(server.tiers)
-    assert pod["securityContext"]["runAsUser"] and "runAsUser" not in sidecar.get("securityContext", {})
+    assert parse_size(shm["emptyDir"]["sizeLimit"]) > memory_tier(server.tiers)
+    assert pod["securityContext"]["runAsUser"] is not None  # one user: see test_..._run_as_one_user
 
     # the disk tier lies on the node-local NVMe volume
     disk = TierURL.parse(server.tiers[-1])
     assert disk.scheme == "file"
-    mount = next(m for m in _mounts(sidecar) if disk.path.startswith(m + "/") or disk.path == m)
-    assert "hostPath" in volumes[_mounts(sidecar)[mount]]
+    mount = next(m for m in mounts_of(sidecar) if disk.path.startswith(m + "/") or disk.path == m)
+    assert "hostPath" in volumes[mounts_of(sidecar)[mount]]
 
     # the memory limit covers the memory tier
-    assert parse_size(sidecar["resources"]["limits"]["memory"]) >= _memory_tier(server.tiers) + (512 << 20)
+    assert parse_size(sidecar["resources"]["limits"]["memory"]) >= memory_tier(server.tiers) + (512 << 20)
 
 
 def test_the_server_agrees_with_lmtiers_configuration(tmp_path):
-    cfg = _config("server", "lmtier-server", tmp_path).server
-    sts = _one("StatefulSet", "server")
+    cfg = config_of("server", "lmtier-server", tmp_path).server
+    sts = one("StatefulSet", "server")
     pod = sts["spec"]["template"]["spec"]
-    server = _container(pod, "lmtier")
-    assert _ports(server) == {"grpc": cfg.port, "metrics": cfg.metrics_port}
+    server = container_named(pod, "lmtier")
+    assert ports_of(server) == {"grpc": cfg.port, "metrics": cfg.metrics_port}
     assert server["readinessProbe"]["grpc"]["port"] == cfg.port
-    assert parse_size(server["resources"]["limits"]["memory"]) >= _memory_tier(cfg.tiers) + (512 << 20)
+    assert parse_size(server["resources"]["limits"]["memory"]) >= memory_tier(cfg.tiers) + (512 << 20)
     disk = TierURL.parse(cfg.tiers[-1])
     claim = sts["spec"]["volumeClaimTemplates"][0]
-    assert _mounts(server)[disk.path] == claim["metadata"]["name"]
+    assert mounts_of(server)[disk.path] == claim["metadata"]["name"]
     assert parse_size(claim["spec"]["resources"]["requests"]["storage"]) >= parse_size(disk.options["size"])
     assert cfg.host == "0.0.0.0" and cfg.shm_dir == ""
-    service = _one("Service", "server")
+    service = one("Service", "server")
     assert service["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
-    monitor = _one("ServiceMonitor", "monitoring")
+    monitor = one("ServiceMonitor", "monitoring")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -203,15 +191,13 @@ def test_the_readme_lists_every_setting():
     assert not missing, f"settings missing from the README's table: {missing}"
 
 
-def test_the_image_build_stage_has_all_it_needs_to_build_a_wheel_with_the_server(tmp_path):
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "engine.Dockerfile"])
+def test_the_image_build_stage_has_all_it_needs_to_build_a_wheel_with_the_server(dockerfile, tmp_path):
     """What the Dockerfile copies into its build stage, and nothing else, builds a wheel
-    that holds the server (Docker itself is not needed to check that)."""
-    import shutil
-    import subprocess
-    import sys
+    that holds the server and the connectors (Docker itself is not needed to check that)."""
     import zipfile
 
-    text = (DEPLOY / "Dockerfile").read_text()
+    text = (DEPLOY / dockerfile).read_text()
     build_stage = text.split("\nFROM ")[1]  # the first stage, after the header comments
     context = tmp_path / "src"
     context.mkdir()
@@ -234,3 +220,164 @@ def test_the_image_build_stage_has_all_it_needs_to_build_a_wheel_with_the_server
     (wheel,) = tmp_path.glob("lmtier-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "lmtier/server/app.py" in names and "lmtier/connectors/vllm.py" in names
+
+
+def test_kustomizations_are_read_in_full():
+    """Each kustomization builds here, and its resources name what exists."""
+    assert {k.name for k in KUSTOMIZATIONS} >= {"server", "sidecar", "redis-cluster", "monitoring", "production"}
+    for directory in KUSTOMIZATIONS:
+        assert kustomize(directory), directory
+
+
+@pytest.mark.skipif(not (shutil.which("kustomize") or shutil.which("kubectl")), reason="no kustomize here")
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(K8S)))
+def test_the_kustomize_reading_agrees_with_kubectl(directory):
+    command = ["kustomize", "build"] if shutil.which("kustomize") else ["kubectl", "kustomize"]
+    out = subprocess.run([*command, str(directory)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+    def key(d: dict) -> tuple:
+        return d["kind"], d["metadata"].get("namespace", ""), d["metadata"]["name"]
+
+    real = sorted((d for d in yaml.safe_load_all(out.stdout) if d), key=key)
+    assert [_unordered(d) for d in sorted(kustomize(directory), key=key)] == [_unordered(d) for d in real]
+
+
+def _unordered(value):
+    """``value`` with each list merged by key sorted on it: a strategic merge moves the
+    items a patch names to the front of their list, which means nothing to Kubernetes."""
+    if isinstance(value, dict):
+        return {
+            k: sorted((_unordered(i) for i in v), key=lambda i: str(i[MERGE_KEYS[k]]))
+            if k in MERGE_KEYS and isinstance(v, list)
+            else _unordered(v)
+            for k, v in value.items()
+        }
+    return [_unordered(i) for i in value] if isinstance(value, list) else value
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(K8S)))
+def test_every_kustomization_builds_valid_resources(directory):
+    for doc in kustomize(directory):
+        if doc["kind"] in OPERATOR_KINDS:
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(K8S)))
+def test_everything_referred_to_is_created_by_the_build_or_by_the_user(directory, tmp_path):
+    """Each ConfigMap, Secret and Service a manifest names (env, envFrom, volumes, a
+    StatefulSet's Service, hostnames in lmtier.yaml and in commands) is made by the
+    kustomization that deploys it, or is in deploy/README.md's "What you create", with
+    the keys used and in the namespace used; so is each namespace."""
+    docs = kustomize(directory)
+    theirs = what_you_create()
+
+    def met(kind: str, name: str, key: str | None, namespace: str | None, who: str) -> None:
+        made = find(docs, kind, name)
+        if made is not None:
+            assert made["metadata"].get("namespace") == namespace, f"{who}: {kind} {name} is in another namespace"
+            if key is not None:
+                assert key in {**made.get("data", {}), **made.get("stringData", {})}, f"{who}: {kind} {name}: no {key}"
+            return
+        assert (kind, name) in theirs, f"{who} needs the {kind} {name}: make it here or list it in deploy/README.md"
+        documented = theirs[(kind, name)]
+        if namespace is not None:
+            assert documented["namespace"] == namespace, f"deploy/README.md creates {kind} {name} in another namespace"
+        if key is not None:
+            assert key in documented["keys"], f"{who} reads key {key} of {kind} {name}; deploy/README.md makes none"
+
+    for doc in docs:
+        namespace = doc["metadata"].get("namespace")
+        who = f"{directory.name}: {doc['kind']} {doc['metadata']['name']}"
+        if namespace is not None:
+            met("Namespace", namespace, None, None, who)
+        for kind, name, key in references(doc):
+            met(kind, name, key, namespace, who)
+        if doc["kind"] == "ConfigMap" and "lmtier.yaml" in doc.get("data", {}):
+            for url in network_tiers(lmtier_config(doc, tmp_path)):
+                for host, port in hosts(url):
+                    if host not in ("127.0.0.1", "localhost", "[::1]"):
+                        service_for(docs, host, port, namespace)
+        # a StatefulSet's pods by name: POD-N.SERVICE in a command (the Redis Cluster's Job)
+        for sts in (d for d in docs if d["kind"] == "StatefulSet"):
+            name = sts["metadata"]["name"]
+            for container in containers(doc):
+                text = " ".join([*container.get("command", []), *container.get("args", [])])
+                for index, service in re.findall(rf"\b{re.escape(name)}-(\d+)\.([a-z0-9-]+)", text):
+                    assert int(index) < sts["spec"]["replicas"], f"{who}: {name}-{index} does not exist"
+                    assert service == sts["spec"]["serviceName"], f"{who}: {name}'s pods are under {service}"
+                    met("Service", service, None, namespace, who)
+
+
+def test_what_you_create_is_what_the_overlay_reads():
+    """The production overlay's tokens: the server's file and the sidecars' token come from
+    the one Secret the README creates, in the overlay's namespace, with the keys used."""
+    docs = built("overlays/production")
+    namespace = yaml.safe_load((K8S / "overlays/production/kustomization.yaml").read_text())["namespace"]
+    secret = what_you_create()[("Secret", "lmtier-tokens")]
+    assert secret["namespace"] == namespace and secret["keys"] == {"tokens", "sidecar-token"}
+    assert ("Namespace", namespace) in what_you_create()
+    server = in_build(docs, "StatefulSet", "lmtier-server")
+    assert ("Secret", "lmtier-tokens", "tokens") in references(server)
+    sidecar = in_build(docs, "Deployment", "vllm-lmtier")
+    env = {v["name"]: v for v in container_named(pod_spec(sidecar), "lmtier").get("env", [])}
+    assert env["LMTIER_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "lmtier-tokens", "key": "sidecar-token"}
+    # nothing committed holds a token: no Secret is in any build
+    assert not [d for k in KUSTOMIZATIONS for d in kustomize(k) if d["kind"] == "Secret"]
+
+
+def test_the_server_reads_its_tokens_from_the_mounted_secret():
+    server = one("StatefulSet", "server")["spec"]["template"]["spec"]
+    cm = one("ConfigMap", "server")
+    token_file = yaml.safe_load(cm["data"]["lmtier.yaml"])["server"]["token_file"]
+    volumes = {v["name"]: v for v in server["volumes"]}
+    mount = next(
+        m for m in container_named(server, "lmtier")["volumeMounts"] if token_file.startswith(m["mountPath"] + "/")
+    )
+    item = token_file[len(mount["mountPath"]) + 1 :]
+    secret = volumes[mount["name"]]["secret"]
+    assert {"key": "tokens", "path": item} in secret["items"]
+    assert "tokens" in what_you_create()[("Secret", secret["secretName"])]["keys"]
+
+
+# -- the production overlay: the sidecars reach what the overlay deploys -------------------------
+def test_the_production_sidecars_use_the_overlays_redis_cluster_and_shared_server(tmp_path):
+    docs = built("overlays/production")
+    namespace = yaml.safe_load((K8S / "overlays/production/kustomization.yaml").read_text())["namespace"]
+    cm = in_build(docs, "ConfigMap", "lmtier-sidecar")
+    cfg = lmtier_config(cm, tmp_path)
+
+    # the engine still ends at its sidecar, on loopback; the sidecar's tiers go on
+    engine_last = TierURL.parse(cfg.store.tiers[-1])
+    assert engine_last.scheme == "grpc" and engine_last.netloc == f"127.0.0.1:{cfg.server.port}"
+    tiers = {TierURL.parse(u).scheme: TierURL.parse(u) for u in cfg.server.tiers}
+    assert list(tiers)[:2] == ["cpu", "file"]  # the node's own tiers first
+    for url in tiers.values():
+        assert set(url.options) <= set(tier_class(url.scheme).OPTIONS), url.url
+
+    def serves(service: dict, workload: dict) -> bool:
+        return service["spec"]["selector"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+
+    # Redis Cluster: its headless Service, in the overlay's namespace, on the Redis port
+    redis = in_build(docs, "StatefulSet", "redis-cluster")
+    for host, port in hosts(tiers["redis+cluster"]):
+        service = service_for(docs, host, port, namespace)
+        assert serves(service, redis) and service["metadata"]["namespace"] == namespace
+        assert port == ports_of(container_named(pod_spec(redis), "redis"))["redis"]
+
+    # the shared server: its Service and gRPC port, the token from the Secret
+    server = in_build(docs, "StatefulSet", "lmtier-server")
+    ((host, port),) = hosts(tiers["grpc"])
+    service = service_for(docs, host, port, namespace)
+    assert serves(service, server) and service["metadata"]["namespace"] == namespace
+    target = next(p["targetPort"] for p in service["spec"]["ports"] if p["port"] == port)
+    assert (
+        ports_of(container_named(pod_spec(server), "lmtier"))[target]
+        == lmtier_config(in_build(docs, "ConfigMap", "lmtier-server"), tmp_path).server.port
+    )
+    token_env = tiers["grpc"].options.get("token_env", "LMTIER_TOKEN")
+    sidecar = container_named(pod_spec(in_build(docs, "Deployment", "vllm-lmtier")), "lmtier")
+    assert token_env in {v["name"] for v in sidecar["env"]} and "token" not in tiers["grpc"].options
+    assert "readinessProbe" not in sidecar  # a shared tier down must not take the engines out of service

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from concurrent import futures
@@ -18,7 +19,7 @@ def test_generated_code_is_not_stale(tmp_path):
     subprocess.run(
         ["bash", str(ROOT / "scripts" / "gen-protos.sh"), str(tmp_path)],
         check=True,
-        env={"PY": sys.executable, "PATH": "/usr/bin:/bin"},
+        env={**os.environ, "PYTHON": sys.executable},  # the pinned compiler's venv is made from it once
         capture_output=True,
     )
     fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
@@ -77,27 +78,23 @@ def test_the_generated_service_round_trips_over_a_real_server_on_port_0():
         server.stop(grace=None)
 
 
-def test_the_declared_dependency_floors_admit_only_runtimes_the_generated_code_accepts():
-    """The generated modules refuse an older grpcio or protobuf at import: the extras that
-    install them must not promise less (a user pinned below would crash at import)."""
+def test_the_declared_dependency_floors_are_exactly_what_the_generated_code_declares():
+    """The extras go into engines' environments: their floors are the generated code's own
+    (no higher, or an engine's older protobuf or grpcio would be moved; no lower, or a user
+    pinned below would get code that does not load), with no upper bound for a newer
+    engine to trip over. The generated message module carries no runtime version check."""
     import re
     import tomllib
 
     generated = (ROOT / "lmtier" / "v1" / "cache_pb2.py").read_text()
-    protobuf = tuple(int(x) for x in re.search(r"Protobuf Python Version: (\d+)\.(\d+)\.(\d+)", generated).groups())
+    assert "ValidateProtobufRuntimeVersion" not in generated, "regenerate with scripts/gen-protos.sh's pinned compiler"
+    protobuf = re.search(r"Protobuf Python Version: ([\d.]+)", generated)[1]
     grpc_text = (ROOT / "lmtier" / "v1" / "cache_pb2_grpc.py").read_text()
-    grpcio = tuple(int(x) for x in re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_text)[1].split("."))
+    grpcio = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_text)[1]
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    checked = 0
-    for extra, requirements in extras.items():
-        for requirement in requirements:
-            name, spec = re.match(r"([A-Za-z0-9_.-]+)(.*)", requirement).groups()
-            floor = re.search(r">=([\d.]+)", spec)
-            floor = tuple(int(x) for x in floor[1].split(".")) if floor else ()
-            if name == "protobuf":
-                assert floor >= protobuf and f"<{protobuf[0] + 1}" in spec, (extra, requirement)
-                checked += 1
-            elif name.startswith("grpcio") and name != "grpcio-tools":
-                assert floor >= grpcio, (extra, requirement)
-                checked += 1
-    assert checked >= 6
+    for extra in ("grpc", "server"):
+        assert sorted(extras[extra]) == sorted([f"grpcio>={grpcio}", f"protobuf>={protobuf}"]), extra
+    for requirement in extras["dev"]:
+        name, spec = re.match(r"([A-Za-z0-9_.-]+)(.*)", requirement).groups()
+        if name in ("protobuf", "grpcio"):
+            assert spec == f">={protobuf if name == 'protobuf' else grpcio}", requirement

@@ -4,7 +4,6 @@ MHA and MLA, every lmtier tier, two processes sharing, and damaged or missing ch
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ from lmtier.testing.redis_server import RedisServer
 
 import sglang_env
 from conftest import flip_byte
+from sglang_env import alloc, backend, page_keys, token_kv
 
 HERE = Path(__file__).parent
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
@@ -34,64 +34,6 @@ def _sglang():
     sglang_env.use()
     yield
     sglang_env.unuse()
-
-
-def backend(tiers, *, mla=False, layout="page_first", pool=None, interface_v1=1, **extra):
-    """A backend made the way SGLang's cache controller makes one: the factory's
-    ``dynamic`` option, then ``register_mem_pool_host``."""
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
-    tp_rank = extra.pop("tp_rank", 0)
-    tp_size = extra.pop("tp_size", 1)
-    model = extra.pop("model", "tiny")
-    pool = pool or sglang_env.host_pool("mla" if mla else "mha", layout)
-    config = sglang_env.storage_config(
-        mla=mla,
-        page_first=layout != "layer_first",
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        model=model,
-        extra={
-            "backend_name": "lmtier",
-            "module_path": "lmtier.connectors.sglang",
-            "class_name": "LMTierStorage",
-            "interface_v1": interface_v1,
-            "tiers": list(tiers),
-            **extra,
-        },
-    )
-    storage = StorageBackendFactory.create_backend("dynamic", config, pool)
-    storage.register_mem_pool_host(pool)
-    return storage, pool
-
-
-def page_keys(n: int, seed: int = 0) -> list[str]:
-    """SGLang-style page hashes: a sha256 chain, hex."""
-    keys, prev = [], b"seed-%d" % seed
-    for i in range(n):
-        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
-        keys.append(prev.hex())
-    return keys
-
-
-def alloc(pool, pages: int) -> torch.Tensor:
-    indices = pool.alloc(pages * pool.page_size)
-    assert indices is not None
-    return indices
-
-
-def token_kv(pool, indices) -> torch.Tensor:
-    """KV of the tokens at ``indices`` read through SGLang's own per-layer views (not
-    through lmtier's page mapping): MHA [layers, K/V, tokens, heads, dim]; MLA [layers,
-    tokens, latent]."""
-    idx = indices.long()
-    if hasattr(pool, "kv_cache_dim"):
-        if pool.layout == "layer_first":
-            return pool.kv_buffer[:, idx, 0].clone()
-        return pool.kv_buffer[idx, :, 0].transpose(0, 1).clone()
-    return torch.stack(
-        [torch.stack([pool.k_data_refs[i][idx], pool.v_data_refs[i][idx]]) for i in range(pool.layer_num)]
-    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -378,15 +320,16 @@ def run_worker(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("tier", ["disk", "redis"])
 @pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_two_processes_share_pages(request, tmp_path, tier, kind):
-    url = f"file://{tmp_path}/l3?size=64MiB" if tier == "disk" else request.getfixturevalue("redis_server").url
-    if tier == "redis":
-        request.getfixturevalue("redis_server").call("FLUSHALL")
-    wrote = run_worker("set", url, kind, "page_first", "11")
-    read = run_worker("get", url, kind, "layer_first", "11")
+def test_two_processes_share_pages(redis_server, tmp_path, kind):
+    """One process stores pages through a disk tier and Redis; another, with another host
+    layout, reads them through each tier alone."""
+    redis_server.call("FLUSHALL")
+    urls = f"file://{tmp_path}/l3?size=64MiB,{redis_server.url}"
+    wrote = run_worker("set", urls, kind, "page_first", "11")
+    read = run_worker("get", urls, kind, "layer_first", "11")
     assert wrote["results"] == [True] * 8
-    assert read["exists"] == 8
-    assert read["results"] == [True] * 8
-    assert read["canonical_sha256"] == wrote["canonical_sha256"]
+    for tier in read["tiers"]:  # the disk, then Redis
+        assert tier["exists"] == 8
+        assert tier["results"] == [True] * 8
+        assert tier["canonical_sha256"] == wrote["canonical_sha256"]

@@ -23,11 +23,12 @@ def size_json(capsys, *args: str) -> dict:
 @pytest.mark.parametrize(
     ("model", "per_token", "tokens", "total"),
     [
-        ("llama-3-8b", 128 * KiB, "8k", 1 * GiB),
-        ("llama-3-8b", 128 * KiB, "128k", 16 * GiB),
-        ("llama-3-70b", 327_680, "8k", int(2.5 * GiB)),
-        ("llama-3-70b", 320 * KiB, "128k", 40 * GiB),
-        ("llama-3-405b", 504 * KiB, "1k", 504 * KiB * 1024),
+        ("llama-3-8b", 128 * KiB, "8Ki", 1 * GiB),
+        ("llama-3-8b", 128 * KiB, "128Ki", 16 * GiB),
+        ("llama-3-70b", 327_680, "8Ki", int(2.5 * GiB)),
+        ("llama-3-70b", 320 * KiB, "128Ki", 40 * GiB),
+        ("llama-3-405b", 504 * KiB, "1Ki", 504 * KiB * 1024),
+        ("llama-3-70b", 320 * KiB, "100k", 100_000 * 320 * KiB),
         ("mistral-7b", 512 * KiB, "4096", 2 * GiB),
         ("llama-2-7b", 512 * KiB, "4096", 2 * GiB),
     ],
@@ -61,7 +62,7 @@ def test_batch_and_tier_capacities(capsys):
         "--model",
         "llama-3-70b",
         "--tokens",
-        "128k",
+        "128Ki",
         "--batch",
         "4",
         "--cpu",
@@ -82,7 +83,7 @@ def test_batch_and_tier_capacities(capsys):
 
 
 def test_text_output_names_every_figure(capsys):
-    assert main(["size", "--model", "llama-3-8b", "--tokens", "8k", "--cpu", "8GiB"]) == 0
+    assert main(["size", "--model", "llama-3-8b", "--tokens", "8Ki", "--cpu", "8GiB"]) == 0
     text = capsys.readouterr().out
     for fragment in ("128 KiB", "131,072 B", "1 GiB", "8,192 tokens", "tier cpu", "65,536 tokens"):
         assert fragment in text
@@ -178,8 +179,67 @@ def test_units():
     assert parse_size("8GiB") == 8 * GiB
     assert parse_size("500GB") == 500 * 10**9
     assert parse_size("1.5MiB") == 3 * 512 * KiB
-    assert parse_count("128k") == 131_072
     assert parse_count("100000") == 100_000
+
+
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [
+        ("100k", 100_000),  # once 102,400: k read as 1,024 for tokens and as 1,000 for bytes
+        ("128k", 128_000),
+        ("8K", 8_000),
+        ("1.5k", 1_500),
+        ("1M", 1_000_000),
+        ("2m", 2_000_000),
+        ("128Ki", 131_072),
+        ("8ki", 8_192),
+        ("1Mi", 1_048_576),
+        ("100000", 100_000),
+    ],
+)
+def test_token_counts_are_decimal_unless_written_binary(capsys, text, tokens):
+    assert parse_count(text) == tokens
+    assert size_json(capsys, "--model", "llama-3-8b", "--tokens", text)["tokens"] == tokens
+
+
+def test_byte_sizes_keep_their_units_and_counts_take_no_bytes(capsys):
+    assert (parse_size("1k"), parse_size("1KB"), parse_size("1KiB"), parse_size("1Ki")) == (1000, 1000, 1024, 1024)
+    assert parse_size("2TiB") == 2 * 1024**4 and parse_size("2TB") == 2 * 10**12
+    assert main(["size", "--model", "llama-3-8b", "--tokens", "8KiB"]) == 2
+    assert "k, M, G (powers of 1000), Ki, Mi, Gi (powers of 1024)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "kind"),
+    [(64, 8, "GQA"), (16, 2, "GQA"), (32, 32, "MHA"), (32, None, "MHA"), (32, 1, "MQA"), (1, 1, "MHA")],
+)
+def test_size_names_the_attention_of_a_hugging_face_config(tmp_path, capsys, heads, kv_heads, kind):
+    config = {"num_hidden_layers": 4, "num_attention_heads": heads, "hidden_size": 64 * heads}
+    if kv_heads:
+        config["num_key_value_heads"] = kv_heads
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert size_json(capsys, "--config", str(path), "--tokens", "1k")["attention"] == kind
+    assert main(["size", "--config", str(path), "--tokens", "1k"]) == 0
+    assert f"head dim ({kind})" in capsys.readouterr().out.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("model", "kind"), [("llama-3-70b", "GQA"), ("qwen2.5-7b", "GQA"), ("llama-2-7b", "MHA"), ("deepseek-v3", "MLA")]
+)
+def test_size_names_the_attention_of_a_preset(capsys, model, kind):
+    assert size_json(capsys, "--model", model, "--tokens", "1k")["attention"] == kind
+    assert preset(model).attention == kind and f"({kind})" in preset(model).describe()
+
+
+def test_a_layout_without_query_heads_names_no_attention_kind():
+    """A stored chunk's layout has its KV heads only: 8 of them are MHA or GQA, no telling."""
+    stored = KVLayout(80, 8, 128)
+    assert stored.attention is None
+    assert stored.describe() == "80 layers x 8 KV heads x 128 head dim, bfloat16"
+    assert stored.describe("GQA") == "80 layers x 8 KV heads x 128 head dim (GQA), bfloat16"
+    assert KVLayout(4, 1, 64).attention is None  # one KV head: MQA, or one rank's share of GQA
+    assert KVLayout(61, 1, 576, mla=True).attention == "MLA"
 
 
 def test_plan_of_a_tensor_parallel_rank():

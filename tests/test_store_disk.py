@@ -94,7 +94,7 @@ def test_a_slow_disk_never_blocks_put_and_what_overflows_is_counted(tmp_path):
 
 def test_write_back_demotes_evicted_chunks_and_flushes_the_rest_on_close(tmp_path):
     hot, disk = cpu(3), DiskTier(tmp_path, size=FRAME_ROOM)
-    store = TieredStore([hot, disk], write_mode="back")
+    store = TieredStore([hot, disk], write_mode="back", writeback_after=0)  # eviction and close only
     prompts = [make_prompt(2, seed=s) for s in range(4)]
     for p in prompts:
         store.put(p.chunks())
@@ -115,7 +115,7 @@ def test_write_back_demotes_evicted_chunks_and_flushes_the_rest_on_close(tmp_pat
 
 def test_write_back_with_a_full_queue_loses_chunks_but_never_memory(tmp_path):
     hot, disk = cpu(2), SlowDisk(tmp_path, size=FRAME_ROOM)
-    store = TieredStore([hot, disk], write_mode="back", write_queue=1)
+    store = TieredStore([hot, disk], write_mode="back", write_queue=1, writeback_after=0)
     for s in range(10):
         store.put(make_prompt(1, seed=s).chunks())
     assert hot.stats()["used_bytes"] <= hot.capacity

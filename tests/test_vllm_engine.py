@@ -38,6 +38,7 @@ from lmtier.testing.tinymodel import build
 from lmtier.tiers.base import open_tier
 
 from conftest import disk_frames, flip_byte
+from test_imports import guarded, loaded
 
 CHUNK, BLOCK = 128, 64
 OFF = {"lmtier": {"load": False, "save": False}}
@@ -67,14 +68,21 @@ def model(tmp_path_factory) -> str:
 
 
 def engine(
-    tmp: Path, model: str, name: str, disk: Path | None, phases=SCENARIO, shared: str | None = None, **spec
+    tmp: Path,
+    model: str,
+    name: str,
+    disk: Path | None,
+    phases=SCENARIO,
+    shared: str | None = None,
+    env: dict | None = None,
+    **spec,
 ) -> dict:
     """One engine run; lmtier's tiers: host memory, then the disk directory or ``shared``."""
     lmtier = spec.pop("lmtier", None)
     if disk is not None or shared is not None:
         lmtier = {"tiers": ["cpu://?size=256MiB", shared or f"file://{disk}?size=1GiB"], "chunk_tokens": CHUNK}
     spec = {"model": model, "lmtier": lmtier, "block_size": BLOCK, "phases": phases, **spec}
-    return run_engine(spec, tmp, name, timeout=600)
+    return run_engine(spec, tmp, name, timeout=600, env=env)
 
 
 def reference(tmp: Path, model: str, phases=SCENARIO, **spec) -> dict[str, dict]:
@@ -148,8 +156,10 @@ def single_process(model, tmp_path_factory) -> dict:
     disk = tmp / "disk"
     runs = {
         "reference": reference(tmp, model),
-        "a": engine(tmp, model, "a", disk),
-        "b": engine(tmp, model, "b", disk),
+        # under tests/test_imports.py's guard: lmtier's own imports of gRPC, protobuf and
+        # Redis fail, and each engine reports which of lmtier's network modules it loaded
+        "a": engine(tmp, model, "a", disk, env=guarded(tmp, "lmtier")),
+        "b": engine(tmp, model, "b", disk, env=guarded(tmp, "lmtier")),
         "disk": disk,
         "tmp": tmp,
     }
@@ -166,6 +176,10 @@ def test_a_second_instance_hits_what_the_first_stored_and_answers_identically(si
         (out,), (a_out,) = b["results"][phase], a["results"][phase]
         assert out["cached"] == expected_hit(out["prompt_len"], out["prompt_len"] + len(a_out["tokens"]) - 1)
         assert a_out["cached"] == 0
+
+
+def test_instances_on_memory_and_disk_load_none_of_lmtiers_grpc_protobuf_or_redis_code(single_process):
+    assert loaded(single_process["tmp"]) == [[], []]  # engines A and B, which shared above
 
 
 def test_each_instance_says_in_one_line_what_it_chose(single_process):

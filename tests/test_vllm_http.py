@@ -34,7 +34,11 @@ PROMPT = [int(x) for x in np.random.default_rng(7).integers(5, 500, 1060)]
 
 
 class VllmServer:
-    def __init__(self, model: str, disk: Path, log: Path) -> None:
+    """``vllm serve`` as a user runs it (its own process group: ``kill(signal)`` reaches the
+    engine core and the workers too), with lmtier's ``extra`` settings over a memory and a
+    disk tier."""
+
+    def __init__(self, model: str, disk: Path, log: Path, **extra) -> None:
         self.port = free_port()
         transfer = {
             "kv_connector": "LMTierConnector",
@@ -44,6 +48,7 @@ class VllmServer:
             "kv_connector_extra_config": {
                 "tiers": ["cpu://?size=256MiB", f"file://{disk}?size=1GiB"],
                 "chunk_tokens": CHUNK,
+                **extra,
             },
         }
         cmd = [str(Path(sys.executable).parent / "vllm"), "serve", model, "--host", "127.0.0.1",
@@ -52,7 +57,9 @@ class VllmServer:
                "--enable-prompt-tokens-details"]  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
         self.log = log
-        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         deadline = time.monotonic() + 420
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -97,6 +104,13 @@ class VllmServer:
             if all(f'{k}="{v}"' in found for k, v in labels.items()):
                 total += float(value)
         return total
+
+    def kill(self, signum: int) -> None:
+        """``signum`` to every process of the server (``kill -9`` of a pod's processes), and
+        wait for the server process to end."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signum)
+            self.proc.wait(timeout=120)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -8,11 +8,13 @@ directory, answers new questions about the same documents: it loads the document
 from disk instead of prefilling them. A third engine without lmtier answers B's questions
 too, to show that B's answers are identical, and to time a prefill with no cache at all.
 
-Prints a TTFT table and writes a PNG plot.
+Prints a TTFT table and writes a PNG plot (with matplotlib; without it, the figures as JSON).
+It needs vLLM (and so torch): ``lmtier demo`` checks that first.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import tempfile
@@ -115,9 +117,12 @@ def run_vllm_demo(
         print(f"\nB's time to first token is {speedup:.1f}x shorter than a full prefill.")
     else:
         print(f"\nB's time to first token is {1 / speedup:.1f}x longer than a full prefill (a busy machine?).")
-    _plot(medians, out / "ttft.png", hits[0]["prompt_len"], docs)
     (out / "ttft.json").write_text(json.dumps({k: v for k, v in medians.items()}, indent=2) + "\n")
-    print(f"plot: {out / 'ttft.png'}")
+    if importlib.util.find_spec("matplotlib") is None:  # a nicety: the table above has the figures
+        print(f"plot skipped: matplotlib is not installed (pip install matplotlib); figures: {out / 'ttft.json'}")
+    else:
+        _plot(medians, out / "ttft.png", hits[0]["prompt_len"], docs)
+        print(f"plot: {out / 'ttft.png'}")
     # B must have loaded every whole chunk of its document (lmtier's automatic chunk size for
     # this model and block), and at least one answer must have been compared bit for bit.
     chunk = resolve_chunk_tokens(0, BLOCK, KVLayout(8, 2, 64, "bfloat16").chunk_bytes(1))

@@ -26,14 +26,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lmtier import metrics, shm
 from lmtier.config import ServerConfig
 from lmtier.server.auth import PROBE_TAG, Authenticator
 from lmtier.server.chain import UpstreamTier
+from lmtier.server.health import NOT_SERVING, SERVICE_NAME, SERVING, Health
 from lmtier.server.service import SERVICE, CacheService
 from lmtier.store import TieredStore
 from lmtier.tiers.base import Tier, TierContext
@@ -83,9 +82,9 @@ class CacheServer:
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         )
         self.grpc.add_generic_rpc_handlers((self.service.handler(),))
-        self.health = health.HealthServicer(experimental_non_blocking=True)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+        self.health = Health(max_watchers=max(1, config.workers // 4))
+        self.grpc.add_generic_rpc_handlers((self.health.handler(),))
+        _enable_reflection(self.grpc)
         address = f"{config.host}:{config.port}"
         credentials = None
         if config.tls_cert:
@@ -180,7 +179,7 @@ class CacheServer:
         if ready != self.ready:
             log.info("readiness: %s", "ready" if ready else "not ready")
         self.ready = ready
-        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = SERVING if ready else NOT_SERVING
         self.health.set("", status)
         self.health.set(SERVICE, status)
         metrics.SERVER_READY.set(1 if ready else 0)
@@ -247,6 +246,18 @@ def _check_free(host: str, port: int) -> None:
                 probe.bind(where)
             except OSError as exc:
                 raise OSError(f"cannot listen on {where[0]}:{port}: {exc.strerror or exc}") from exc
+
+
+def _enable_reflection(server: grpc.Server) -> None:
+    """gRPC server reflection (``grpcurl`` without the .proto), when grpcio-reflection is
+    installed beside lmtier: it is left out of the ``server`` extra because it pins a
+    grpcio and protobuf as new as itself, which would move an engine's own."""
+    try:
+        from grpc_reflection.v1alpha import reflection
+    except ImportError:
+        log.info("gRPC reflection is off: grpcio-reflection is not installed")
+        return
+    reflection.enable_server_reflection((SERVICE, SERVICE_NAME, reflection.SERVICE_NAME), server)
 
 
 def _upstream(tier: Tier) -> Tier:

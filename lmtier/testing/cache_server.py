@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lmtier.server.health import SERVING, check
 from lmtier.testing.redis_server import die_with_parent, free_port
 
 
@@ -46,7 +46,7 @@ class ServerProcess:
                 die_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=self.dir, env=env
             )
         deadline = time.monotonic() + timeout
-        while (self.health() != health_pb2.HealthCheckResponse.SERVING) if ready else self.health() is None:
+        while (self.health() != SERVING) if ready else self.health() is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"lmtier serve on port {self.port} did not become ready:\n{self.log()[-3000:]}")
@@ -54,15 +54,12 @@ class ServerProcess:
 
     def serving(self) -> bool:
         """Whether the health service answers SERVING (plaintext servers only)."""
-        return self.health() == health_pb2.HealthCheckResponse.SERVING
+        return self.health() == SERVING
 
     def health(self) -> int | None:
         """The health service's status; None when the server does not answer."""
         with grpc.insecure_channel(self.address) as channel:
-            try:
-                return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
-            except grpc.RpcError:
-                return None
+            return check(channel, timeout=1)
 
     def log(self) -> str:
         path = self.dir / "server.log"

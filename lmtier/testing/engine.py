@@ -11,7 +11,9 @@ next question), with optional "max_tokens", "request" (the requests' kv_transfer
 e.g. {"lmtier": {"save": false}}), "read_prefix_cache": false (the requests skip vLLM's own
 prefix cache: full prefills in an engine that has one) and "settle": true (let background saves land after
 each request, untimed) or "drain": true (the phase's time includes landing its saves).
-{"flush": true} as a phase lets saves land between phases; {"name", "reset": true} resets
+{"flush": true} as a phase lets saves land between phases; {"wait": path} waits (up to 30
+minutes) until that file exists, so that engines started side by side take turns (one waits
+for another's results); {"name", "reset": true} resets
 vLLM's prefix cache with the connector's (as after a weight update) and records whether
 vLLM said it succeeded. Each
 output records its tokens, greedy logprobs, the margin of each greedy choice over the
@@ -38,10 +40,12 @@ from pathlib import Path
 # kernels compute a prefix read from cache and one computed in the same pass with other
 # low bits, by how much depends on the CPU (seen up to ~1e-2 on the tiny models here).
 LOGPROB_TOLERANCE = 5e-2
+WAIT_S = 1800  # a "wait" phase's bound
 
 
-def run_engine(spec: dict, workdir: Path, name: str, timeout: float | None = None) -> dict:
-    """Run one engine over ``spec`` in a new process; returns its results (and its log).
+def run_engine(spec: dict, workdir: Path, name: str, timeout: float | None = None, env: dict | None = None) -> dict:
+    """Run one engine over ``spec`` in a new process (``env``: its environment, by default
+    this one's); returns its results (and its log).
 
     Raises ``RuntimeError`` with the end of the engine's log when it fails.
     """
@@ -54,6 +58,7 @@ def run_engine(spec: dict, workdir: Path, name: str, timeout: float | None = Non
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
     if run.returncode:
         raise RuntimeError(f"engine {name} failed:\n{run.stderr[-5000:]}")
@@ -192,6 +197,13 @@ def main() -> None:
     for phase in spec["phases"]:
         if phase.get("flush"):  # let background saves land before the next phase
             flush_stores()
+            continue
+        if phase.get("wait"):  # another engine's turn first
+            deadline = time.monotonic() + WAIT_S
+            while not Path(phase["wait"]).exists():
+                if time.monotonic() > deadline:
+                    sys.exit(f"engine: {phase['wait']} did not appear within {WAIT_S} s")
+                time.sleep(0.2)
             continue
         if phase.get("reset"):
             results[phase["name"]] = llm.reset_prefix_cache(reset_connector=True)

@@ -1,10 +1,14 @@
 """A small Llama with random weights and a word-level tokenizer, built offline.
 
 For the demo, the engine tests and the benchmarks: no model hub is needed, and the KV
-shapes are those of a real Llama (grouped-query attention, bf16)."""
+shapes are those of a real Llama (grouped-query attention, bf16).
+
+    python -m lmtier.testing.tinymodel DIR [--layers 4] [--hidden 256] [--kv-heads 2] ...
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -47,5 +51,33 @@ def build(
     return out
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The command line: ``build``'s arguments as flags. An argument parser rather than
+    ``sys.argv[1]``, which took ``--help`` for a directory and built a model there."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lmtier.testing.tinymodel",
+        description="Build a small random-weight Llama and its word-level tokenizer, offline, in DIR.",
+    )
+    parser.add_argument("dir", metavar="DIR", help="where the model goes (created; its files are overwritten)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size; query heads = hidden / 64 (default 256)")
+    parser.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    parser.add_argument(
+        "--sliding-window",
+        type=int,
+        default=0,
+        help="tokens every second layer attends to (default 0: all layers full)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        out = build(args.dir, args.layers, args.hidden, args.seed, args.kv_heads, args.sliding_window)
+    except ModuleNotFoundError as exc:  # torch, transformers and tokenizers come with vLLM
+        parser.exit(2, f"{parser.prog}: error: {exc.name!r} is not installed; install it with: "
+                       "pip install 'lmtier[vllm]'\n")  # fmt: skip
+    print(out)
+    return 0
+
+
 if __name__ == "__main__":
-    build(sys.argv[1])
+    sys.exit(main())

@@ -310,6 +310,11 @@ _REGISTRY: dict[str, tuple[str, str | None]] = {
 }
 
 
+# The port a network tier's URL means when it names none. Here rather than in each tier's
+# module, so that what reads URLs (events' ownership, logs) imports no client library.
+DEFAULT_PORTS = {"redis": 6379, "grpc": 50051}
+
+
 def register_tier(scheme: str, target: str, extra: str | None = None) -> None:
     """Map a URL scheme to ``"module:Class"``; the module is imported on first use."""
     _REGISTRY[scheme.lower()] = (target, extra)
@@ -332,6 +337,14 @@ def tier_class(scheme: str) -> type[Tier]:
             raise MissingDependency(missing, extra) from exc
         raise
     return getattr(module, class_name)
+
+
+def check_tier_url(url: str) -> None:
+    """Refuse, without opening anything, a tier URL that could never open: no scheme, an
+    unknown scheme, an unknown option or a bad value (``ConfigError``), the scheme's extra
+    not installed (``MissingDependency``). For checks before an engine starts its work."""
+    parsed = TierURL.parse(url)
+    parsed.typed_options(tier_class(parsed.scheme).OPTIONS)  # type: ignore[attr-defined]
 
 
 def open_tier(url: str, context: TierContext | None = None, *, defer: bool = False) -> Tier:

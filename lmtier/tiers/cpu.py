@@ -23,6 +23,12 @@ lands, while it is in cache). ``get`` hands out chunks that verify against it wh
 read (see ``lmtier.chunk``): the reader's copy and the check are one pass over memory, which
 is what keeps a verified tier close to a bare ``memcpy``. A mismatch drops the entry.
 
+Write-back (a ``TieredStore`` whose lower tiers get what memory lets go): ``evict_hook`` is
+offered each chunk evicted, and the store writes the chunks it wants down before they go
+(``unwritten`` lists what only memory holds, ``hold`` leases it without counting a read,
+``mark_written`` records that the lower tiers have it), so that a process that dies loses
+only what arrived in its last seconds. A chunk placed here from a lower tier is written.
+
 Longer than 400 lines: slots, leases, eviction and the write-back hook share one lock
 and one index; split, each part would reach into the others' state.
 """
@@ -33,6 +39,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,7 +63,7 @@ PROBE_WAIT_S = 2.0  # a readiness probe waits this long for the lock
 
 
 class _Entry:
-    __slots__ = ("checksum", "dead", "layout", "leases", "namespace", "nbytes", "reads", "ready", "slots")
+    __slots__ = ("checksum", "dead", "layout", "leases", "namespace", "nbytes", "reads", "ready", "slots", "written")
 
     def __init__(self, slots: list[int], nbytes: int, chunk: Chunk | None = None) -> None:
         self.slots = slots
@@ -68,6 +75,7 @@ class _Entry:
         self.reads = 0  # gets that found it: what a write-back policy asks at eviction
         self.ready = False
         self.dead = False
+        self.written = False  # the lower tiers hold it (write-back): eviction writes nothing
 
 
 class CpuTier(Tier):
@@ -96,9 +104,10 @@ class CpuTier(Tier):
         self.capabilities = Capabilities(listing=True, touch=True, leases=True, shared_memory=bool(self._shared_dir))
         self._segment: Segment | None = None
         self._closed = False
-        # Called with each evicted chunk (a leased view) and how often it was read while
-        # here; returns whether it took it. Set by a TieredStore in write-back mode.
-        self.evict_hook: Callable[[Chunk, int], bool] | None = None
+        # Called with each evicted chunk's key, how often it was read while here, and the
+        # chunk (a copy of its bytes; None when the lower tiers hold it already); returns
+        # whether it took the chunk. Set by a TieredStore in write-back mode.
+        self.evict_hook: Callable[[bytes, int, Chunk | None], bool] | None = None
         self._demote_buffers = BufferPool(max_free=8)
         self._reset()
         metrics.TIER_CAPACITY_BYTES.labels(name).set(self.capacity)
@@ -112,6 +121,9 @@ class CpuTier(Tier):
         self._prefault: Prefault | None = None  # ... and its own prefaulting thread
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() yields slot 0 first
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # front = evicted first
+        # Write-back: stored chunks the lower tiers do not hold yet -> when they were stored
+        # (front = examined first by ``unwritten``). Only kept while evict_hook is set.
+        self._unwritten: OrderedDict[bytes, float] = OrderedDict()
         self._counts = {"hits": 0, "misses": 0, "stored": 0, "dropped": 0, "evictions": 0, "corrupt": 0}
 
     def _state(self) -> threading.Lock:
@@ -204,9 +216,12 @@ class CpuTier(Tier):
             except IntegrityError:  # a corrupted chunk from another tier: not stored
                 bad.append(chunk.key)
         with self._lock:
-            for _, entry in plan:
+            now = time.monotonic()
+            for chunk, entry in plan:
                 entry.ready = True
                 self._unlease(entry)
+                if self.evict_hook is not None and not entry.dead:
+                    self._unwritten[chunk.key] = now
             for key in bad:
                 self._drop(key, announce=False)
             self._counts["stored"] += len(plan) - len(bad)
@@ -278,6 +293,7 @@ class CpuTier(Tier):
             entry.layout, entry.namespace, entry.checksum = chunk.layout, chunk.namespace, digest  # type: ignore[union-attr]
             if mine:
                 entry.ready = True
+                entry.written = True  # read from a lower tier: it is there already
                 entry.reads += 1
                 self._counts["stored"] += 1
                 self._announce("stored", [key])
@@ -307,6 +323,47 @@ class CpuTier(Tier):
                 if key in self._index:
                     self._index.move_to_end(key)
 
+    def unwritten(self, older_than: float, limit: int) -> list[tuple[bytes, int]]:
+        """Write-back: up to ``limit`` chunks only memory holds, stored at least
+        ``older_than`` seconds ago, oldest first, each with its reads so far. The ones
+        returned go to the back of the line: a chunk the store does not write now (not
+        proven yet) is asked about again after the others."""
+        out: list[tuple[bytes, int]] = []
+        cutoff = time.monotonic() - older_than
+        with self._state():
+            for key, stored_at in self._unwritten.items():
+                if stored_at > cutoff or len(out) >= limit:
+                    break
+                out.append((key, self._index[key].reads))
+            for key, _ in out:
+                self._unwritten.move_to_end(key)
+        return out
+
+    def hold(self, keys: Sequence[bytes]) -> list[Chunk | None]:
+        """Leased views of ``keys`` for the store's own writes to the lower tiers: neither
+        a read (what the save policy weighs) nor a use (recency)."""
+        out: list[Chunk | None] = [None] * len(keys)
+        leased: list[tuple[int, _Entry]] = []
+        with self._state():
+            slab = self._slab
+            for i, key in enumerate(keys):
+                entry = self._index.get(key)
+                if entry is not None and entry.ready:
+                    entry.leases += 1
+                    leased.append((i, entry))
+        for i, entry in leased:
+            out[i] = self._chunk(keys[i], entry, self._slot_views(slab, entry))
+        return out
+
+    def mark_written(self, keys: Sequence[bytes]) -> None:
+        """The lower tiers hold ``keys`` now: their eviction writes nothing."""
+        with self._state():
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is not None:
+                    entry.written = True
+                self._unwritten.pop(key, None)
+
     def delete(self, keys: Sequence[bytes]) -> None:
         with self._state():
             for key in keys:
@@ -317,6 +374,7 @@ class CpuTier(Tier):
         with self._state():
             self._closed = True
             self._index.clear()
+            self._unwritten.clear()
             self._free = []
             self._slab = None  # leased views keep their memory alive until released
             if self._prefault is not None:
@@ -379,6 +437,12 @@ class CpuTier(Tier):
         room. The hook must not block (it queues); when it refuses, the chunk is lost.
         """
         entry = self._index[key]
+        if entry.written:  # the lower tiers hold it: the store only learns it went
+            try:
+                self.evict_hook(key, entry.reads, None)
+            except Exception:
+                pass
+            return
         buf = self._demote_buffers.acquire(entry.nbytes)
         flat = np.frombuffer(buf, dtype=np.uint8, count=entry.nbytes)
         np.concatenate(self._slot_views(self._slab, entry), out=flat)
@@ -393,7 +457,7 @@ class CpuTier(Tier):
             on_release=lambda: self._demote_buffers.release(buf),
         )
         try:
-            accepted = self.evict_hook(chunk, entry.reads)
+            accepted = self.evict_hook(key, entry.reads, chunk)
         except Exception:
             accepted = False
         if not accepted:
@@ -401,6 +465,7 @@ class CpuTier(Tier):
 
     def _drop(self, key: bytes, announce: bool = True) -> None:
         entry = self._index.pop(key, None)
+        self._unwritten.pop(key, None)
         if entry is None:
             return
         if announce and entry.ready:

@@ -32,7 +32,7 @@ from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk
 from lmtier.errors import ConfigError, TierError
 from lmtier.pieces import PIECE_BYTES
-from lmtier.tiers.base import Capabilities, Tier, TierContext, TierURL, parse_bool
+from lmtier.tiers.base import DEFAULT_PORTS, Capabilities, Tier, TierContext, TierURL, parse_bool
 from lmtier.tiers.grpc.channel import MAX_MESSAGE, Channel, credentials, failure, is_local
 from lmtier.tiers.grpc.memory import NoShm, SharedMemory
 from lmtier.tiers.grpc.stream import GetStream, finish_slots, put_messages
@@ -43,7 +43,7 @@ from lmtier.v1 import cache_pb2
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DEFAULT_PORT = 50051
+DEFAULT_PORT = DEFAULT_PORTS["grpc"]
 MIN_RATE = 100e6  # bytes/s: a bulk call's deadline grows by its size at this rate
 RELEASE_WAIT_S = 1.0  # a write waits at most this long for the releases sent before it
 

@@ -26,7 +26,7 @@ from lmtier import codec, metrics
 from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk
 from lmtier.errors import ConfigError, IntegrityError, TierError
-from lmtier.tiers.base import Tier, TierContext, TierURL, parse_bool
+from lmtier.tiers.base import DEFAULT_PORTS, Tier, TierContext, TierURL, parse_bool
 from lmtier.tiers.options import TLS_OPTIONS, TlsFiles, positive_seconds, seconds
 from lmtier.tiers.redis.cluster import Router
 from lmtier.tiers.redis.conn import Node, Settings
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # the server streams values instead of piling a whole batch into its output buffer.
 # Measured on loopback: 1 MiB (one reply being read, the next request already sent) gave
 # 2.5-2.7 GB/s where a whole pipelined batch of 16-64 MiB gave 1.0-1.9.
-DEFAULT_PORT = 6379
+DEFAULT_PORT = DEFAULT_PORTS["redis"]
 READ_WINDOW_BYTES = 1 << 20
 
 

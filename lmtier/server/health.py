@@ -1,0 +1,178 @@
+"""The standard gRPC health service (``grpc.health.v1.Health``), answered by lmtier itself.
+
+    Health()                         statuses by service name; "" is the whole server
+      .set(service, status)          SERVING / NOT_SERVING, wakes watchers
+      .handler() -> GenericRpcHandler   Check and Watch, for grpc.server
+    check(channel, timeout) -> int | None    a client's Check; None when nothing answers
+
+Kubernetes ``grpc`` probes, Envoy and ``grpc-health-probe`` speak this protocol. Its
+messages are one field each (``HealthCheckRequest.service``, ``HealthCheckResponse.status``),
+so they are encoded here by hand rather than taken from grpcio-health-checking: that
+package pins a grpcio and a protobuf as new as itself, and pip would move an engine's own
+grpcio and protobuf to install it beside lmtier. Checked against grpcio-health-checking's
+own client in tests/test_grpc_tier.py.
+
+Check answers at once, without a token (probes carry none) and for any caller: it says
+only whether the server is ready. Watch holds a worker thread for as long as the watcher
+stays, so at most ``max_watchers`` watch at once; more are refused (RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+
+SERVICE_NAME = "grpc.health.v1.Health"
+UNKNOWN, SERVING, NOT_SERVING, SERVICE_UNKNOWN = 0, 1, 2, 3
+MAX_NAME = 1024  # longest service name a request may ask about
+WATCH_POLL_S = 1.0  # how often a watcher notices that its caller went away
+
+
+class MessageError(ValueError):
+    """Bytes that are not a HealthCheckRequest."""
+
+
+def _put_varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_request(service: str) -> bytes:
+    """``HealthCheckRequest(service=service)`` on the wire."""
+    name = service.encode()
+    return b"\x0a" + _put_varint(len(name)) + name if name else b""
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(data) or shift > 63:
+            raise MessageError("truncated or overlong varint")
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+def parse_request(data: bytes) -> str:
+    """``HealthCheckRequest.service`` from its wire bytes (unknown fields skipped, as
+    protobuf does)."""
+    service, at = "", 0
+    while at < len(data):
+        tag, at = _varint(data, at)
+        field, kind = tag >> 3, tag & 7
+        if kind == 0:
+            _, at = _varint(data, at)
+        elif kind == 1 or kind == 5:
+            at += 8 if kind == 1 else 4
+        elif kind == 2:
+            length, at = _varint(data, at)
+            if field == 1:
+                if length > MAX_NAME:
+                    raise MessageError(f"service name longer than {MAX_NAME} bytes")
+                service = data[at : at + length].decode("utf-8", errors="strict")
+            at += length
+        else:
+            raise MessageError(f"wire type {kind} is not used by this message")
+        if at > len(data):
+            raise MessageError("a field runs past the end of the message")
+    return service
+
+
+def encode_response(status: int) -> bytes:
+    """``HealthCheckResponse(status=status)`` on the wire (a zero status is no field)."""
+    return b"\x08" + _put_varint(status) if status else b""
+
+
+def parse_response(data: bytes) -> int:
+    """``HealthCheckResponse.status`` from its wire bytes."""
+    status, at = UNKNOWN, 0
+    while at < len(data):
+        tag, at = _varint(data, at)
+        if tag & 7 != 0:
+            raise MessageError("not a HealthCheckResponse")
+        value, at = _varint(data, at)
+        if tag >> 3 == 1:
+            status = value
+    return status
+
+
+class Health:
+    def __init__(self, max_watchers: int = 4) -> None:
+        self._statuses: dict[str, int] = {}
+        self._changed = threading.Condition()
+        self._watchers = threading.BoundedSemaphore(max_watchers)
+
+    def set(self, service: str, status: int) -> None:
+        with self._changed:
+            self._statuses[service] = status
+            self._changed.notify_all()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Check": grpc.unary_unary_rpc_method_handler(
+                    self._check, request_deserializer=_request, response_serializer=encode_response
+                ),
+                "Watch": grpc.unary_stream_rpc_method_handler(
+                    self._watch, request_deserializer=_request, response_serializer=encode_response
+                ),
+            },
+        )
+
+    def _check(self, service: str | None, context: grpc.ServicerContext) -> int:
+        if service is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a grpc.health.v1.HealthCheckRequest")
+        with self._changed:
+            status = self._statuses.get(service)
+        if status is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {service!r}")
+        return status
+
+    def _watch(self, service: str | None, context: grpc.ServicerContext) -> Iterator[int]:
+        if service is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a grpc.health.v1.HealthCheckRequest")
+        if not self._watchers.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many health watchers; use Check")
+        try:
+            last = None
+            while context.is_active():
+                with self._changed:
+                    status = self._statuses.get(service, SERVICE_UNKNOWN)
+                    if status == last:
+                        self._changed.wait(WATCH_POLL_S)
+                        continue
+                last = status
+                yield status
+        finally:
+            self._watchers.release()
+
+
+def _request(data: bytes) -> str | None:
+    try:
+        return parse_request(data)
+    except (MessageError, UnicodeDecodeError):
+        return None
+
+
+def check(channel: grpc.Channel, timeout: float = 1.0, service: str = "") -> int | None:
+    """The server's status for ``service`` through a Check call; None when it does not
+    answer (down, not a gRPC server, the service unknown)."""
+    call = channel.unary_unary(
+        f"/{SERVICE_NAME}/Check",
+        request_serializer=encode_request,
+        response_deserializer=parse_response,
+    )
+    try:
+        return call(service, timeout=timeout)
+    except grpc.RpcError:
+        return None

