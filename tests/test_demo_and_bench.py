@@ -38,6 +38,11 @@ def test_console_script_is_installed():
     assert json.loads(run.stdout)["total_bytes"] == 1024**3
 
 
+# The suite's first test pays for the whole benchmark run (minutes on a slow 2-core machine,
+# more than pytest's default 300 s): the tests that use it get the run's own bound.
+SUITE_TIMEOUT = pytest.mark.timeout(1600)
+
+
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     """``lmtier bench --short``, as CI runs it: every benchmark, the table and the plots."""
@@ -58,6 +63,7 @@ def report_of(suite, name: str) -> tuple[dict, str]:
     return summary["benchmarks"][name], (out / f"{name}.txt").read_text()
 
 
+@SUITE_TIMEOUT
 def test_the_suite_writes_json_a_table_of_every_target_and_plots(suite):
     out, summary, stdout = suite
     assert summary["mode"] == "short" and set(summary["benchmarks"]) == set(ALL)
@@ -75,6 +81,7 @@ def test_the_suite_writes_json_a_table_of_every_target_and_plots(suite):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@SUITE_TIMEOUT
 def test_cpu_benchmark_reports_both_sides_and_their_ratio(suite):
     report, stdout = report_of(suite, "cpu")
     results = report["results"]
@@ -86,6 +93,7 @@ def test_cpu_benchmark_reports_both_sides_and_their_ratio(suite):
     assert "| cpu_tier |" in stdout  # the table follows the JSON
 
 
+@SUITE_TIMEOUT
 def test_disk_benchmark_measures_dd_and_the_tier_in_the_same_run(suite):
     report, stdout = report_of(suite, "disk")
     for direction in ("write", "read"):
@@ -96,6 +104,7 @@ def test_disk_benchmark_measures_dd_and_the_tier_in_the_same_run(suite):
     assert "| read |" in stdout
 
 
+@SUITE_TIMEOUT
 def test_redis_benchmark_measures_redis_benchmark_lmtier_and_redis_py_on_one_server(suite):
     report, stdout = report_of(suite, "redis")
     assert [(r["chunk_mib"], r["op"]) for r in report["rows"]] == [(1, "set"), (1, "get"), (1, "set+get")]
@@ -106,6 +115,7 @@ def test_redis_benchmark_measures_redis_benchmark_lmtier_and_redis_py_on_one_ser
     assert "| 1 MiB | GET |" in stdout and "| 1 MiB | SET+GET |" in stdout
 
 
+@SUITE_TIMEOUT
 def test_grpc_benchmark_measures_echo_memcpy_redis_and_both_transports_in_one_run(suite):
     report, stdout = report_of(suite, "grpc")
     ops = [r["op"] for r in report["rows"]]
@@ -143,6 +153,7 @@ def test_the_vllm_demo_runs_two_engines_and_checks_its_own_answers(tmp_path):
     assert (tmp_path / "out" / "ttft.png").stat().st_size > 1000
 
 
+@SUITE_TIMEOUT
 def test_ttft_benchmark_measures_every_configuration(suite):
     report, _ = report_of(suite, "vllm")
     (row,) = report["rows"]
@@ -154,6 +165,7 @@ def test_ttft_benchmark_measures_every_configuration(suite):
     assert report["no_reuse_throughput"]["ratio"] > 0
 
 
+@SUITE_TIMEOUT
 def test_every_tier_is_timed_inside_the_engine_against_vllms_own_hit(suite):
     report, stdout = report_of(suite, "vllm_tiers")
     assert [r["tier"] for r in report["rows"]] == ["memory", "disk", "redis", "server", "memory_disk"]
