@@ -10,11 +10,11 @@ graphs (its default on GPUs), in the process that parsed the command line; the e
 then ends that process's output. Elsewhere (``--enforce-eager``, the CPU build) the first
 lmtier code to run is the connector, made in the engine core and the workers after the
 model has loaded, and its error is followed there by vLLM's shutdown and "Engine core
-initialization failed. See root cause above.". So an engine process that finds a bad
-setting writes it down, and the process that started the engine (``vllm serve``'s API
-process or the user's own for ``LLM()``: the leader of their process group, which
-imported this module while vLLM validated its config) repeats it, in one line, as it
-exits.
+initialization failed. See root cause above.". So the first process of an engine to
+import this module (``vllm serve``'s API process, or the user's own for ``LLM()``: vLLM
+imports it there while it validates its config) names a note for its children in their
+environment; an engine process that finds a bad setting writes it there, and the first
+process repeats it, in one line, as it exits.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from lmtier.errors import ConfigError, MissingDependency
 # kv_connector_extra_config keys: the engine-side settings (lmtier.config.StoreConfig) a
 # connector takes per engine, plus the config file and the model's name in the keys.
 EXTRA_KEYS = engine_keys()
-_STARTED = time.time()
+NOTE_ENV = "_LMTIER_SETTINGS_NOTE"  # the first process's note, inherited by the engine's processes
 
 
 def settings(extra: Mapping[str, Any] | None) -> StoreConfig:
@@ -42,31 +42,31 @@ def settings(extra: Mapping[str, Any] | None) -> StoreConfig:
     try:
         return engine_config(dict(extra or {}), EXTRA_KEYS, "kv_connector_extra_config")
     except (ConfigError, MissingDependency) as exc:
-        if os.getpid() != os.getpgrp():  # an engine process: the group's leader started it
+        note = os.environ.get(NOTE_ENV)
+        if note and os.getpid() != _OWNER:  # an engine process: the first one tells it last
             try:
-                _note().write_text(f"{type(exc).__name__}: {exc}")
+                Path(note).write_text(f"{type(exc).__name__}: {exc}")
             except OSError:  # telling it twice is a convenience, never a new failure
                 pass
         raise
 
 
-def _note() -> Path:
-    return Path(tempfile.gettempdir()) / f"lmtier-settings-{os.getuid()}-{os.getpgrp()}"
-
-
 def _repeat_at_exit() -> None:
-    """In the process that started the engine: the bad setting an engine process of its
-    group found since it started, as its last line."""
-    if os.getpid() != os.getpgrp():
+    """In the first process: the bad setting one of the engine's processes found, as its
+    last line (a child forked from it has inherited this hook: not its to run)."""
+    if os.getpid() != _OWNER:
         return
-    note = _note()
     try:
-        message = note.read_text() if note.stat().st_mtime >= _STARTED else None  # else an older group's
-        note.unlink()
+        message = Path(_OWN_NOTE).read_text()
+        os.unlink(_OWN_NOTE)
     except OSError:
         return
-    if message:
-        print(f"lmtier: {message}", file=sys.stderr, flush=True)
+    print(f"lmtier: {message}", file=sys.stderr, flush=True)
 
 
-atexit.register(_repeat_at_exit)
+_OWN_NOTE, _OWNER = "", -1
+if NOTE_ENV not in os.environ:  # the first process to import it: its children inherit the name
+    _OWNER = os.getpid()
+    _OWN_NOTE = os.path.join(tempfile.gettempdir(), f"lmtier-settings-{os.getpid()}-{time.time_ns()}")
+    os.environ[NOTE_ENV] = _OWN_NOTE
+    atexit.register(_repeat_at_exit)

@@ -6,9 +6,11 @@ requests, then lmtier's connector flushes its last saves, through the sidecar. T
 must outlive those writes. Each client (each engine process with a ``grpc://`` tier on
 loopback) holds a shared lock on its segment in ``/dev/shm`` for as long as it lives, and
 the kernel drops the lock when the process ends: so this waits until no segment is held
-by anyone but the server itself (its own memory tier's segment: the files its process,
-PID 1 of this container, has open), or until ``--timeout`` seconds. The engine, in
-another container, has another PID namespace: its processes are not in this /proc.
+by anyone but the server itself, or until ``--timeout`` seconds. The server's own segments
+(its memory tier's slab) are those it holds a lock on, which /proc/<pid>/fdinfo shows; it
+also has its clients' segments open (mapped, while they send it chunks), without a lock.
+The engine, in another container, has another PID namespace: its processes are not in
+this /proc, but their locks are on the shared files.
 
     python await_clients.py [--shm-dir /dev/shm] [--server-pid 1] [--timeout 60]
 
@@ -27,8 +29,9 @@ import time
 from lmtier import shm
 
 
-def open_files(pid: int) -> set[str]:
-    """The paths ``pid`` has open (empty if /proc does not say)."""
+def locked_files(pid: int) -> set[str]:
+    """The paths ``pid`` holds a file lock on, through one of its descriptors (empty if
+    /proc does not say): a locked descriptor's fdinfo has a ``lock:`` line."""
     fds = f"/proc/{pid}/fd"
     try:
         names = os.listdir(fds)
@@ -37,7 +40,9 @@ def open_files(pid: int) -> set[str]:
     paths = set()
     for fd in names:
         try:
-            paths.add(os.readlink(os.path.join(fds, fd)))
+            with open(f"/proc/{pid}/fdinfo/{fd}") as info:
+                if "lock:" in info.read():
+                    paths.add(os.readlink(os.path.join(fds, fd)))
         except OSError:  # closed since the listing
             continue
     return paths
@@ -49,7 +54,7 @@ def clients(shm_dir: str, server_pid: int) -> list[str]:
         names = sorted(os.listdir(shm_dir))
     except OSError:
         return []
-    own = open_files(server_pid)
+    own = locked_files(server_pid)
     return [n for n in names if os.path.join(shm_dir, n) not in own and shm.alive(shm_dir, n)]
 
 

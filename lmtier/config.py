@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -105,7 +106,7 @@ def _tokens(value: Any) -> tuple[tuple[str, str], ...]:
 
 INTEGER = Parser(_int, "an integer")
 OPTIONAL_INTEGER = Parser(_optional_int, "an integer")  # none, off or "": None
-CHUNK_TOKENS = Parser(_chunk_tokens, "an integer")  # "auto": 0
+CHUNK_TOKENS = Parser(_chunk_tokens, "an integer or auto")  # "auto": 0
 NUMBER = Parser(_float, "a number")
 BOOL = Parser(_bool, "true or false")
 STRING = Parser(_str, "a string")
@@ -402,15 +403,29 @@ def read_file(path: str | Path) -> dict[str, Any]:
     }
 
 
+# Kubernetes gives every pod variables for each Service of its namespace (enableServiceLinks,
+# on by default): a Service "lmtier-server" brings LMTIER_SERVER_SERVICE_HOST,
+# LMTIER_SERVER_SERVICE_PORT, LMTIER_SERVER_PORT=tcp://10.0.0.7:50051,
+# LMTIER_SERVER_PORT_50051_TCP_ADDR, ... They are not settings: skipped, never an error, and
+# a port setting whose value is such a link (never a port number) is one of them.
+_SERVICE_LINK = re.compile(r"_SERVICE_(HOST|PORT(_\w+)?)$|_PORT_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?$")
+_LINK_VALUE = re.compile(r"(tcp|udp|sctp)://[^/]+:\d+")
+
+
+def _service_link(var: str, value: str) -> bool:
+    return bool(_SERVICE_LINK.search(var)) or (var.endswith("_PORT") and bool(_LINK_VALUE.fullmatch(value)))
+
+
 def from_env(env: Mapping[str, str]) -> dict[str, Any]:
     """The ``LMTIER_*`` settings of ``env``, checked; an unknown ``LMTIER_*`` variable
-    is an error (a misspelt setting must not pass silently)."""
+    is an error (a misspelt setting must not pass silently), but for those Kubernetes
+    sets for a Service whose name starts with ``lmtier``."""
     store: dict[str, Any] = {}
     server: dict[str, Any] = {}
     store_keys = {f.name for f in fields(StoreConfig)}
     server_keys = {f.name for f in fields(ServerConfig)} | SERVER_EXTRA_KEYS
     for var, value in env.items():
-        if not var.startswith(ENV_PREFIX) or var in OTHER_ENV:
+        if not var.startswith(ENV_PREFIX) or var in OTHER_ENV or _service_link(var, value):
             continue
         if var.startswith(SERVER_ENV_PREFIX) and var[len(SERVER_ENV_PREFIX) :].lower() in server_keys:
             server[var[len(SERVER_ENV_PREFIX) :].lower()] = value
@@ -431,26 +446,34 @@ def load(
     env: Mapping[str, str] | None = None,
     store: Mapping[str, Any] | None = None,
     server: Mapping[str, Any] | None = None,
+    arguments: str = "arguments",
 ) -> Config:
     """The configuration in effect: defaults < file < environment < ``store`` / ``server``
-    (explicit arguments; None values are unset)."""
+    (explicit arguments, named ``arguments`` in errors; None values are unset)."""
     env = os.environ if env is None else env
     layers = []
     path = path or env.get("LMTIER_CONFIG")
     if path:
-        layers.append(read_file(path))
-    layers.append(from_env(env))
+        layers.append((read_file(path), str(path)))
+    layers.append((from_env(env), "the environment"))
     layers.append(
-        {
-            "store": _section(StoreConfig, dict(store or {}), "arguments"),
-            "server": _section(ServerConfig, dict(server or {}), "arguments", SERVER_EXTRA_KEYS),
-        }
+        (
+            {
+                "store": _section(StoreConfig, dict(store or {}), arguments),
+                "server": _section(ServerConfig, dict(server or {}), arguments, SERVER_EXTRA_KEYS),
+            },
+            arguments,
+        )
     )
     merged_store: dict[str, Any] = {}
     merged_server: dict[str, Any] = {}
-    for layer in layers:
+    origin: dict[str, dict[str, str]] = {"store": {}, "server": {}}  # where each setting came from
+    for layer, where in layers:
         merged_store.update(layer["store"])
         merged_server.update(layer["server"])
+        for side, prefix in (("store", ENV_PREFIX), ("server", SERVER_ENV_PREFIX)):
+            for key in layer[side]:
+                origin[side][key] = f"{prefix}{key.upper()} in the environment" if where == "the environment" else where
     token_files = merged_server.pop("token_file", None)
     if token_files:
         files = token_files.split() if isinstance(token_files, str) else list(token_files)
@@ -458,12 +481,25 @@ def load(
         for f in files:
             tokens += read_token_file(f)
         merged_server["tokens"] = tuple(tokens)
-    return Config(store=replace(StoreConfig(), **merged_store), server=replace(ServerConfig(), **merged_server))
+    built = {}
+    for side, cls, merged in (("store", StoreConfig, merged_store), ("server", ServerConfig, merged_server)):
+        try:
+            built[side] = replace(cls(), **merged)
+        except ConfigError as exc:  # a check across settings: say where those it names were set
+            named = [f"{k}: {where}" for k, where in origin[side].items() if re.search(rf"\b{k}\b", str(exc))]
+            raise ConfigError(f"{exc} (set by {'; '.join(named)})" if named else str(exc)) from None
+    return Config(**built)
 
 
-def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None, **overrides: Any) -> StoreConfig:
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    arguments: str = "arguments",
+    **overrides: Any,
+) -> StoreConfig:
     """The engine side of ``load``: what the engine adapters and the embedded API use."""
-    return load(path, env, store=overrides).store
+    return load(path, env, store=overrides, arguments=arguments).store
 
 
 def engine_config(extra: Mapping[str, Any], accepted: frozenset[str], where: str) -> StoreConfig:
@@ -474,7 +510,7 @@ def engine_config(extra: Mapping[str, Any], accepted: frozenset[str], where: str
     if unknown:
         raise ConfigError(f"lmtier: unknown {where} keys {unknown}; known: {sorted(accepted)}")
     store_keys = {f.name for f in fields(StoreConfig)}
-    config = load_config(extra.get("config"), **{k: v for k, v in extra.items() if k in store_keys})
+    config = load_config(extra.get("config"), arguments=where, **{k: v for k, v in extra.items() if k in store_keys})
     from lmtier.tiers.base import check_tier_url
 
     for url in config.tiers:  # a URL that can never open is refused now, not when the store opens

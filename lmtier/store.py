@@ -23,8 +23,8 @@ Policy, in one place:
   the lower tiers (through the same queue) instead of being lost, and ``close`` flushes
   what the first tier still holds. So that a process that dies without closing (``kill
   -9``, a pod stopped without grace) loses only its last seconds, not all of memory, the
-  writer also checkpoints: every ``writeback_after`` seconds it writes down the chunks
-  that have been in memory that long and that the policy would write at their eviction
+  writer also checkpoints: four times every ``writeback_after`` seconds it writes down
+  the chunks that have been in memory that long and that the policy would write at their eviction
   (``SavePolicy.checkpoint``); their eviction then writes nothing.
 - What reaches the lower tiers at all is the save policy's call (``lmtier.admission``):
   ``always`` writes every chunk; ``reuse`` (write-back) writes what memory lets go once it
@@ -68,6 +68,7 @@ _DEMOTED = object()  # a write job's chunks: those evicted from the first tier, 
 DEMOTE_BYTES = 256 << 20  # bound on evicted chunks waiting for the lower tiers (write-back)
 WRITEBACK_AFTER_S = 2.0  # write-back: a chunk only memory holds is written down after this long
 CHECKPOINT_KEYS = 4096  # chunks a checkpoint considers at most (the rest at the next one)
+CHECKPOINTS_PER_WAIT = 4  # a chunk waits writeback_after, then at most a quarter of it more
 CHECKPOINT_BATCH = 16  # chunks per lower-tier write of a checkpoint
 
 
@@ -510,14 +511,15 @@ class TieredStore:
     def _drain(self) -> None:
         jobs = self._jobs
         checkpoint = self.write_back and self.writeback_after > 0
-        due = time.monotonic() + self.writeback_after
+        every = self.writeback_after / CHECKPOINTS_PER_WAIT
+        due = time.monotonic() + every
         while True:
             if checkpoint and time.monotonic() >= due:
                 try:
                     self._checkpoint()
                 except Exception:  # the writer thread must survive anything
                     log.exception("write-back checkpoint failed")
-                due = time.monotonic() + self.writeback_after
+                due = time.monotonic() + every
             try:
                 job = jobs.get(timeout=max(0.0, due - time.monotonic())) if checkpoint else jobs.get()
             except queue.Empty:

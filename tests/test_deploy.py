@@ -113,7 +113,12 @@ def test_the_sidecar_agrees_with_lmtiers_configuration(tmp_path):
     assert ports_of(sidecar)["grpc"] == server.port
     assert ports_of(sidecar)["metrics"] == server.metrics_port
     assert ports_of(engine)["engine-metrics"] == cfg.store.metrics_port
-    assert sidecar["readinessProbe"]["grpc"]["port"] == server.port
+    # the kubelet probes the pod's address: gRPC listens on loopback only, /readyz on all
+    probe = sidecar["readinessProbe"]
+    assert "grpc" not in probe and server.metrics_host == "0.0.0.0"
+    assert probe["httpGet"]["path"] == "/readyz" and ports_of(sidecar)[probe["httpGet"]["port"]] == server.metrics_port
+    # Services named lmtier-* would put LMTIER_* variables into the pod: off (and ignored)
+    assert pod["enableServiceLinks"] is False
 
     # same-host fast path: one memory-backed /dev/shm in both containers, large enough
     # for the sidecar's memory tier (which lives there with a single tenant)
@@ -141,6 +146,7 @@ def test_the_server_agrees_with_lmtiers_configuration(tmp_path):
     server = container_named(pod, "lmtier")
     assert ports_of(server) == {"grpc": cfg.port, "metrics": cfg.metrics_port}
     assert server["readinessProbe"]["grpc"]["port"] == cfg.port
+    assert pod["enableServiceLinks"] is False  # its own Service, lmtier-server, would set LMTIER_SERVER_PORT
     assert parse_size(server["resources"]["limits"]["memory"]) >= memory_tier(cfg.tiers) + (512 << 20)
     disk = TierURL.parse(cfg.tiers[-1])
     claim = sts["spec"]["volumeClaimTemplates"][0]

@@ -194,7 +194,8 @@ def test_the_shared_server_stops_within_its_grace_period(tmp_path):
 
 def test_the_prestop_hook_waits_for_the_clients_of_other_processes_only(tmp_path):
     """await_clients.py, on real segments: the server's own (this process's) never counts;
-    another process's counts while it lives."""
+    another process's counts while it lives, mapped by the server or not (the server maps a
+    client's segment while it sends chunks: open, but not its lock)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("await_clients", DEPLOY / "await_clients.py")
@@ -209,6 +210,9 @@ def test_the_prestop_hook_waits_for_the_clients_of_other_processes_only(tmp_path
     )  # fmt: skip
     try:
         name = engine.stdout.readline().strip()
+        assert hook.clients(directory, os.getpid()) == [name]
+        maps = shm.SegmentMaps(directory)  # as the server does on the client's first call
+        maps.region(name, 0, 1024).release()
         assert hook.clients(directory, os.getpid()) == [name]
         script = [
             sys.executable,

@@ -491,6 +491,19 @@ def test_a_client_killed_mid_transfer_leaves_nothing_behind(tmp_path):
         srv.stop(0)
 
 
+def test_a_swept_segment_is_unmapped_at_once(tmp_path):
+    """The server maps a client's segment while it sends chunks; once the segment is swept
+    (its client died), pruning unmaps it, instead of keeping its memory until 64 newer
+    segments push it out."""
+    segment = shm.Segment(str(tmp_path), 1 << 20, 64 << 10)
+    maps = shm.SegmentMaps(str(tmp_path))
+    maps.region(segment.name, 0, 4096).release()
+    assert maps.prune() == 0 and len(maps) == 1  # still there: kept
+    os.unlink(segment.path)  # what sweep does to a dead client's segment
+    assert maps.prune() == 1 and len(maps) == 0
+    segment.close()
+
+
 def test_sweep_leaves_the_segments_of_live_clients_alone(tmp_path):
     segment = shm.Segment(str(tmp_path), 1 << 20, 64 << 10)
     try:

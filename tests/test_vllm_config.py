@@ -23,6 +23,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from lmtier.connectors.vllm import LMTierConnector
+from lmtier.connectors.vllm_settings import NOTE_ENV
 from lmtier.errors import ConfigError
 from lmtier.testing.tinymodel import build
 from lmtier.tiers.base import known_schemes
@@ -84,9 +85,9 @@ def test_on_a_cpu_engine_the_connector_checks_its_settings_before_it_opens_anyth
 
 @pytest.mark.timeout(900)
 def test_vllm_serve_on_a_cpu_ends_with_lmtiers_one_line_when_a_setting_is_bad(model, tmp_path):
-    """``vllm serve`` as a user starts it (its own process group): the connector finds the
-    bad tier in an engine process after the model loaded, and the API process repeats it
-    as its last line, below vLLM's "Engine core initialization failed"."""
+    """``vllm serve`` as a script starts it: the connector finds the bad tier in an engine
+    process after the model loaded, and the API process repeats it as its last line, below
+    vLLM's "Engine core initialization failed"."""
     transfer = {
         "kv_connector": "LMTierConnector",
         "kv_connector_module_path": "lmtier.connectors.vllm",
@@ -96,8 +97,9 @@ def test_vllm_serve_on_a_cpu_ends_with_lmtiers_one_line_when_a_setting_is_bad(mo
     cmd = [str(Path(sys.executable).parent / "vllm"), "serve", model, "--port", "0", "--dtype", "bfloat16",
            "--enforce-eager", "--block-size", "64", "--max-model-len", "1024", "--kv-transfer-config",
            json.dumps(transfer)]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=840, start_new_session=True)
+    env = {k: v for k, v in os.environ.items() if k != NOTE_ENV}  # as a shell starts it: a first process
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=840)
     assert run.returncode != 0
     lines = [line for line in run.stderr.splitlines() if "resource_tracker" not in line]
     assert lines[-1] == "lmtier: ConfigError: unknown tier scheme 'fiel'; known: " + ", ".join(known_schemes())

@@ -198,6 +198,8 @@ class CacheServer:
                 if self.config.shm_dir and clock - swept_at >= SWEEP_EVERY_S:
                     swept_at = clock
                     shm.sweep(self.config.shm_dir)
+                    if self.service.maps is not None:  # a swept segment's memory comes back now
+                        self.service.maps.prune()
             except Exception:  # the prober must outlive anything
                 log.exception("readiness probe failed")
                 self._set_ready(False)

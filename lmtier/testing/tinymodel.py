@@ -12,6 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from lmtier.errors import MissingDependency
+
 VOCAB = 512
 
 
@@ -73,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = build(args.dir, args.layers, args.hidden, args.seed, args.kv_heads, args.sliding_window)
     except ModuleNotFoundError as exc:  # torch, transformers and tokenizers come with vLLM
-        parser.exit(2, f"{parser.prog}: error: {exc.name!r} is not installed; install it with: "
-                       "pip install 'lmtier[vllm]'\n")  # fmt: skip
+        parser.exit(2, f"{parser.prog}: error: {MissingDependency(exc.name or 'torch', 'vllm')}\n")
     print(out)
     return 0
 

@@ -47,7 +47,12 @@ WRITE_PIECE = 8 << 20  # a batch is written this much per pwritev, its pieces in
 
 
 def _parse_auto(text: str) -> bool | None:
-    return None if text.strip().lower() == "auto" else parse_bool(text)
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return parse_bool(text)
+    except ValueError:
+        raise ValueError(f"expected auto, true or false, got {text!r}") from None
 
 
 class DiskTier(Tier):
