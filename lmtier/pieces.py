@@ -69,7 +69,8 @@ class Piece:
         return self.region.length if self.region is not None else 0
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """``n`` as a protobuf varint (the wire's unsigned integers and lengths)."""
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -80,11 +81,11 @@ def _varint(n: int) -> bytes:
 
 def _region_bytes(region: Region) -> bytes:
     name = region.segment.encode()
-    out = [bytes([_SEGMENT]), _varint(len(name)), name]
+    out = [bytes([_SEGMENT]), varint(len(name)), name]
     if region.offset:
-        out += [bytes([_REG_OFFSET]), _varint(region.offset)]
+        out += [bytes([_REG_OFFSET]), varint(region.offset)]
     if region.length:
-        out += [bytes([_REG_LENGTH]), _varint(region.length)]
+        out += [bytes([_REG_LENGTH]), varint(region.length)]
     return b"".join(out)
 
 
@@ -101,35 +102,37 @@ def piece(
     """One serialized ``ChunkPiece`` as a list of buffers (``data`` is not copied)."""
     head_bytes, fields = head, []
     if key:
-        fields += [bytes([_KEY]), _varint(len(key)), key]
+        fields += [bytes([_KEY]), varint(len(key)), key]
     if frame_size:
-        fields += [bytes([_FRAME_SIZE]), _varint(frame_size)]
+        fields += [bytes([_FRAME_SIZE]), varint(frame_size)]
     if offset:
-        fields += [bytes([_OFFSET]), _varint(offset)]
+        fields += [bytes([_OFFSET]), varint(offset)]
     if region is not None:
         body = _region_bytes(region)
-        extra = [bytes([_HEAD]), _varint(len(head_bytes)), head_bytes] if head_bytes else []
+        extra = [bytes([_HEAD]), varint(len(head_bytes)), head_bytes] if head_bytes else []
         if lease:
-            extra += [bytes([_LEASE]), _varint(lease)]
-        return [*fields, bytes([_REGION]), _varint(len(body)), body, *extra]
+            extra += [bytes([_LEASE]), varint(lease)]
+        return [*fields, bytes([_REGION]), varint(len(body)), body, *extra]
     parts = list(data or ())
     size = sum(memoryview(p).nbytes for p in parts)
-    return [*fields, bytes([_DATA]), _varint(size), *parts]
+    return [*fields, bytes([_DATA]), varint(size), *parts]
 
 
 def pack(*pieces: list) -> bytes:
     """A serialized ``Pieces`` message of pieces made by ``piece``: one copy of the bytes."""
     out: list = []
     for parts in pieces:
-        out += [bytes([_PIECES]), _varint(sum(memoryview(p).nbytes for p in parts)), *parts]
+        out += [bytes([_PIECES]), varint(sum(memoryview(p).nbytes for p in parts)), *parts]
     return b"".join(out)
 
 
-def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
+def read_varint(view: memoryview | bytes, pos: int) -> tuple[int, int]:
+    """The varint at ``pos`` of ``view`` and the position after it; ``FormatError`` when
+    it is cut short or longer than 64 bits."""
     result = shift = 0
     while True:
         if pos >= len(view) or shift > 63:
-            raise FormatError("truncated or overlong varint in a ChunkPiece")
+            raise FormatError("truncated or overlong varint")
         byte = view[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
@@ -142,12 +145,12 @@ def _fields(view: memoryview):
     """(field number, wire type, value) of each field; value is an int or a view."""
     pos = 0
     while pos < len(view):
-        tag, pos = _read_varint(view, pos)
+        tag, pos = read_varint(view, pos)
         number, wire = tag >> 3, tag & 7
         if wire == 0:
-            value, pos = _read_varint(view, pos)
+            value, pos = read_varint(view, pos)
         elif wire == 2:
-            size, pos = _read_varint(view, pos)
+            size, pos = read_varint(view, pos)
             if pos + size > len(view):
                 raise FormatError("a ChunkPiece field runs past the end of its message")
             value, pos = view[pos : pos + size], pos + size

@@ -627,6 +627,26 @@ def test_health_reflection_metrics_and_readiness_follow_the_tiers(tmp_path):
         srv.stop(0)
 
 
+def test_the_health_service_is_the_standard_one_as_grpcs_own_client_sees_it(server):
+    """lmtier answers grpc.health.v1 itself (the server extra needs only grpcio and
+    protobuf): grpcio-health-checking's own client and messages are the judge."""
+    with grpc.insecure_channel(server.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        with pytest.raises(grpc.RpcError) as unknown:
+            stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service="lmtier.v1.CacheService"), timeout=5)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        gone = stub.Watch(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+        assert next(gone).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        gone.cancel()
+        raw = channel.unary_unary("/grpc.health.v1.Health/Check")  # bytes that are no request
+        with pytest.raises(grpc.RpcError) as bad:
+            raw(b"\x0f\xff\xff", timeout=5)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_stats_and_list_are_per_tenant(server):
     alice = open_tier(server.url + "?token=alice-secret")
     try:

@@ -24,42 +24,20 @@ from collections.abc import Iterator
 
 import grpc
 
+from lmtier.errors import FormatError
+from lmtier.pieces import read_varint, varint
+
 SERVICE_NAME = "grpc.health.v1.Health"
 UNKNOWN, SERVING, NOT_SERVING, SERVICE_UNKNOWN = 0, 1, 2, 3
 MAX_NAME = 1024  # longest service name a request may ask about
+MALFORMED = object()  # what a request that is no HealthCheckRequest deserializes to
 WATCH_POLL_S = 1.0  # how often a watcher notices that its caller went away
-
-
-class MessageError(ValueError):
-    """Bytes that are not a HealthCheckRequest."""
-
-
-def _put_varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def encode_request(service: str) -> bytes:
     """``HealthCheckRequest(service=service)`` on the wire."""
     name = service.encode()
-    return b"\x0a" + _put_varint(len(name)) + name if name else b""
-
-
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if at >= len(data) or shift > 63:
-            raise MessageError("truncated or overlong varint")
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
+    return b"\x0a" + varint(len(name)) + name if name else b""
 
 
 def parse_request(data: bytes) -> str:
@@ -67,39 +45,39 @@ def parse_request(data: bytes) -> str:
     protobuf does)."""
     service, at = "", 0
     while at < len(data):
-        tag, at = _varint(data, at)
+        tag, at = read_varint(data, at)
         field, kind = tag >> 3, tag & 7
         if kind == 0:
-            _, at = _varint(data, at)
+            _, at = read_varint(data, at)
         elif kind == 1 or kind == 5:
             at += 8 if kind == 1 else 4
         elif kind == 2:
-            length, at = _varint(data, at)
+            length, at = read_varint(data, at)
             if field == 1:
                 if length > MAX_NAME:
-                    raise MessageError(f"service name longer than {MAX_NAME} bytes")
+                    raise FormatError(f"service name longer than {MAX_NAME} bytes")
                 service = data[at : at + length].decode("utf-8", errors="strict")
             at += length
         else:
-            raise MessageError(f"wire type {kind} is not used by this message")
+            raise FormatError(f"wire type {kind} is not used by this message")
         if at > len(data):
-            raise MessageError("a field runs past the end of the message")
+            raise FormatError("a field runs past the end of the message")
     return service
 
 
 def encode_response(status: int) -> bytes:
     """``HealthCheckResponse(status=status)`` on the wire (a zero status is no field)."""
-    return b"\x08" + _put_varint(status) if status else b""
+    return b"\x08" + varint(status) if status else b""
 
 
 def parse_response(data: bytes) -> int:
     """``HealthCheckResponse.status`` from its wire bytes."""
     status, at = UNKNOWN, 0
     while at < len(data):
-        tag, at = _varint(data, at)
+        tag, at = read_varint(data, at)
         if tag & 7 != 0:
-            raise MessageError("not a HealthCheckResponse")
-        value, at = _varint(data, at)
+            raise FormatError("not a HealthCheckResponse")
+        value, at = read_varint(data, at)
         if tag >> 3 == 1:
             status = value
     return status
@@ -129,8 +107,8 @@ class Health:
             },
         )
 
-    def _check(self, service: str | None, context: grpc.ServicerContext) -> int:
-        if service is None:
+    def _check(self, service: str | object, context: grpc.ServicerContext) -> int:
+        if service is MALFORMED:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a grpc.health.v1.HealthCheckRequest")
         with self._changed:
             status = self._statuses.get(service)
@@ -138,8 +116,8 @@ class Health:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {service!r}")
         return status
 
-    def _watch(self, service: str | None, context: grpc.ServicerContext) -> Iterator[int]:
-        if service is None:
+    def _watch(self, service: str | object, context: grpc.ServicerContext) -> Iterator[int]:
+        if service is MALFORMED:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a grpc.health.v1.HealthCheckRequest")
         if not self._watchers.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many health watchers; use Check")
@@ -157,11 +135,13 @@ class Health:
             self._watchers.release()
 
 
-def _request(data: bytes) -> str | None:
+def _request(data: bytes) -> str | object:
+    """The service asked about, or ``MALFORMED`` (gRPC takes a None from a deserializer
+    for its own failure: INTERNAL, where bad input deserves INVALID_ARGUMENT)."""
     try:
         return parse_request(data)
-    except (MessageError, UnicodeDecodeError):
-        return None
+    except (FormatError, UnicodeDecodeError):
+        return MALFORMED
 
 
 def check(channel: grpc.Channel, timeout: float = 1.0, service: str = "") -> int | None:

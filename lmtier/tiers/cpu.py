@@ -232,6 +232,18 @@ class CpuTier(Tier):
             metrics.TIER_USED_BYTES.labels(self.name).set(self.used_bytes)
 
     def get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
+        if self._closed:
+            return [None] * len(keys)
+        out = self._lease(keys, use=True)
+        hits = sum(c is not None for c in out)
+        with self._lock:
+            self._counts["hits"] += hits
+            self._counts["misses"] += len(keys) - hits
+        return out
+
+    def _lease(self, keys: Sequence[bytes], use: bool) -> list[Chunk | None]:
+        """Leased views of the ``keys`` held; a ``use`` counts as a read (what the save
+        policy weighs) and makes them the most recent, the first one most of all."""
         out: list[Chunk | None] = [None] * len(keys)
         if self._closed:
             return out
@@ -242,16 +254,13 @@ class CpuTier(Tier):
                 entry = self._index.get(key)
                 if entry is not None and entry.ready:
                     entry.leases += 1
-                    entry.reads += 1
+                    entry.reads += use
                     leased.append((i, entry))
-            for i, _ in reversed(leased):
-                self._index.move_to_end(keys[i])
+            if use:
+                for i, _ in reversed(leased):
+                    self._index.move_to_end(keys[i])
         for i, entry in leased:
             out[i] = self._chunk(keys[i], entry, self._slot_views(slab, entry))
-        hits = len(leased)
-        with self._lock:
-            self._counts["hits"] += hits
-            self._counts["misses"] += len(keys) - hits
         return out
 
     def place(self, key: bytes, nbytes: int) -> _Placement | None:
@@ -342,18 +351,7 @@ class CpuTier(Tier):
     def hold(self, keys: Sequence[bytes]) -> list[Chunk | None]:
         """Leased views of ``keys`` for the store's own writes to the lower tiers: neither
         a read (what the save policy weighs) nor a use (recency)."""
-        out: list[Chunk | None] = [None] * len(keys)
-        leased: list[tuple[int, _Entry]] = []
-        with self._state():
-            slab = self._slab
-            for i, key in enumerate(keys):
-                entry = self._index.get(key)
-                if entry is not None and entry.ready:
-                    entry.leases += 1
-                    leased.append((i, entry))
-        for i, entry in leased:
-            out[i] = self._chunk(keys[i], entry, self._slot_views(slab, entry))
-        return out
+        return self._lease(keys, use=False)
 
     def mark_written(self, keys: Sequence[bytes]) -> None:
         """The lower tiers hold ``keys`` now: their eviction writes nothing."""

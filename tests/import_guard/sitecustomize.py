@@ -16,15 +16,9 @@ import json
 import os
 import sys
 
-BLOCKED = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "redis", "hiredis")
-NETWORK = (
-    "lmtier.v1",
-    "lmtier.pieces",
-    "lmtier.tiers.grpc",
-    "lmtier.tiers.redis",
-    "lmtier.server",
-    "lmtier.testing.cache_server",
-)
+from test_imports import NETWORK_LIBRARIES as BLOCKED  # tests/ is on the path with this folder
+from test_imports import NETWORK_MODULES as NETWORK
+
 MODE = os.environ.get("IMPORT_GUARD", "all")
 
 
