@@ -104,9 +104,6 @@ CELLS = [
 FLOOR = ["protobuf==5.26.1", "grpcio==1.63.2"]
 
 
-# -- environments -------------------------------------------------------------------------------
-
-
 # -- what a cell runs -----------------------------------------------------------------------------
 
 
@@ -120,8 +117,7 @@ def set_versions(cell: Cell, env_dir: Path) -> None:
         pip(env_dir, "install", "--no-deps", "-r", str(env_dir / "base-freeze.txt"))
         return
     pip(env_dir, "install", *env.requirement, *cell.pins)
-    installed = freeze(env_dir)
-    if gone := [name for name in env.remove if name in installed]:
+    if gone := [name for name in env.remove if name in freeze(env_dir)]:
         pip(env_dir, "uninstall", "-y", *gone)
 
 
@@ -150,12 +146,6 @@ def restore(cell: Cell, env_dir: Path) -> None:
         pip(env_dir, "uninstall", "-y", *added)
 
 
-def check_import(cell: Cell, env_dir: Path) -> None:
-    """vLLM's connector imports from the installed wheel (SGLang's: its share run reports it)."""
-    where = in_env(env_dir, ["-c", "import lmtier.connectors.vllm as m; print(m.__file__)"]).strip().splitlines()[-1]
-    cell.results["import"] = installed(where, env_dir)
-
-
 def vllm_share(cell: Cell, env_dir: Path, model: Path, redis_url: str, server_url: str, work: Path) -> None:
     """Three engines up side by side: A answers a 2k-token prompt without lmtier, then
     stores it in Redis and the cache server; B (Redis only) and C (the server only) wait
@@ -180,10 +170,12 @@ def vllm_share(cell: Cell, env_dir: Path, model: Path, redis_url: str, server_ur
         (cell_dir / f"{name}.json").write_text(json.dumps(specs[name]))
         out = cell_dir / f"{name}.out.json"
         in_env(env_dir, ["-m", "lmtier.testing.engine", str(cell_dir / f"{name}.json"), str(out)], env=env)
-        return json.loads(out.read_text())["results"]
+        ran = json.loads(out.read_text())
+        return {**ran["results"], "connector": ran["connector"]}
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         a, b, c = pool.map(engine, ["a", "b", "c"])
+    cell.results["import"] = all(installed(run["connector"] or "", env_dir) for run in (a, b, c))
     want = a["off"][0]["tokens"]
     for tier, run in (("redis", b), ("server", c)):
         got = run["hit"][0]
@@ -240,6 +232,30 @@ class Server:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def run_cell(cell: Cell, env_dir: Path, wheel: Path, model: Path, redis: str, server: str, work: Path, seen) -> None:
+    """One cell, start to end; what it found goes into ``cell.results`` (an error too)."""
+    try:
+        set_versions(cell, env_dir)
+        versions = freeze(env_dir)
+        key = (versions.get("protobuf"), versions.get("grpcio"))
+        if cell.name == "newest" and seen.get(cell.engine) == key:
+            cell.results.update({"protobuf": key[0], "grpcio": key[1], "same_as": f"{cell.engine}/resolved"})
+            return
+        seen.setdefault(cell.engine, key)
+        install_wheel(cell, env_dir, wheel)
+        if cell.engine == "vllm":
+            vllm_share(cell, env_dir, model, redis, server, work)
+        else:
+            sglang_share(cell, env_dir, redis, server)
+    except Exception as exc:  # a failed cell is reported, the others still run
+        cell.results["error"] = str(exc)[-3000:]
+    finally:
+        try:
+            restore(cell, env_dir)
+        except Exception as exc:
+            cell.results.setdefault("error", f"restoring the environment: {exc}")
 
 
 def wire_cells(floor: Path, newest: Path, work: Path) -> list[dict]:
@@ -307,31 +323,15 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(newest, work)
     seen: dict[str, tuple[str, str]] = {}
     try:
-        for cell in cells:
-            env_dir = made[cell.engine][0]
-            t0 = time.monotonic()
-            try:
-                set_versions(cell, env_dir)
-                versions = freeze(env_dir)
-                key = (versions.get("protobuf"), versions.get("grpcio"))
-                if cell.name == "newest" and seen.get(cell.engine) == key:
-                    cell.results.update({"protobuf": key[0], "grpcio": key[1], "same_as": f"{cell.engine}/resolved"})
-                    continue
-                seen.setdefault(cell.engine, key)
-                install_wheel(cell, env_dir, wheel)
-                if cell.engine == "vllm":
-                    check_import(cell, env_dir)
-                    vllm_share(cell, env_dir, model, redis.url, server.url, work)
-                else:
-                    sglang_share(cell, env_dir, redis.url, server.url)
-            except Exception as exc:  # a failed cell is reported, the others still run
-                cell.results["error"] = str(exc)[-3000:]
-            finally:
-                try:
-                    restore(cell, env_dir)
-                except Exception as exc:
-                    cell.results.setdefault("error", f"restoring the environment: {exc}")
+
+        def run_cells(engine: str) -> None:  # one engine's cells in turn: they share its environment
+            for cell in (c for c in cells if c.engine == engine):
+                t0 = time.monotonic()
+                run_cell(cell, made[engine][0], wheel, model, redis.url, server.url, work, seen)
                 costs[f"cell {cell.label}"] = round(time.monotonic() - t0)
+
+        with concurrent.futures.ThreadPoolExecutor(len(engines) or 1) as pool:  # the engines side by side
+            list(pool.map(run_cells, engines))
         t0 = time.monotonic()
         try:
             wires = wire_cells(floor, newest, work)

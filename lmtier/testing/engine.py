@@ -212,7 +212,9 @@ def main() -> None:
             _run_phase(phase, results, run, flush_stores, default_max_tokens)
     stats = (flush_stores() or [{}])[-1]
     llm.llm_engine.engine_core.shutdown()  # workers flush their saves on shutdown
-    Path(sys.argv[2]).write_text(json.dumps({"results": results, "stats": stats}))
+    connector = sys.modules.get("lmtier.connectors.vllm")  # which lmtier the engine ran (a checkout's, a wheel's)
+    where = getattr(connector, "__file__", None)
+    Path(sys.argv[2]).write_text(json.dumps({"results": results, "stats": stats, "connector": where}))
 
 
 def _run_phase(phase: dict, results: dict, run, flush_stores, default_max_tokens: int) -> None:
