@@ -21,5 +21,5 @@ fi
 status=0
 LMTIER_GPU_CHECK=1 "$PY" -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$OUT/gpu-tests.xml" || status=$?
 "$PY" benchmarks/bench_gpu.py --json-out "$OUT/gpu-bench.json" --tests "$OUT/gpu-tests.xml" \
-    --report "$OUT/gpu-check.json" || status=$?
+    --report "$OUT/gpu-check.json" --profile "$OUT" || status=$?
 exit $status

@@ -5,16 +5,19 @@ engine blocks split into kernel blocks. The reference is a plain per-block loop.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from vllm.v1 import kv_cache_interface as kv_interface
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from lmtier import transfer
 from lmtier.devicecopy import IndexCopier
 from lmtier.errors import LayoutError
 from lmtier.layout import KVLayout
 from lmtier.testing.layouts import ORDERS, paged_layers, strides
-from lmtier.transfer import CopyEngine
+from lmtier.transfer import CopyEngine, LayerLoad
 
 LAYERS, BLOCKS, BLOCK = 3, 12, 4
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
@@ -101,6 +104,41 @@ def test_engine_blocks_split_into_kernel_blocks(layout):
     assert torch.equal(staging, reference(layers, kv, [3, 8], ratio=2))
 
 
+@pytest.mark.parametrize(
+    ("dtype", "head", "unit"),
+    [(torch.float16, 8, torch.int64), (torch.float16, 2, torch.int32), (torch.bfloat16, 1, torch.int16),
+     (torch.float8_e4m3fn, 3, torch.uint8), (torch.float8_e4m3fn, 12, torch.int32)],
+)  # fmt: skip
+def test_rows_move_as_the_widest_integers_they_divide_into(dtype, head, unit):
+    kv = KVLayout(LAYERS, 2, head, dtype=str(dtype).removeprefix("torch."))
+    layers, _ = paged_layers("BLNHC", layers=LAYERS, blocks=BLOCKS, heads=2, tokens=BLOCK, content=2 * head,
+                             dtype=dtype, seed=5)  # fmt: skip
+    copier = IndexCopier(layers, kv, BLOCK, BLOCKS)
+    assert copier.unit == unit
+    staging = copier.staging(2 * BLOCK, chunks=2)
+    copier.gather_batch([3, 0, 11, 6], staging, 2)
+    for c, ids in enumerate(([3, 0], [11, 6])):
+        assert torch.equal(staging[c], reference(layers, kv, ids))
+    expected = [layer.view(torch.uint8).clone() for layer in layers]
+    for e in expected:
+        e[[5, 9]] = e[[11, 6]].clone()
+    copier.scatter([5, 9], staging[1].contiguous())
+    assert all(torch.equal(layer.view(torch.uint8), e) for layer, e in zip(layers, expected, strict=True))
+
+
+def test_a_cache_at_an_odd_offset_moves_as_bytes():
+    kv = KVLayout(LAYERS, 2, 16, dtype="uint8")
+    shape = (BLOCKS, 2, BLOCK, 2 * 16)  # [B, H, N, K|V]
+    n = math.prod(shape)
+    buf = torch.randint(0, 255, (1 + LAYERS * n,), dtype=torch.uint8)
+    layers = [buf[1 + i * n : 1 + (i + 1) * n].view(shape) for i in range(LAYERS)]  # odd byte offsets
+    copier = IndexCopier(layers, kv, BLOCK, BLOCKS)
+    assert copier.unit == torch.uint8
+    staging = copier.staging(2 * BLOCK)
+    copier.gather([7, 1], staging)
+    assert torch.equal(staging, reference(layers, kv, [7, 1]))
+
+
 def test_a_batch_of_chunks_is_each_chunk_gathered_on_its_own():
     layers, kv, _ = cache("LBNHC", torch.bfloat16)
     copier = IndexCopier(layers, kv, BLOCK, BLOCKS)
@@ -139,18 +177,66 @@ def test_wrong_staging_or_layout_is_refused():
         IndexCopier(layers, kv, BLOCK, BLOCKS - 1)
 
 
+@pytest.mark.parametrize("stage_bytes", [transfer.LOAD_STAGE_BYTES, 1], ids=["one-stage", "stage-per-item"])
 @pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("order", ["LBNHC", "BHLNC"])
-def test_layer_loads_equal_scatters_with_token_slices_of_chunks(order, mla):
+def test_layer_loads_equal_scatters_with_token_slices_of_chunks(order, mla, stage_bytes, monkeypatch):
     """CopyEngine.load_layers (the layer-by-layer loads), with the token slices the
-    connector passes for partial chunks, lands what scatter does, chunk by chunk."""
+    connector passes for partial chunks, lands what scatter does, chunk by chunk; also
+    when the device buffer holds one item at a time (a load larger than it)."""
+    monkeypatch.setattr(transfer, "LOAD_STAGE_BYTES", stage_bytes)
     (layers, kv, raw), (same, _, same_raw) = (cache(order, torch.bfloat16, mla=mla, kernel_block=BLOCK // 2)
                                               for _ in range(2))  # fmt: skip
     chunk = torch.randn(kv.tensor_shape(3 * BLOCK)).to(torch.bfloat16)
     other = torch.randn(kv.tensor_shape(BLOCK)).to(torch.bfloat16)
-    items = [([4, 9], chunk.narrow(kv.token_axis, BLOCK, 2 * BLOCK)), ([1], other)]
+    third = torch.randn(kv.tensor_shape(2 * BLOCK)).to(torch.bfloat16)
+    items = [([4, 9], chunk.narrow(kv.token_axis, BLOCK, 2 * BLOCK)), ([1], other), ([11, 0], third)]
     CopyEngine(layers, kv, BLOCK, BLOCKS).load_layers(items).finish()
     reference = CopyEngine(same, kv, BLOCK, BLOCKS)
     for ids, src in items:
         reference.scatter(ids, src.contiguous())
     assert torch.equal(raw, same_raw) and not torch.equal(raw, cache(order, torch.bfloat16, mla=mla)[2])
+
+
+def test_a_lazy_layer_load_issues_layers_ahead_of_the_one_waited_for():
+    """On a GPU the layers are issued LOAD_AHEAD ahead of the forward pass's wait, the rest
+    by finish; done() only once every layer is issued (the order, without a device)."""
+    issued: list[int] = []
+    load = LayerLoad(lambda i: issued.append(i), 12, [], lazy=True)
+    assert issued == list(range(transfer.LOAD_AHEAD)) and not load.done()
+    load.wait(0)
+    assert issued == list(range(transfer.LOAD_AHEAD + 1))
+    load.wait(5)
+    assert issued == list(range(5 + transfer.LOAD_AHEAD + 1)) and not load.done()
+    load.finish()
+    assert issued == list(range(12)) and load.done()
+    eager: list[int] = []
+    assert LayerLoad(lambda i: eager.append(i), 3, [], lazy=False).done() and eager == [0, 1, 2]
+
+
+@pytest.mark.parametrize("stage_bytes", [transfer.LOAD_STAGE_BYTES, 3 * 1024])
+def test_layer_loads_in_growing_groups_of_layers_land_every_item(stage_bytes, monkeypatch):
+    """Eight layers go as groups of 1, 1, 2 and 4 (as far as the device buffer holds
+    them), each item's layers of a group copied as one run, and land what scatter does:
+    runs of items of three shapes, the first two token slices of chunks."""
+    monkeypatch.setattr(transfer, "LOAD_STAGE_BYTES", stage_bytes)
+    kv = KVLayout(8, 2, 8, dtype="float16")
+    made = [paged_layers("LBHNC", layers=8, blocks=BLOCKS, heads=2, tokens=BLOCK, content=16,
+                         dtype=torch.float16, seed=2) for _ in range(2)]  # fmt: skip
+    (layers, raw), (same, same_raw) = made
+    chunks = [torch.randn(kv.tensor_shape(2 * BLOCK)).half() for _ in range(4)]
+    longer = torch.randn(kv.tensor_shape(3 * BLOCK)).half()
+    items = [([6], chunks[0].narrow(kv.token_axis, BLOCK, BLOCK)), ([8], longer.narrow(kv.token_axis, BLOCK, BLOCK))]
+    items += [(ids, c) for ids, c in zip(([2, 3], [10, 0], [5, 7]), chunks[1:], strict=True)]
+    engine = CopyEngine(layers, kv, BLOCK, BLOCKS)
+    load = engine.load_layers(items)
+    plan = load._keep[0]
+    want = {0: 1, 1: 2, 2: 4, 4: 8} if stage_bytes > 8 * 1024 else {i: i + 1 for i in range(8)}
+    assert plan.groups == want
+    # half a chunk's rows: one copy with the rows between; a third: a copy per layer and K/V
+    assert [shape[-1] for shape in plan.shapes] == [True, False, True, True, True]
+    load.finish()
+    reference = CopyEngine(same, kv, BLOCK, BLOCKS)
+    for ids, src in items:
+        reference.scatter(ids, src.contiguous())
+    assert torch.equal(raw, same_raw)

@@ -21,7 +21,7 @@ def test_the_gpu_suite_is_collected_whole():
     out = run(sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", "tests/gpu",
               LMTIER_GPU_CHECK="1")  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "33 tests collected" in out.stdout  # 6 layouts x 4 dtypes, 3 MLA/split, sizes, batch, pool, order, 2 loads
+    assert "34 tests collected" in out.stdout  # 6 layouts x 4 dtypes, 3 MLA/split, sizes, batch, pool, order, 3 loads
 
 
 def test_the_cpu_suite_leaves_the_gpu_suite_out():

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+from lmtier import transfer
 from lmtier.layout import KVLayout
 from lmtier.testing.layouts import ORDERS, paged_layers
 from lmtier.transfer import CopyEngine, HostBuffers
@@ -143,19 +144,25 @@ def test_a_save_sees_what_the_compute_stream_wrote_last(cuda):
     compute.synchronize()
 
 
-def test_layer_loads_land_before_the_kernels_that_wait_for_them(cuda):
+@pytest.mark.parametrize(("ahead", "stage_bytes"), [(None, None), (1, 1)], ids=["default", "lazy-per-item"])
+def test_layer_loads_land_before_the_kernels_that_wait_for_them(cuda, ahead, stage_bytes, monkeypatch):
     """``load_layers`` returns at once; a compute stream that waits on layer ``i`` (as an
-    attention layer does through wait_for_layer_load) reads exactly the loaded bytes."""
+    attention layer does through wait_for_layer_load) reads exactly the loaded bytes: the
+    first item a token slice of a chunk (a partial hit), and also with one layer issued
+    ahead of the wait and a device buffer of one item at a time."""
+    if ahead is not None:
+        monkeypatch.setattr(transfer, "LOAD_AHEAD", ahead)
+        monkeypatch.setattr(transfer, "LOAD_STAGE_BYTES", stage_bytes)
     (cpu, cpu_raw), (gpu, gpu_raw), layout = both("BLNHC", torch.bfloat16)
     srcs = []
-    for _ in range(2):
-        src = host(layout, 2 * BLOCK, torch.bfloat16, True)
+    for tokens in (3 * BLOCK, 2 * BLOCK):
+        src = host(layout, tokens, torch.bfloat16, True)
         src.copy_(torch.randn(src.shape).to(torch.bfloat16))
         srcs.append(src)
-    items = [([8, 20], srcs[0]), ([33, 2], srcs[1])]
+    items = [([8, 20], srcs[0].narrow(layout.token_axis, BLOCK, 2 * BLOCK)), ([33, 2], srcs[1])]
     reference = CopyEngine(cpu, layout, BLOCK, BLOCKS)
     for blocks, src in items:
-        reference.scatter(blocks, src)
+        reference.scatter(blocks, src.contiguous())
     engine = CopyEngine(gpu, layout, BLOCK, BLOCKS)
     compute = torch.cuda.Stream()
     with torch.cuda.stream(compute):
