@@ -132,8 +132,19 @@ class CopyEngine:
             expected = self.layout.byte_shape(tokens)
             if kv.dtype != np.uint8 or kv.shape != expected:
                 raise LayoutError(f"{what} {kv.dtype} {kv.shape}, expected uint8 {expected}")
-        elif tuple(kv.shape) != self.layout.tensor_shape(tokens):
-            raise LayoutError(f"{what} {tuple(kv.shape)}, expected {self.layout.tensor_shape(tokens)}")
+        elif tuple(kv.shape) != self.layout.tensor_shape(tokens) or kv.dtype != self.layers[0].dtype:
+            want = f"{self.layers[0].dtype} {self.layout.tensor_shape(tokens)}"
+            raise LayoutError(f"{what} {kv.dtype} {tuple(kv.shape)}, expected {want}")
+
+    def _check_blocks(self, block_ids: Sequence[int], distinct: bool = False) -> None:
+        """Block ids within the cache (an index kernel would wrap a negative one onto
+        another block), and with ``distinct``, none twice (one ``index_put_`` writes them
+        all: which of two writes to one block lands is not defined)."""
+        blocks = len(self.layers[0]) // self.ratio
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= blocks):
+            raise LayoutError(f"block ids must be in 0..{blocks - 1}; got {min(block_ids)}..{max(block_ids)}")
+        if distinct and len(set(block_ids)) != len(block_ids):
+            raise LayoutError("a load names a block twice")
 
     # -- indexing -----------------------------------------------------------------------
     def _kernel_runs(self, block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -175,6 +186,7 @@ class CopyEngine:
         the event of ``mark()``, required when another thread than the forward pass's asks
         (without it the calling thread's current stream is waited on, not the compute one)."""
         self._check_shape("gather into", out, len(block_ids) * self.block_size)
+        self._check_blocks(block_ids)
         if self._index is not None:
             with self._on_copy_stream("save", after):
                 staging = self._stage("save", len(block_ids) * self.block_size)
@@ -210,6 +222,7 @@ class CopyEngine:
             if len(ids) * self.block_size != tokens:
                 raise LayoutError("gather_many takes chunks of one size")
             self._check_shape("gather into", out, tokens)
+            self._check_blocks(ids)
         with self._on_copy_stream("save", after):
             staging = self._stage("save", tokens, len(outs))
             self._index.gather_batch([b for ids in block_ids for b in ids], staging, len(outs))
@@ -230,6 +243,7 @@ class CopyEngine:
         layers or the given ones (layer-by-layer loading). ``before_layer(i)`` is called
         before layer ``i`` is copied (a ``Chunk.layer_check`` verifies it there)."""
         self._check_shape("scatter from", src, len(block_ids) * self.block_size)
+        self._check_blocks(block_ids, distinct=True)
         which = layers if layers is not None else range(len(self.layers))
         if self._index is not None:
             with self._on_copy_stream("load"):
@@ -277,10 +291,12 @@ class CopyEngine:
         assert index is not None
         for block_ids, src in items:
             self._check_shape("load from", src, len(block_ids) * self.block_size)
+        self._check_blocks([b for ids, _ in items for b in ids], distinct=True)
         with self._on_copy_stream("load"):
             plan = _LoadPlan(index, self.layout, self.block_size, items)
         stream = self._streams["load"][0] if self.device.type == "cuda" else None
-        return LayerLoad(lambda i: plan.issue(i, stream), len(self.layers), [plan], lazy=stream is not None)
+        return LayerLoad(lambda i: plan.issue(i, stream), len(self.layers), [plan], lazy=stream is not None,
+                         device=self.device)  # fmt: skip
 
     # -- CUDA plumbing ----------------------------------------------------------------------
     def mark(self) -> Any:
@@ -381,12 +397,17 @@ class _LoadPlan:
         self.hosts: list[torch.Tensor] = []
         shapes: list[tuple[int, int, int, int, bool]] = []  # tokens, dL, dK, dT, one copy
         for _, src in items:
-            host = src.view(torch.uint8)
+            host = (src if src.stride(-1) == 1 else src.contiguous()).view(torch.uint8)
             host = host.unsqueeze(1).unsqueeze(3) if layout.mla else host
             if host.stride(4) != 1 or (layout.num_kv_heads > 1 and host.stride(3) != row) or host.stride(2) != hr:
                 host = host.contiguous()  # not a chunk's tensor nor a token slice of one
             tokens, needed = host.shape[2], kv * host.shape[2] * hr
-            whole = host.stride(0) <= 2 * needed and host.stride(0) >= (kv - 1) * host.stride(1) + tokens * hr
+            whole = (
+                host.stride(0) <= 2 * needed
+                and host.stride(0) >= (kv - 1) * host.stride(1) + tokens * hr
+                and host.stride(0) % row == 0  # the stage's views of it line up as the kernels' units
+                and (kv == 1 or host.stride(1) % row == 0)
+            )
             strides = (host.stride(0), host.stride(1), hr) if whole else (needed, tokens * hr, hr)
             self.hosts.append(host)
             shapes.append((tokens, *strides, whole))
@@ -396,9 +417,9 @@ class _LoadPlan:
         self.item_groups: list[list[tuple[int, int, tuple[torch.Tensor, torch.Tensor]]]] = []
         first = 0
         while first < len(items):
-            end, used = first + 1, shapes[first][1]
-            while end < len(items) and used + shapes[end][1] <= LOAD_STAGE_BYTES:
-                used, end = used + shapes[end][1], end + 1
+            end, used = first + 1, self._region(shapes[first], 1)
+            while end < len(items) and used + self._region(shapes[end], 1) <= LOAD_STAGE_BYTES:
+                used, end = used + self._region(shapes[end], 1), end + 1
             runs, at = [], first
             while at < end:
                 stop = at + 1
@@ -409,7 +430,7 @@ class _LoadPlan:
                 at = stop
             self.item_groups.append(runs)
             first = end
-        per_layer = max((sum(shapes[i][1] for i in range(r[0][0], r[-1][0] + r[-1][1])) for r in self.item_groups),
+        per_layer = max((sum(c * self._region(shapes[f], 1) for f, c, _ in g) for g in self.item_groups),
                         default=0)  # fmt: skip
         layers = layout.num_layers
         span = max(1, LOAD_STAGE_BYTES // max(1, per_layer)) if len(self.item_groups) == 1 else 1
@@ -483,8 +504,11 @@ class LayerLoad:
     layers ahead of the forward pass (``issue(i)`` returns the event after layer ``i``'s
     copies); elsewhere every layer is issued, and landed, at once."""
 
-    def __init__(self, issue: Callable[[int], Any], layers: int, keep: list[Any], lazy: bool) -> None:
-        self._issue = issue
+    def __init__(
+        self, issue: Callable[[int], Any], layers: int, keep: list[Any], lazy: bool, device: Any = None
+    ) -> None:
+        self._issue: Callable[[int], Any] | None = issue
+        self._device = device
         self._layers = layers
         self._events: list[Any] = []
         self._keep = keep  # staging buffer, index and host tensors, alive until the copies are done
@@ -493,15 +517,18 @@ class LayerLoad:
 
     def _issued_to(self, layer: int) -> None:
         while len(self._events) <= min(layer, self._layers - 1):
+            assert self._issue is not None, "a finished load issues nothing more"
             self._events.append(self._issue(len(self._events)))
 
     def wait(self, layer: int) -> None:
         """Make the current stream wait for ``layer`` (a stream wait: the host goes on),
         issuing the layers up to ``layer + LOAD_AHEAD`` first."""
-        self._issued_to(layer + LOAD_AHEAD)
+        if not 0 <= layer < self._layers:
+            raise IndexError(f"layer {layer} of a load of {self._layers} layers")
+        self._issued_to(layer + max(0, LOAD_AHEAD))
         event = self._events[layer]
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            torch.cuda.current_stream(self._device).wait_event(event)
 
     def done(self) -> bool:
         """Every layer issued and landed."""
@@ -511,10 +538,11 @@ class LayerLoad:
 
     def finish(self) -> None:
         """Issue what is left, wait for the last copy; the host tensors may be reused after it."""
-        self._issued_to(self._layers - 1)
+        if self._issue is not None:
+            self._issued_to(self._layers - 1)
         if self._events and self._events[-1] is not None:
             self._events[-1].synchronize()
-        self._keep = []
+        self._keep, self._issue = [], None  # the plan (device buffer, host tensors) goes with it
 
 
 def _inner_contiguous(kv: torch.Tensor | np.ndarray) -> bool:

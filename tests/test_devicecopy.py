@@ -240,3 +240,51 @@ def test_layer_loads_in_growing_groups_of_layers_land_every_item(stage_bytes, mo
     for ids, src in items:
         reference.scatter(ids, src.contiguous())
     assert torch.equal(raw, same_raw)
+
+
+def test_a_load_or_a_copy_refuses_blocks_and_dtypes_that_would_land_wrong():
+    """An index kernel wraps a negative block id onto the last block, one index_put_ lands
+    either of two writes to one block, and bytes of another dtype are not this cache's KV:
+    each is an error before anything moves (the connector then recomputes)."""
+    layers, kv, raw = cache("LBNHC", torch.float16)
+    engine = CopyEngine(layers, kv, BLOCK, BLOCKS)
+    one = torch.randn(kv.tensor_shape(BLOCK)).half()
+    before = raw.clone()
+    for items, match in (
+        ([([2], one), ([2], one)], "twice"),
+        ([([-1], one)], "block ids"),
+        ([([BLOCKS], one)], "block ids"),
+        ([([3], one.float())], "float32"),
+        ([([3], one.bfloat16())], "bfloat16"),
+    ):
+        with pytest.raises(LayoutError, match=match):
+            engine.load_layers(items)
+    with pytest.raises(LayoutError, match="block ids"):
+        engine.scatter([-1], one)
+    with pytest.raises(LayoutError, match="block ids"):
+        engine.gather([BLOCKS], torch.empty_like(one))
+    assert torch.equal(raw, before)
+
+
+def test_host_tensors_of_any_strides_land_as_scatter_lands_them():
+    """A source whose values are not unit-stride, or whose layer and K/V strides are not
+    whole rows, lands what a scatter of its contiguous copy lands."""
+    layout = KVLayout(LAYERS, 2, 8, dtype="float16")
+    wide = torch.randn(KVLayout(LAYERS, 2, 16, dtype="float16").tensor_shape(2 * BLOCK)).half()
+    flat = torch.randn(2 * layout.chunk_bytes(2 * BLOCK)).half()
+    t, hd = 2 * BLOCK, 2 * 8
+    odd = flat.as_strided((LAYERS, 2, t, 2, 8), (2 * t * hd + 1, t * hd + 1, hd, 8, 1))
+    for src in (wide[..., ::2], odd):
+        (layers, _, raw), (same, _, same_raw) = (cache("LBHNC", torch.float16) for _ in range(2))
+        CopyEngine(layers, layout, BLOCK, BLOCKS).load_layers([([1, 2], src)]).finish()
+        CopyEngine(same, layout, BLOCK, BLOCKS).scatter([1, 2], src.contiguous())
+        assert torch.equal(raw, same_raw)
+
+
+def test_a_layer_load_waits_only_for_its_own_layers_and_lets_go_when_finished():
+    load = LayerLoad(lambda i: None, 4, [object()], lazy=True)
+    for bad in (-1, 4):
+        with pytest.raises(IndexError):
+            load.wait(bad)
+    load.finish()
+    assert load.done() and load._issue is None and load._keep == []
