@@ -43,6 +43,9 @@ POOLS = (128 + 256) * 1024**2
 IN_FLIGHT = WORKERS * (16 + 1) * MAX_CHUNK // 8
 
 
+TOKENS = ("load-test-tenant-a-0123456789", "load-test-tenant-b-0123456789")
+
+
 def layout():
     from lmtier.layout import KVLayout
 
@@ -74,7 +77,7 @@ def client(address: str, index: int, duration: float, shm: bool) -> dict:
     ns = namespace()
     shape = ns.layout.byte_shape(ns.chunk_tokens)
     rng = random.Random(index)
-    tier = open_tier(f"grpc://{address}?retries=0&timeout=30&shm={'on' if shm else 'off'}&token=load-{index % 2}")
+    tier = open_tier(f"grpc://{address}?retries=0&timeout=30&shm={'on' if shm else 'off'}&token={TOKENS[index % 2]}")
     channel = grpc.insecure_channel(address)
     lookup = channel.unary_unary(
         "/lmtier.v1.CacheService/Lookup",
@@ -82,7 +85,7 @@ def client(address: str, index: int, duration: float, shm: bool) -> dict:
         cache_pb2.LookupResponse.FromString,
     )
     put = channel.stream_unary("/lmtier.v1.CacheService/Put", None, cache_pb2.PutResponse.FromString)
-    auth = (("authorization", f"Bearer load-{index % 2}"),)
+    auth = (("authorization", f"Bearer {TOKENS[index % 2]}"),)
     prefixes = [[7000 + p] * (4 * ns.chunk_tokens) for p in range(4)]  # shared "system prompts"
     mine: deque[list[int]] = deque(maxlen=64)
     counts = {"put": 0, "get": 0, "lookup": 0, "delete": 0, "rejected": 0, "chunks_read": 0, "hits": 0}
@@ -176,16 +179,19 @@ def run_load(clients: int = 8, duration: float = 60.0, workdir: Path | None = No
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="lmtier-load-"))
     disk = tmp / "disk"
+    tokens = tmp / "tokens"
+    tokens.write_text(f"{TOKENS[0]}=tenant-a\n{TOKENS[1]}=tenant-b\n")
+    tokens.chmod(0o600)
     server = ServerProcess(
         tmp,
         "--tier",
         f"cpu://?size={CPU_BYTES}&slot=128KiB",
         "--tier",
         f"file://{disk}?size={DISK_BYTES}",
-        "--token",
-        "load-0=tenant-a",
-        "--token",
-        "load-1=tenant-b",
+        "--token-file",
+        str(tokens),
+        "--operator",
+        "tenant-a",  # the watcher's Stats shows the tiers' use
         "--max-chunk",
         str(MAX_CHUNK),
         "--workers",
@@ -208,7 +214,7 @@ def run_load(clients: int = 8, duration: float = 60.0, workdir: Path | None = No
             for i in range(clients)
         ]
         peak_rss = peak_disk = samples = 0
-        watcher = open_tier(f"grpc://{server.address}?token=load-0&shm=off")
+        watcher = open_tier(f"grpc://{server.address}?token={TOKENS[0]}&shm=off")
         while any(p.poll() is None for p in procs):
             peak_rss = max(peak_rss, rss(server.pid))
             peak_disk = max(peak_disk, watcher.stats()["server_tiers"][1]["used_bytes"])

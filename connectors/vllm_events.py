@@ -79,8 +79,9 @@ def tier_labels(url: str) -> tuple[str, str, str]:
     scheme, opts = parsed.scheme, parsed.options
     if scheme in ("grpc", "grpcs"):
         token = opts.get("token") or os.environ.get(opts.get("token_env", "LMTIER_TOKEN"), "")
-        tenant = f"/tenant={tenant_digest(token)}" if token else ""
-        return MEDIUM_CPU, "REMOTE", f"lmtier:grpc://{_endpoints(parsed.netloc, DEFAULT_PORTS['grpc'])}{tenant}"
+        where = _endpoints(parsed.netloc, DEFAULT_PORTS["grpc"])
+        tenant = f"/tenant={tenant_digest(token, where)}" if token else ""
+        return MEDIUM_CPU, "REMOTE", f"lmtier:grpc://{where}{tenant}"
     if scheme in SHARED_SCHEMES:  # Redis: its key space
         if scheme == "unix":
             where = f"redis+unix://{parsed.path}"
@@ -109,11 +110,15 @@ def _endpoints(netloc: str, default_port: int) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def tenant_digest(token: str) -> str:
+def tenant_digest(token: str, server: str) -> str:
     """A cache server tenant's name in events: a digest of its bearer token that is the
-    same from every instance yet slow to test guesses against (PBKDF2, 200,000 rounds:
-    the events stream is readable by whoever reaches the publisher's socket)."""
-    return hashlib.pbkdf2_hmac("sha256", token.encode(), TENANT_SEED, TENANT_ROUNDS).hex()[:16]
+    same from every instance of a fleet yet slow to test guesses against (PBKDF2, 200,000
+    rounds, all 256 bits: the events stream is readable by whoever reaches the
+    publisher's socket), salted by the server's address and ``LMTIER_EVENTS_SALT`` (set
+    it to a secret of the deployment's): a table of guesses made for one deployment is
+    worth nothing at another."""
+    salt = TENANT_SEED + server.encode() + b"\x00" + os.environ.get("LMTIER_EVENTS_SALT", "").encode()
+    return hashlib.pbkdf2_hmac("sha256", token.encode(), salt, TENANT_ROUNDS).hex()
 
 
 class LMTierKVEvents(KVConnectorKVEvents):

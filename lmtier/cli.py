@@ -228,6 +228,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lmtier.server import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.token:
+        logging.getLogger("lmtier").warning(
+            "--token puts a secret in the command line, which every local user can read (/proc/PID/cmdline): "
+            "use --token-file or LMTIER_SERVER_TOKENS"
+        )
     flags = {
         "host": args.host,
         "port": args.port,
@@ -237,12 +242,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
         "tls_client_ca": args.tls_client_ca,
+        "tls_identity": args.tls_identity,
+        "operators": tuple(args.operator) if args.operator else None,
+        "stall_timeout": args.stall_timeout,
+        "call_timeout": args.call_timeout,
         "max_chunk_bytes": args.max_chunk,
         "max_message_bytes": args.max_message,
         "max_keys": args.max_keys,
         "workers": args.workers,
         "max_concurrent_rpcs": args.max_concurrent_rpcs,
         "max_calls_per_tenant": args.max_calls_per_tenant,
+        "max_call_rate_per_tenant": args.max_call_rate_per_tenant,
         "max_streams_per_connection": args.max_streams_per_connection,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
@@ -554,8 +564,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="threads serving calls (default 16)")
     p.add_argument("--max-concurrent-rpcs", type=int, help="calls at once; more are refused (default 64)")
     p.add_argument(
-        "--max-calls-per-tenant", type=int, help="calls of one tenant at once; more are refused (default 32)"
+        "--max-calls-per-tenant",
+        type=int,
+        help="calls of one tenant at once; more are refused (default: half the workers when several tenants "
+        "share the server, all of them for one)",
     )
+    p.add_argument(
+        "--tls-identity",
+        choices=["auto", "cn", "uri", "dns"],
+        help="what names a mutual-TLS client's tenant (default auto: common name, else URI, else DNS name)",
+    )
+    p.add_argument("--operator", action="append", help="a tenant that sees the whole server in stats (repeatable)")
+    p.add_argument(
+        "--max-call-rate-per-tenant", type=float, help="calls one tenant may start per second (default 0: no limit)"
+    )
+    p.add_argument("--stall-timeout", type=float, help="seconds a call may wait on its client (default 10)")
+    p.add_argument("--call-timeout", type=float, help="seconds any call may run (default 300)")
     p.add_argument(
         "--max-streams-per-connection", type=int, help="streams of one connection at once; more wait (default 16)"
     )

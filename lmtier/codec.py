@@ -203,7 +203,9 @@ def read_header(frame, payload=None) -> tuple[Header, memoryview]:
         raise FormatError(f"malformed chunk header: {exc}") from exc
     if raw.get("v") != FRAME_VERSION or codec != CODEC:
         raise FormatError(f"unsupported header version or codec {codec!r}")
-    if header.num_tokens < 0 or raw_len != header.layout.chunk_bytes(header.num_tokens):
+    if header.num_tokens <= 0:
+        raise FormatError(f"a chunk of {header.num_tokens} tokens: a chunk holds at least one")
+    if raw_len != header.layout.chunk_bytes(header.num_tokens):
         raise FormatError("header length disagrees with its layout")
     if payload_len != raw_len:
         raise FormatError("payload length disagrees with its layout")

@@ -23,6 +23,7 @@ with its comment, its default and its parser, beside the one loader.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tomllib
@@ -35,6 +36,8 @@ from lmtier.admission import POLICIES
 from lmtier.errors import ConfigError
 from lmtier.keys import HASHES
 from lmtier.units import parse_size
+
+log = logging.getLogger(__name__)
 
 
 # -- how each key is parsed -----------------------------------------------------------------
@@ -243,6 +246,13 @@ class ServerConfig:
     tls_cert: str = setting("", STRING)
     tls_key: str = setting("", STRING)
     tls_client_ca: str = setting("", STRING)
+    # What names a mutual-TLS client's tenant: auto (its common name, else its first URI,
+    # else DNS subject alternative name), cn, uri or dns.
+    tls_identity: str = setting("auto", STRING)
+    # Tenants that see the whole server in Stats (every tier's use and counters, the
+    # settings); the others see their own chunks and the tiers' sizes. Where one tenant
+    # is all there is, it sees everything.
+    operators: tuple[str, ...] = setting((), STRINGS)
     # Limits: one frame, one gRPC message, keys per request, RPCs served at once.
     max_chunk_bytes: int = setting(64 * 1024**2, SIZE)
     max_message_bytes: int = setting(80 * 1024**2, SIZE)
@@ -250,11 +260,24 @@ class ServerConfig:
     workers: int = setting(16, INTEGER)
     max_concurrent_rpcs: int = setting(64, INTEGER)
     # Fairness between clients: calls one tenant may have in flight (more get
-    # RESOURCE_EXHAUSTED, which the grpc tier retries with backoff), and streams one
+    # RESOURCE_EXHAUSTED, which the grpc tier retries with backoff; 0: half the workers
+    # where several tenants share the server, all of them for one), and streams one
     # connection may have open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: more wait in the
     # client until one ends).
-    max_calls_per_tenant: int = setting(32, INTEGER)
+    max_calls_per_tenant: int = setting(0, INTEGER)
+    # Calls one tenant may start per second, a second's worth at once (0: no limit): each
+    # call costs the server time even when it does little, and a tenant that calls in a
+    # tight loop would otherwise take the server's time from the others.
+    max_call_rate_per_tenant: float = setting(0.0, NUMBER)
     max_streams_per_connection: int = setting(16, INTEGER)
+    # Seconds a call may wait on its client (its next message, or room for the next answer)
+    # before it is cancelled, and seconds any call may run in all.
+    stall_timeout: float = setting(10.0, NUMBER)
+    call_timeout: float = setting(300.0, NUMBER)
+    # Seconds a connection with no call may stay open, and any connection at all (then it
+    # is closed after its calls, given call_timeout to end): clients reconnect.
+    connection_idle: float = setting(600.0, NUMBER)
+    connection_age: float = setting(3600.0, NUMBER)
     # Prometheus /metrics, /healthz and /readyz on this port (None: off).
     metrics_port: int | None = setting(None, OPTIONAL_INTEGER)
     # Its address; "" (the default): the gRPC address, ``host``. A sidecar whose gRPC
@@ -271,12 +294,17 @@ class ServerConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiers", tuple(self.tiers))
         object.__setattr__(self, "tokens", tuple(tuple(t) for t in self.tokens))
+        object.__setattr__(self, "operators", tuple(self.operators))
+        if self.host.startswith("[") and self.host.endswith("]"):  # "[::]", as in URLs: the address inside
+            object.__setattr__(self, "host", self.host[1:-1])
         if not self.tiers:
             raise ConfigError("the server needs at least one tier")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must lie in [0, 65536), got {self.port}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both a certificate and its key")
+        if self.tls_identity not in ("auto", "cn", "uri", "dns"):
+            raise ConfigError(f"tls_identity must be auto, cn, uri or dns, got {self.tls_identity!r}")
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("mutual TLS (a client CA) needs the server's certificate and key too")
         if self.max_chunk_bytes <= 0 or self.max_message_bytes <= 0 or self.max_keys <= 0:
@@ -284,15 +312,37 @@ class ServerConfig:
         for name in (
             "workers",
             "max_concurrent_rpcs",
-            "max_calls_per_tenant",
             "max_streams_per_connection",
             "write_queue",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_call_rate_per_tenant < 0:
+            raise ConfigError(
+                f"max_call_rate_per_tenant must be 0 (no limit) or more, got {self.max_call_rate_per_tenant}"
+            )
+        if self.max_calls_per_tenant < 0:
+            raise ConfigError(f"max_calls_per_tenant must be 0 (automatic) or more, got {self.max_calls_per_tenant}")
+        for name in ("stall_timeout", "call_timeout", "connection_idle", "connection_age"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         for token, tenant in self.tokens:
             if not token or not tenant:
                 raise ConfigError("a token and its tenant must not be empty")
+
+    def calls_per_tenant(self, single_tenant: bool) -> int:
+        """The calls one tenant may have in flight: below the workers where several
+        tenants share the server, so that one of them cannot hold every worker."""
+        if single_tenant:
+            return self.max_calls_per_tenant or self.workers
+        if not self.max_calls_per_tenant:
+            return max(1, self.workers // 2)
+        if self.max_calls_per_tenant >= self.workers and self.workers > 1:
+            raise ConfigError(
+                f"max_calls_per_tenant ({self.max_calls_per_tenant}) must be below workers ({self.workers}) "
+                "where several tenants share the server: one tenant could hold every worker"
+            )
+        return self.max_calls_per_tenant
 
 
 def default_server_tiers() -> tuple[str, ...]:
@@ -301,27 +351,58 @@ def default_server_tiers() -> tuple[str, ...]:
 
 
 def parse_token(spec: str) -> tuple[str, str]:
-    """``SECRET=TENANT`` (or ``SECRET`` alone: the ``default`` tenant)."""
-    token, _, tenant = spec.strip().partition("=")
+    """``SECRET=TENANT`` (or ``SECRET`` alone: the ``default`` tenant). The tenant follows
+    the last ``=``, so a secret may hold ``=`` (base64's padding: ``c2VjcmV0==`` is a
+    secret alone, ``c2VjcmV0===alice`` that secret for alice); spaces around either part
+    are dropped, and a secret or tenant with spaces inside is refused."""
+    text = spec.strip()
+    token, sep, tenant = text.rpartition("=")
+    if not sep or not tenant.strip():  # no tenant after the last "=": all of it is the secret
+        token, tenant = text, ""
+    token, tenant = token.strip(), tenant.strip()
     if not token:
-        raise ConfigError(f"empty token in {spec!r}")
+        raise ConfigError("an empty token (a line or --token with no secret before '=')")
+    if any(c.isspace() for c in token + tenant):
+        raise ConfigError("a token or tenant with whitespace inside: write one SECRET=TENANT per line")
     return token, tenant or "default"
 
 
+WEAK_TOKEN = 16  # characters: a secret shorter than this is warned about
+
+
 def read_token_file(path: str | Path) -> list[tuple[str, str]]:
-    """One ``SECRET=TENANT`` per line; blank lines and ``#`` comments are skipped."""
+    """One ``SECRET=TENANT`` per line; blank lines and ``#`` comments are skipped. A file
+    others may read, or a short secret, is warned about (the server still starts)."""
     try:
-        lines = Path(path).read_text().splitlines()
+        text = Path(path).read_text()
+        mode = Path(path).stat().st_mode
     except OSError as exc:
         raise ConfigError(f"cannot read token file {path}: {exc}") from exc
-    return [parse_token(line) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if mode & 0o077:
+        log.warning("token file %s can be read by other users (mode %o): chmod 600 it", path, mode & 0o777)
+    tokens = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            tokens.append(parse_token(line))
+        except ConfigError as exc:
+            raise ConfigError(f"{path}, line {n}: {exc}") from exc
+    return tokens
+
+
+def warn_weak_tokens(tokens: tuple[tuple[str, str], ...]) -> None:
+    for token, tenant in tokens:
+        if len(token) < WEAK_TOKEN:
+            log.warning("tenant %s has a token of %d characters: use %d or more (e.g. openssl rand -hex 32)",
+                        tenant, len(token), WEAK_TOKEN)  # fmt: skip
 
 
 # -- loading: one place ---------------------------------------------------------------------
 ENV_PREFIX = "LMTIER_"
 SERVER_ENV_PREFIX = "LMTIER_SERVER_"
 # LMTIER_* variables that are not settings: the config file's path, the grpc tier's token.
-OTHER_ENV = frozenset({"LMTIER_CONFIG", "LMTIER_TOKEN"})
+OTHER_ENV = frozenset({"LMTIER_CONFIG", "LMTIER_TOKEN", "LMTIER_EVENTS_SALT"})
 # Server keys a file or the environment may give beyond ServerConfig's fields.
 SERVER_EXTRA_KEYS = frozenset({"token_file"})
 

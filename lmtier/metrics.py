@@ -128,6 +128,17 @@ SERVER_INFLIGHT = Gauge(
     "Calls the cache server is serving now.",
     registry=SERVER_REGISTRY,
 )
+SERVER_CANCELLED = Counter(
+    "lmtier_server_cancelled_total",
+    "Calls the cache server cancelled: stalled on their client, or over the call time limit.",
+    ["reason"],
+    registry=SERVER_REGISTRY,
+)
+SERVER_REFUSED = Counter(
+    "lmtier_server_refused_total",
+    "Calls refused when their headers arrived, before any worker or memory: unauthenticated.",
+    registry=SERVER_REGISTRY,
+)
 SERVER_READY = Gauge(
     "lmtier_server_ready",
     "1 when every tier of the cache server passed its last probe, else 0.",

@@ -264,9 +264,8 @@ def alive(directory: str, name: str) -> bool:
 def locked(path: str) -> bool:
     """Whether a live process holds an ``flock`` on ``path`` (the kernel drops it when the
     process dies, whatever its PID namespace). False when there is no such file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+    fd = _open_segment(path)
+    if fd is None:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -275,6 +274,22 @@ def locked(path: str) -> bool:
     finally:
         os.close(fd)  # also drops the lock, if we got it
     return False
+
+
+def _open_segment(path: str) -> int | None:
+    """A descriptor of ``path`` if it is a regular file (opened without following a link
+    or blocking on a FIFO that any local user may have named like a segment), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
 
 
 def sweep(directory: str = DEFAULT_DIR, min_age: float = SWEEP_MIN_AGE_S) -> int:
@@ -288,10 +303,9 @@ def sweep(directory: str = DEFAULT_DIR, min_age: float = SWEEP_MIN_AGE_S) -> int
     now = time.time()
     for name in names:
         path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
+        fd = _open_segment(path)
+        if fd is None:
+            continue  # gone, or not a segment (a FIFO, a device): not ours to remove
         try:
             if now - os.fstat(fd).st_mtime < min_age:
                 continue

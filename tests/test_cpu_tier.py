@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from lmtier.chunk import release_all
-from lmtier.errors import ConfigError
+from lmtier.chunk import Chunk, release_all
+from lmtier.errors import ConfigError, LayoutError
 from lmtier.tiers.base import TierContext, open_tier
 from lmtier.tiers.cpu import CpuTier
 
@@ -175,3 +175,35 @@ def test_the_slab_is_faulted_in_ahead_of_the_slots_in_use_and_no_further(monkeyp
     prefault = tier._prefault
     tier.close()
     assert prefault._stopped and tier._prefault is None  # stopped, and the mapping let go
+
+
+@pytest.mark.parametrize("fails", ["reserving", "writing"])
+def test_a_put_that_fails_part_way_leaves_nothing_reserved(fails, monkeypatch):
+    """An error while a batch's slots are taken or filled gives every slot back; a chunk of
+    no KV is refused before anything is taken (a batch once kept its slots forever)."""
+    prompt = make_prompt(8, seed=5)
+    chunks = prompt.chunks()
+    tier = CpuTier(size=8 * chunks[0].nbytes, slot=chunks[0].nbytes)
+    calls = {"n": 0}
+    name = "_allocate" if fails == "reserving" else "_write"
+    real = getattr(tier, name)
+
+    def third_fails(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected")
+        return real(*args)
+
+    monkeypatch.setattr(tier, name, third_fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        tier.put(chunks)
+    monkeypatch.setattr(tier, name, real)
+    assert tier.used_bytes == 0 and tier.contains(prompt.keys) == 0
+    layout = chunks[0].layout
+    empty = Chunk(b"e" * len(chunks[0].key), layout, np.zeros(layout.byte_shape(0), np.uint8))
+    with pytest.raises(LayoutError, match="no KV"):
+        tier.put([*chunks[:3], empty])
+    assert tier.used_bytes == 0
+    tier.put(chunks)
+    assert tier.contains(prompt.keys) == 8
+    tier.close()

@@ -43,17 +43,18 @@ OTHER = make_prompt(3, seed=78)  # other bytes, stored under PROMPT's keys by an
 def call(channel: grpc.Channel, method: str, request, token: str | None = None, **kw):
     """One call on a bare channel; the response (a list for Get) or the RpcError raised."""
     metadata = kw.pop("metadata", None)
+    timeout = kw.pop("timeout", 20)
     if metadata is None:
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
     if method == "Put":
         fn = channel.stream_unary(SERVICE + "Put", None, cache_pb2.PutResponse.FromString)
-        return fn(iter(request), metadata=metadata, timeout=20, **kw)
+        return fn(iter(request), metadata=metadata, timeout=timeout, **kw)
     if method == "Get":
         fn = channel.unary_stream(SERVICE + "Get", cache_pb2.GetRequest.SerializeToString, None)
-        return list(fn(request, metadata=metadata, timeout=20, **kw))
+        return list(fn(request, metadata=metadata, timeout=timeout, **kw))
     response = getattr(cache_pb2, f"{method}Response")
     fn = channel.unary_unary(SERVICE + method, type(request).SerializeToString, response.FromString)
-    return fn(request, metadata=metadata, timeout=20, **kw)
+    return fn(request, metadata=metadata, timeout=timeout, **kw)
 
 
 def code_of(fn) -> grpc.StatusCode:
@@ -93,7 +94,8 @@ REQUESTS = {
 def two_tenant_server(**settings):
     """A server for tenants alice and bob (memory tier only); returns it and its address."""
     tokens = (("alice-secret", "alice"), ("bob-secret", "bob"))
-    config = ServerConfig(port=0, tiers=("cpu://?size=16MiB&slot=64KiB",), tokens=tokens, shm_dir="", **settings)
+    settings = {"tiers": ("cpu://?size=16MiB&slot=64KiB",), "shm_dir": "", **settings}
+    config = ServerConfig(port=0, tokens=tokens, **settings)
     srv, port = create_server(config)
     return srv, f"127.0.0.1:{port}"
 
@@ -311,7 +313,7 @@ def test_a_tenant_past_its_call_limit_is_refused_and_others_are_served(monkeypat
 
 
 def test_streams_past_a_connections_limit_wait_their_turn(monkeypatch):
-    srv, address = two_tenant_server(workers=8, max_calls_per_tenant=10, max_streams_per_connection=2)
+    srv, address = two_tenant_server(workers=8, max_calls_per_tenant=6, max_streams_per_connection=2)
     alice = tenant_tag("alice")
     one, other = connection(address), connection(address)
     try:

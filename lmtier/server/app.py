@@ -29,8 +29,8 @@ import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lmtier import metrics, shm
-from lmtier.config import ServerConfig
-from lmtier.server.auth import PROBE_TAG, Authenticator
+from lmtier.config import ServerConfig, warn_weak_tokens
+from lmtier.server.auth import PROBE_TAG, TAG_BYTES, Authenticator
 from lmtier.server.chain import UpstreamTier
 from lmtier.server.health import NOT_SERVING, SERVICE_NAME, SERVING, Health
 from lmtier.server.service import SERVICE, CacheService
@@ -47,7 +47,7 @@ class CacheServer:
 
     def __init__(self, config: ServerConfig, store: TieredStore | None = None) -> None:
         self.config = config
-        self.auth = Authenticator(config.tokens, mutual_tls=bool(config.tls_client_ca))
+        self.auth = Authenticator(config.tokens, mutual_tls=bool(config.tls_client_ca), identity=config.tls_identity)
         # Same-host clients may read chunks straight from the memory tier (no copy on the
         # server) only when every caller is one tenant: they could map all of that memory.
         self.zero_copy = bool(config.shm_dir) and self.auth.single_tenant
@@ -55,7 +55,10 @@ class CacheServer:
         self.store = store or TieredStore.open(
             config.tiers,
             defer="lower",
-            first=TierContext(shared_dir=config.shm_dir if self.zero_copy else ""),
+            first=TierContext(
+                shared_dir=config.shm_dir if self.zero_copy else "",
+                tenant_prefix=0 if self.auth.single_tenant else TAG_BYTES,  # a fair share each
+            ),
             wrap=_upstream,
             write_queue=config.write_queue,
         )
@@ -72,6 +75,9 @@ class CacheServer:
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+            ("grpc.max_connection_idle_ms", int(config.connection_idle * 1000)),
+            ("grpc.max_connection_age_ms", int(config.connection_age * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(config.call_timeout * 1000)),
             # gRPC sets SO_REUSEPORT by default: a second server on a taken port would then
             # start, and the kernel would split connections between the two. Refuse instead.
             ("grpc.so_reuseport", 0),
@@ -115,15 +121,19 @@ class CacheServer:
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> CacheServer:
+        warn_weak_tokens(self.config.tokens)
         if self.config.metrics_port is not None:  # before anything runs: a taken port stops the start cleanly
             try:
                 self._http = ThreadingHTTPServer((self.metrics_host, self.config.metrics_port), _handler(self))
             except OSError as exc:
                 self.grpc.stop(None)
+                self.service.watchdog.stop()
                 self.store.close()
                 where = f"{self.metrics_host}:{self.config.metrics_port}"
                 raise OSError(f"cannot serve metrics on {where}: {exc}") from exc
             self.metrics_port = self._http.server_address[1]
+        if self.config.shm_dir:  # segments of servers and clients that died (kill -9) since
+            shm.sweep(self.config.shm_dir)
         self.store.warm()  # the memory tier's slab mapped, its first pages faulted in
         self._set_ready(self.probe())
         self.grpc.start()
@@ -149,6 +159,7 @@ class CacheServer:
         self._set_ready(False)
         grace = self.config.grace if grace is None else grace
         self.grpc.stop(grace).wait(grace + 5)
+        self.service.watchdog.stop()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

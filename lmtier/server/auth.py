@@ -27,12 +27,28 @@ class Authenticator:
 
     With tokens: the call must carry ``authorization: Bearer <token>`` with a known token
     (compared in constant time). Without tokens but with mutual TLS: the tenant is the
-    client certificate's common name. Neither: one open tenant, ``default``.
+    client certificate's identity (``identity``): ``cn``, its common name; ``uri`` or
+    ``dns``, its first subject alternative name of that kind (``uri:spiffe://...``,
+    ``dns:name``: SPIFFE/SPIRE and cert-manager issue certificates with no common name);
+    ``auto``, the common name if it has one, else a URI name, else a DNS name. A
+    certificate with none of them is refused: never the empty name, which every such
+    certificate would share. Neither tokens nor TLS: one open tenant, ``default``.
     """
 
-    def __init__(self, tokens: tuple[tuple[str, str], ...] = (), mutual_tls: bool = False) -> None:
+    IDENTITIES = {
+        "cn": ("x509_common_name",),
+        "uri": ("peer_uri",),
+        "dns": ("peer_dns",),
+        "auto": ("x509_common_name", "peer_uri", "peer_dns"),
+    }
+
+    def __init__(self, tokens: tuple[tuple[str, str], ...] = (), mutual_tls: bool = False,
+                 identity: str = "auto") -> None:  # fmt: skip
+        if identity not in self.IDENTITIES:
+            raise ValueError(f"tls_identity must be one of {', '.join(self.IDENTITIES)}, got {identity!r}")
         self._tokens = [(token.encode(), tenant) for token, tenant in tokens]
         self.mutual_tls = mutual_tls
+        self.identity = identity
         self._tags: dict[str, bytes] = {}
 
     @property
@@ -56,28 +72,63 @@ class Authenticator:
             tag = self._tags[tenant] = tenant_tag(tenant)
         return tag
 
+    def refuse(self, metadata) -> str | None:
+        """Why a call with these headers is refused (None: it is not, or only its
+        certificate can say): checked when the headers arrive."""
+        if not self._tokens:
+            return None
+        offered = _bearer(metadata)
+        if offered is None:
+            return "missing 'authorization: Bearer <token>' metadata"
+        return None if self._known(offered) is not None else "unknown token"
+
+    def _known(self, offered: bytes) -> str | None:
+        found = None
+        for token, tenant in self._tokens:  # check them all: no early exit to time
+            if hmac.compare_digest(token, offered) and found is None:
+                found = tenant
+        return found
+
     def tenant(self, context: grpc.ServicerContext) -> str:
         if self._tokens:
-            offered = _bearer(context)
+            offered = _bearer(context.invocation_metadata())
             if offered is None:
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata")
-            found = None
-            for token, tenant in self._tokens:  # check them all: no early exit to time
-                if hmac.compare_digest(token, offered) and found is None:
-                    found = tenant
+            found = self._known(offered)
             if found is None:
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown token")
             return found  # type: ignore[return-value]
         if self.mutual_tls:
-            names = context.auth_context().get("x509_common_name") or []
-            if not names:
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "the client certificate has no common name")
-            return names[0].decode()
+            name = certificate_identity(context.auth_context(), self.identity)
+            if name is None:
+                context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"the client certificate names no identity of the kind this server takes (tls_identity "
+                    f"{self.identity}: a common name, or a URI or DNS subject alternative name)",
+                )
+            return name  # type: ignore[return-value]
         return "default"
 
 
-def _bearer(context: grpc.ServicerContext) -> bytes | None:
-    for name, value in context.invocation_metadata() or ():
+def certificate_identity(auth: dict, identity: str) -> str | None:
+    """A client certificate's tenant name from gRPC's auth context, or None. Names from
+    alternative names carry their kind (``uri:``, ``dns:``), so that no common name can
+    pass for one: a common name that starts so is not taken."""
+    for prop in Authenticator.IDENTITIES[identity]:
+        for value in auth.get(prop) or ():
+            name = value.decode("utf-8", "replace").strip()
+            if not name:
+                continue
+            if prop == "x509_common_name":
+                if name.startswith(("uri:", "dns:")):
+                    continue
+                return name
+            return f"{'uri' if prop == 'peer_uri' else 'dns'}:{name}"
+    return None
+
+
+def _bearer(metadata) -> bytes | None:
+    for name, value in metadata or ():
         if name == "authorization":
             text = value.decode() if isinstance(value, bytes) else value
             scheme, _, token = text.partition(" ")

@@ -2,16 +2,26 @@
 tenant resolved, admitted, counted, and any failure turned into a status.
 
     Abort(code, message)                    raised inside a handler: end the call so
-    Calls(auth, limit)                      the calls in flight, per tenant
-        .unary(name, fn, request_type, admit=True) -> behaviour for gRPC's method handler
+    Calls(auth, limit, workers, watchdog)   the calls in flight, per tenant
+        .unary(name, fn, request_type, admit=True) -> behaviour of a unary method
         .stream(name, fn, request_type) -> the same for a server-streaming method
+        .uploads(name, fn) -> the same for a client-streaming method (Put)
         .in_flight(tag) -> int
+
+Every behaviour is registered as request-streaming (``handlers``), whatever the method's
+shape on the wire: gRPC then runs it as soon as the call's headers are in, not once its
+request has arrived, so the call is counted against its tenant and watched while it
+waits for its client (``Watchdog``: a client that stalls is cancelled after
+``stall_timeout``), instead of holding a worker uncounted and unwatched.
 
 A handler ``fn(request, context, tag)`` gets its request parsed (``request_type`` None:
 raw bytes, for the bulk methods) and its caller's tenant tag. Parsing here, not in gRPC,
 makes a malformed request ``INVALID_ARGUMENT`` (gRPC's own deserializer answers
 ``INTERNAL``). A tenant already at ``limit`` calls is refused with ``RESOURCE_EXHAUSTED``,
-so that one client (however many connections it opens) cannot take every worker;
+so that one client (however many connections it opens) cannot take every worker; and
+while fewer than a quarter of the workers are free, a tenant holding its fair share
+(the workers over the tenants with calls in flight) gets no more, so the others always
+find one; a tenant past ``max_call_rate_per_tenant`` calls a second is refused too.
 ``admit=False`` lets a call through regardless (``Release``, which frees memory). An
 ``Abort`` ends the call with its status, a client that went away is ``CANCELLED``, anything
 else is ``INTERNAL`` with a logged traceback: a bug, and the server never dies of one call.
@@ -21,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,6 +41,7 @@ from google.protobuf.message import DecodeError
 
 from lmtier import metrics
 from lmtier.server.auth import Authenticator
+from lmtier.server.watchdog import Watch, Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -43,23 +55,38 @@ class Abort(Exception):
 
 
 class Calls:
-    def __init__(self, auth: Authenticator, limit: int) -> None:
+    def __init__(self, auth: Authenticator, limit: int, workers: int, watchdog: Watchdog, rate: float = 0.0) -> None:
         self.auth = auth
         self.limit = limit
+        self.rate = rate  # calls a tenant may start per second (0: no limit), a second's worth at once
+        self._buckets: dict[bytes, list[float]] = {}  # tenant tag -> [tokens, when last filled]
+        self.workers = workers
+        self.reserve = max(1, workers // 4)  # kept free for tenants under their fair share
+        self.watchdog = watchdog
         self._calls: dict[bytes, int] = {}  # tenant tag -> calls in flight
+        self._busy = 0
         self._lock = threading.Lock()
 
     def unary(self, name: str, fn: Callable[..., Any], request_type: Any, admit: bool = True) -> Callable:
-        def call(request: Any, context: grpc.ServicerContext) -> Any:
-            with self._accounted(name, context, admit) as tag:
-                return fn(_parsed(request_type, request), context, tag)
+        def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            with self._accounted(name, context, admit) as (tag, watch):
+                return fn(_parsed(request_type, _first(requests, watch)), context, tag)
 
         return call
 
     def stream(self, name: str, fn: Callable[..., Iterator[Any]], request_type: Any) -> Callable:
-        def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            with self._accounted(name, context, True) as tag:
-                yield from fn(_parsed(request_type, request), context, tag)
+        def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            with self._accounted(name, context, True) as (tag, watch):
+                for answer in fn(_parsed(request_type, _first(requests, watch)), context, tag):
+                    with watch.waiting():  # gRPC sends it while this generator waits here
+                        yield answer
+
+        return call
+
+    def uploads(self, name: str, fn: Callable[..., Any]) -> Callable:
+        def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            with self._accounted(name, context, True) as (tag, watch):
+                return fn(_watched(requests, watch), context, tag)
 
         return call
 
@@ -68,12 +95,12 @@ class Calls:
             return self._calls.get(tag, 0)
 
     @contextmanager
-    def _accounted(self, name: str, context: grpc.ServicerContext, admit: bool) -> Iterator[bytes]:
+    def _accounted(self, name: str, context: grpc.ServicerContext, admit: bool) -> Iterator[tuple[bytes, Watch]]:
         metrics.SERVER_INFLIGHT.inc()
         code = grpc.StatusCode.OK
         try:
-            with self._admitted(context, admit) as tag:
-                yield tag
+            with self.watchdog.watch(context) as watch, self._admitted(context, admit) as tag:
+                yield tag, watch
         except Exception as exc:
             code, message = _failure(name, context, exc)
             if message is not None:
@@ -91,13 +118,26 @@ class Calls:
             yield tag
             return
         with self._lock:
+            if self.rate and not self._take(tag):
+                raise Abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this tenant is over its call rate of {self.rate:g} a second (max_call_rate_per_tenant)",
+                )
             held = self._calls.get(tag, 0)
             if held >= self.limit:
                 raise Abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"this tenant has {held} calls in flight; the limit is {self.limit} (max_calls_per_tenant)",
                 )
+            tenants = len(self._calls) + (tag not in self._calls)
+            fair = max(1, self.workers // tenants)
+            if held >= fair and self._busy >= self.workers - self.reserve:
+                raise Abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the server is busy and this tenant has its share of it ({held} calls of {self.workers} workers)",
+                )
             self._calls[tag] = held + 1  # one entry per tenant with a call in flight: bounded
+            self._busy += 1
         try:
             yield tag
         finally:
@@ -105,6 +145,52 @@ class Calls:
                 held = self._calls.pop(tag) - 1
                 if held:
                     self._calls[tag] = held
+                self._busy -= 1
+
+    def _take(self, tag: bytes) -> bool:
+        """One call from the tenant's bucket (with the lock held)."""
+        now = time.monotonic()
+        bucket = self._buckets.get(tag)
+        if bucket is None:
+            if len(self._buckets) >= 10_000:  # bounded: tenants come from config or certificates
+                self._buckets.clear()
+            bucket = self._buckets[tag] = [self.rate, now]
+        bucket[0] = min(self.rate, bucket[0] + (now - bucket[1]) * self.rate)
+        bucket[1] = now
+        if bucket[0] < 1:
+            return False
+        bucket[0] -= 1
+        return True
+
+
+def _first(requests: Iterator[Any], watch: Watch) -> Any:
+    """A unary method's one request, waited for under the watchdog."""
+    with watch.waiting():
+        request = next(requests, None)
+    if request is None:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request")
+    return request
+
+
+def _watched(requests: Iterator[Any], watch: Watch) -> Iterator[Any]:
+    """A client stream's messages, each waited for under the watchdog."""
+    while True:
+        with watch.waiting():
+            message = next(requests, None)
+        if message is None:
+            return
+        yield message
+
+
+def refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A method handler that ends the call at once with ``code`` (request-streaming, so
+    gRPC runs it without waiting for a request: nothing is read, no worker waits)."""
+
+    def refuse(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        context.abort(code, message)
+        yield from ()
+
+    return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 def _parsed(request_type: Any, raw: Any) -> Any:

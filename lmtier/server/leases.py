@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 from lmtier import shm
 from lmtier.chunk import Chunk, release_all
 
 
 class Leases:
-    def __init__(self, limit: int, shm_dir: str) -> None:
+    def __init__(self, limit: int, shm_dir: str, ttl: float = 300.0) -> None:
         self.limit = limit
         self.shm_dir = shm_dir
+        self.ttl = ttl  # seconds a lease outlives its call, whatever its owner says
         self.held = 0
         self._next = int.from_bytes(os.urandom(4), "little") << 20  # ids unlike a restarted server's
         self._leases: dict[int, dict] = {}
@@ -52,7 +54,7 @@ class Leases:
         with self._lock:
             entry = self._leases.get(lease)
             if entry is not None:
-                entry["ended"] = True
+                entry["ended"] = time.monotonic()
                 if not entry["chunks"]:
                     del self._leases[lease]
 
@@ -64,12 +66,19 @@ class Leases:
             self._drop(lease)
 
     def reap(self, everything: bool = False) -> None:
-        """Release the leases of clients that are gone (or all of them, at shutdown)."""
+        """Release the leases of clients that are gone, and any lease ``ttl`` seconds past
+        its call (a client that never releases, or names a segment that outlives it,
+        holds memory that long at most); everything at shutdown."""
         with self._lock:
             owners = {e["owner"] for e in self._leases.values() if e["ended"]}
         gone = owners if everything else {o for o in owners if not shm.alive(self.shm_dir, o)}
+        old = time.monotonic() - self.ttl
         with self._lock:
-            for lease in [k for k, e in self._leases.items() if everything or (e["ended"] and e["owner"] in gone)]:
+            for lease in [
+                k
+                for k, e in self._leases.items()
+                if everything or (e["ended"] and (e["owner"] in gone or e["ended"] < old))
+            ]:
                 self._drop(lease)
 
     def _drop(self, lease: int) -> None:  # with the lock held

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -34,10 +36,11 @@ from lmtier.chunk import Chunk, release_all
 from lmtier.config import Config, ServerConfig, public_view
 from lmtier.errors import IntegrityError, LayoutError, LmtierError
 from lmtier.pieces import PIECE_BYTES, FrameAssembler, FrameTooLarge, Region, no_release, pack, piece, split, unpack
-from lmtier.server.auth import Authenticator
-from lmtier.server.calls import Abort, Calls
+from lmtier.server.auth import Authenticator, tenant_tag
+from lmtier.server.calls import Abort, Calls, refusal
 from lmtier.server.leases import Leases
 from lmtier.server.match import match
+from lmtier.server.watchdog import Watchdog
 from lmtier.shm import SegmentMaps, SegmentUnavailable
 from lmtier.store import TieredStore
 from lmtier.v1 import cache_pb2
@@ -50,12 +53,20 @@ PUT_BATCH = 16
 PUT_BATCH_BYTES = 16 * 1024 * 1024
 GET_BATCH = 8
 STATS_COUNT_LIMIT = 100_000  # Stats counts a tenant's chunks up to this many (a bounded listing)
+STATS_REFRESH_S = 1.0  # a tenant's Stats answer is reused this long
+STATS_CACHED = 1024  # tenants whose last answer is kept
 LIST_DEFAULT, LIST_MAX = 1000, 100_000
 
 
 class CacheService:
     def __init__(self, store: TieredStore, config: ServerConfig, auth: Authenticator) -> None:
-        self._config_json = json.dumps(public_view(Config(server=config))["server"], sort_keys=True)
+        view = public_view(Config(server=config))["server"]
+        self._config_json = json.dumps(view, sort_keys=True)
+        # a tenant's view: no other tenant's name, no operator's
+        self._tenant_config_json = json.dumps({**view, "tokens": [], "operators": []}, sort_keys=True)
+        self._operators = {tenant_tag(t) for t in config.operators}
+        self._stats: dict[bytes, tuple[float, cache_pb2.StatsResponse]] = {}
+        self._stats_lock = threading.Lock()
         self.store = store
         self.config = config
         self.auth = auth
@@ -71,43 +82,42 @@ class CacheService:
         self.buffers = BufferPool(max_free=32, max_free_bytes=128 << 20)
         first = store.tiers[0]
         self.shared = first if first.capabilities.shared_memory else None  # zero-copy reads
-        self.leases = Leases(first.capacity // 4, config.shm_dir)
-        self.calls = Calls(auth, config.max_calls_per_tenant)
+        self.leases = Leases(first.capacity // 4, config.shm_dir, ttl=config.call_timeout)
+        limit = config.calls_per_tenant(auth.single_tenant)
+        self.watchdog = Watchdog(config.stall_timeout, config.call_timeout)
+        self.calls = Calls(auth, limit, config.workers, self.watchdog, rate=config.max_call_rate_per_tenant)
 
     # -- registration -------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
-        """Every method takes its request as bytes and parses it itself: gRPC's own
-        deserializer would answer a malformed request with INTERNAL, not INVALID_ARGUMENT."""
+        """Every method takes its request as bytes and parses it itself (gRPC's own
+        deserializer would answer a malformed request with INTERNAL, not INVALID_ARGUMENT),
+        and is registered as request-streaming (see ``calls``). Credentials are checked
+        when the call's headers arrive (``_Gate``), before a worker or a byte of memory."""
 
-        def unary(fn, request_type, response_type, admit=True):
-            return grpc.unary_unary_rpc_method_handler(
+        def unary(fn, response_type, request_type=None, admit=True):
+            return grpc.stream_unary_rpc_method_handler(
                 self.calls.unary(fn.__name__, fn, request_type, admit),
-                request_deserializer=None,
                 response_serializer=response_type.SerializeToString,
             )
 
-        return grpc.method_handlers_generic_handler(
+        methods = grpc.method_handlers_generic_handler(
             SERVICE,
             {
-                "Lookup": unary(self.Lookup, cache_pb2.LookupRequest, cache_pb2.LookupResponse),
-                "Get": grpc.unary_stream_rpc_method_handler(
-                    self.calls.stream("Get", self.Get, cache_pb2.GetRequest),
-                    request_deserializer=None,
-                    response_serializer=None,  # ChunkPiece bytes from lmtier.pieces
-                ),
+                "Lookup": unary(self.Lookup, cache_pb2.LookupResponse, cache_pb2.LookupRequest),
+                # ChunkPiece bytes from lmtier.pieces, both ways
+                "Get": grpc.stream_stream_rpc_method_handler(self.calls.stream("Get", self.Get, cache_pb2.GetRequest)),
                 "Put": grpc.stream_unary_rpc_method_handler(
-                    self.calls.unary("Put", self.Put, None),  # raw ChunkPiece bytes, parsed by lmtier.pieces
-                    request_deserializer=None,
-                    response_serializer=cache_pb2.PutResponse.SerializeToString,
+                    self.calls.uploads("Put", self.Put), response_serializer=cache_pb2.PutResponse.SerializeToString
                 ),
-                "Delete": unary(self.Delete, cache_pb2.DeleteRequest, cache_pb2.DeleteResponse),
-                "List": unary(self.List, cache_pb2.ListRequest, cache_pb2.ListResponse),
+                "Delete": unary(self.Delete, cache_pb2.DeleteResponse, cache_pb2.DeleteRequest),
+                "List": unary(self.List, cache_pb2.ListResponse, cache_pb2.ListRequest),
                 # Release frees memory: never refused for being one call too many.
-                "Release": unary(self.Release, cache_pb2.ReleaseRequest, cache_pb2.ReleaseResponse, admit=False),
-                "Stats": unary(self.Stats, cache_pb2.StatsRequest, cache_pb2.StatsResponse),
-                "Match": unary(self.Match, cache_pb2.MatchRequest, cache_pb2.MatchResponse),
+                "Release": unary(self.Release, cache_pb2.ReleaseResponse, cache_pb2.ReleaseRequest, admit=False),
+                "Stats": unary(self.Stats, cache_pb2.StatsResponse, cache_pb2.StatsRequest),
+                "Match": unary(self.Match, cache_pb2.MatchResponse, cache_pb2.MatchRequest),
             },
         )
+        return _Gate(methods, self.auth)
 
     def calls_in_flight(self, tag: bytes) -> int:
         return self.calls.in_flight(tag)
@@ -142,6 +152,8 @@ class CacheService:
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, self._no_shm)
         index = 0
         segments: dict[str, memoryview] = {}  # mapped once per call
+        if landing and self.shared is not None:
+            self._not_own(landing[0].segment)
         lease = self.leases.open(tag, landing[0].segment) if landing and self.shared is not None else 0
         batches = self.store.iter_get(scoped, GET_BATCH, ahead=1)
         try:
@@ -216,12 +228,19 @@ class CacheService:
         segment this server cannot or will not map is the caller's error, with a status."""
         if self.maps is None:
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, self._no_shm)
+        self._not_own(segment)
         try:
             return self.maps.region(segment, offset, length)
         except SegmentUnavailable as exc:
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
         except LmtierError as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+
+    def _not_own(self, segment: str) -> None:
+        """A client's segment is never the server's own slab (a lease owned by it would
+        never expire, and the server would write into its own memory)."""
+        if self.shared is not None and segment == self.shared.shared_name:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a request names the server's own segment as the client's")
 
     def Put(self, messages: Iterator[bytes], context: grpc.ServicerContext, tag: bytes) -> cache_pb2.PutResponse:
         assembler = FrameAssembler(self.buffers, self.config.max_chunk_bytes)
@@ -359,6 +378,31 @@ class CacheService:
     def Stats(
         self, request: cache_pb2.StatsRequest, context: grpc.ServicerContext, tag: bytes
     ) -> cache_pb2.StatsResponse:
+        """The caller's own chunks, and the tiers; where several tenants share the server,
+        only an operator (``operators``) sees the tiers' use, their counters (every
+        tenant's reads and writes) and the settings with the tenants' names. An answer is
+        reused for ``STATS_REFRESH_S``: counting a tenant's chunks walks the tiers' keys,
+        and a tenant asking in a loop would otherwise spend the server's time for all."""
+        now = time.monotonic()
+        with self._stats_lock:
+            cached = self._stats.get(tag)
+            if cached is not None and now - cached[0] < STATS_REFRESH_S:
+                return cached[1]
+        answer = self._stats_answer(tag)
+        with self._stats_lock:
+            if len(self._stats) >= STATS_CACHED:
+                self._stats.clear()
+            self._stats[tag] = (now, answer)
+        return answer
+
+    def _stats_answer(self, tag: bytes) -> cache_pb2.StatsResponse:
+        own = len(self.tenant_keys(tag, STATS_COUNT_LIMIT))
+        if not (self.auth.single_tenant or tag in self._operators):
+            tiers = [
+                cache_pb2.TierStats(name=str(stats.get("tier", "")), capacity_bytes=int(stats.get("capacity_bytes", 0)))
+                for stats in self.store.stats()["tiers"]
+            ]
+            return cache_pb2.StatsResponse(tiers=tiers, tenant_chunks=own, config_json=self._tenant_config_json)
         tiers = []
         for stats in self.store.stats()["tiers"]:
             counters = {
@@ -373,11 +417,7 @@ class CacheService:
                     counters=counters,
                 )
             )
-        return cache_pb2.StatsResponse(
-            tiers=tiers,
-            tenant_chunks=len(self.tenant_keys(tag, STATS_COUNT_LIMIT)),
-            config_json=self._config_json,
-        )
+        return cache_pb2.StatsResponse(tiers=tiers, tenant_chunks=own, config_json=self._config_json)
 
 
 _SIZES = {"capacity_bytes", "used_bytes", "chunks"}
@@ -389,3 +429,23 @@ def _check_key(key: bytes, what: str) -> None:
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{what} is {len(key)} bytes; chunk keys are {' or '.join(map(str, KEY_LENGTHS))} bytes",
         )
+
+
+class _Gate(grpc.GenericRpcHandler):
+    """The service's methods behind a check of the call's credentials as its headers
+    arrive: a call without a known token is refused there (``UNAUTHENTICATED``), before
+    gRPC gives it a worker or reads its request, however large."""
+
+    def __init__(self, methods: grpc.GenericRpcHandler, auth: Authenticator) -> None:
+        self.methods = methods
+        self.auth = auth
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = self.methods.service(handler_call_details)
+        if handler is None:
+            return None
+        reason = self.auth.refuse(handler_call_details.invocation_metadata)
+        if reason is None:
+            return handler
+        metrics.SERVER_REFUSED.inc()
+        return refusal(grpc.StatusCode.UNAUTHENTICATED, reason)

@@ -24,9 +24,14 @@ def _signed(directory: Path, name: str, subject: str, paths: dict[str, str], ext
     paths[f"{name}.key"], paths[f"{name}.crt"] = key, crt
 
 
-def make_certificates(directory: Path, clients: Sequence[str] = ()) -> dict[str, str]:
+def make_certificates(
+    directory: Path, clients: Sequence[str] = (), alt_names: dict[str, str] | None = None
+) -> dict[str, str]:
     """Paths of ``ca.crt``, ``ca.key``, ``server.crt``, ``server.key`` and, per client
-    name, ``client-NAME.crt`` / ``client-NAME.key`` (common name NAME)."""
+    name, ``client-NAME.crt`` / ``client-NAME.key`` (common name NAME). ``alt_names``:
+    clients with no common name, only subject alternative names (``{"spiffe":
+    "URI:spiffe://example.org/ns/a/sa/b"}``: ``client-spiffe.crt``), as SPIFFE/SPIRE and
+    cert-manager issue them."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = {"ca.crt": str(directory / "ca.crt"), "ca.key": str(directory / "ca.key")}
     ext = directory / "ext.cnf"
@@ -49,4 +54,8 @@ def make_certificates(directory: Path, clients: Sequence[str] = ()) -> dict[str,
     _signed(directory, "server", "/CN=localhost", paths, str(ext))
     for name in clients:
         _signed(directory, f"client-{name}", f"/CN={name}", paths)
+    for name, alt in (alt_names or {}).items():
+        extfile = directory / f"ext-{name}.cnf"
+        extfile.write_text(f"subjectAltName={alt}\n")
+        _signed(directory, f"client-{name}", "/O=lmtier-test", paths, str(extfile))
     return paths

@@ -92,6 +92,9 @@ class TierContext:
     # A shared-memory directory for a memory tier to keep its slab in, so that same-host
     # readers can map it (the cache server's zero-copy path); "" keeps it private.
     shared_dir: str = ""
+    # Bytes at the start of every key that name its tenant (the cache server's tag), for
+    # a tier that shares its room fairly between tenants; 0: one pool, plain LRU.
+    tenant_prefix: int = 0
 
 
 class Tier(ABC):

@@ -49,7 +49,7 @@ import numpy as np
 from lmtier import metrics
 from lmtier.buffers import BufferPool, Prefault
 from lmtier.chunk import Chunk, checksum, iter_segments
-from lmtier.errors import ConfigError, IntegrityError, TierError
+from lmtier.errors import ConfigError, IntegrityError, LayoutError, TierError
 from lmtier.layout import KVLayout
 from lmtier.shm import Segment
 from lmtier.tiers.base import Capabilities, Tier, TierContext, parse_bool
@@ -101,6 +101,7 @@ class CpuTier(Tier):
         self.name = name
         self._pin = pin
         self._shared_dir = context.shared_dir if context else ""
+        self._tenant_prefix = context.tenant_prefix if context else 0
         self.capabilities = Capabilities(listing=True, touch=True, leases=True, shared_memory=bool(self._shared_dir))
         self._segment: Segment | None = None
         self._closed = False
@@ -121,6 +122,7 @@ class CpuTier(Tier):
         self._prefault: Prefault | None = None  # ... and its own prefaulting thread
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() yields slot 0 first
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # front = evicted first
+        self._owned: dict[bytes, int] = {}  # tenant prefix -> slots its chunks take (tenant_prefix)
         # Write-back: stored chunks the lower tiers do not hold yet -> when they were stored
         # (front = examined first by ``unwritten``). Only kept while evict_hook is set.
         self._unwritten: OrderedDict[bytes, float] = OrderedDict()
@@ -181,40 +183,56 @@ class CpuTier(Tier):
             return n
 
     def put(self, chunks: Sequence[Chunk]) -> None:
+        """Store a batch, its first chunk the most recent. Whatever fails part-way leaves
+        nothing reserved: a chunk of no bytes is refused before anything is taken, and an
+        error while reserving or writing gives back every slot of the batch not stored."""
         if self._closed:
             return
+        for chunk in chunks:
+            if chunk.nbytes <= 0 or chunk.num_tokens <= 0:
+                raise LayoutError(f"chunk {chunk.key.hex()} holds no KV ({chunk.num_tokens} tokens)")
         plan: list[tuple[Chunk, _Entry]] = []
         with self._state():
             slab = self._ensure_slab()
             touched: list[bytes] = []
             held: list[_Entry] = []  # already stored: leased for the batch so that
-            for chunk in chunks:  # making room for later chunks cannot evict them
-                existing = self._index.get(chunk.key)
-                if existing is not None:
-                    existing.leases += 1
-                    held.append(existing)
+            try:
+                for chunk in chunks:  # making room for later chunks cannot evict them
+                    existing = self._index.get(chunk.key)
+                    if existing is not None:
+                        existing.leases += 1
+                        held.append(existing)
+                        touched.append(chunk.key)
+                        continue
+                    slots = self._allocate(-(-chunk.nbytes // self.slot_bytes), chunk.key)
+                    if slots is None:  # no room: keep the prefix, drop the rest of the batch
+                        dropped = len(chunks) - len(touched)
+                        self._counts["dropped"] += dropped
+                        metrics.TIER_OPS.labels(self.name, "put", "dropped").inc(dropped)
+                        break
+                    entry = _Entry(slots, chunk.nbytes, chunk)
+                    self._insert(chunk.key, entry)
+                    plan.append((chunk, entry))
                     touched.append(chunk.key)
-                    continue
-                slots = self._allocate(-(-chunk.nbytes // self.slot_bytes))
-                if slots is None:  # no room: keep the prefix, drop the rest of the batch
-                    dropped = len(chunks) - len(touched)
-                    self._counts["dropped"] += dropped
-                    metrics.TIER_OPS.labels(self.name, "put", "dropped").inc(dropped)
-                    break
-                entry = _Entry(slots, chunk.nbytes, chunk)
-                self._index[chunk.key] = entry
-                plan.append((chunk, entry))
-                touched.append(chunk.key)
+            except BaseException:
+                self._give_back(plan)
+                raise
+            finally:
+                for entry in held:
+                    self._unlease(entry)
             for key in reversed(touched):  # first chunk of the batch = most recent
                 self._index.move_to_end(key)
-            for entry in held:
-                self._unlease(entry)
         bad: list[bytes] = []
-        for chunk, entry in plan:
-            try:
-                entry.checksum = self._write(chunk, self._slot_views(slab, entry))
-            except IntegrityError:  # a corrupted chunk from another tier: not stored
-                bad.append(chunk.key)
+        try:
+            for chunk, entry in plan:
+                try:
+                    entry.checksum = self._write(chunk, self._slot_views(slab, entry))
+                except IntegrityError:  # a corrupted chunk from another tier: not stored
+                    bad.append(chunk.key)
+        except BaseException:
+            with self._lock:
+                self._give_back(plan)
+            raise
         with self._lock:
             now = time.monotonic()
             for chunk, entry in plan:
@@ -230,6 +248,15 @@ class CpuTier(Tier):
             metrics.TIER_OPS.labels(self.name, "put", "stored").inc(len(plan))
             metrics.TIER_BYTES.labels(self.name, "put").inc(sum(e.nbytes for _, e in plan))
             metrics.TIER_USED_BYTES.labels(self.name).set(self.used_bytes)
+
+    def _give_back(self, plan: list[tuple[Chunk, _Entry]]) -> None:
+        """A failed put's reservations, none of them published: their slots free again
+        (called under the lock)."""
+        for chunk, entry in plan:
+            if self._index.get(chunk.key) is entry:
+                self._drop(chunk.key, announce=False)
+            entry.dead = True
+            self._unlease(entry)
 
     def get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
         if self._closed:
@@ -276,11 +303,11 @@ class CpuTier(Tier):
             slab = self._ensure_slab()
             if slab.ctypes.data % PAGE:
                 return None
-            slots = self._allocate(1)
+            slots = self._allocate(1, key)
             if slots is None:
                 return None
             entry = _Entry(slots, nbytes)
-            self._index[key] = entry
+            self._insert(key, entry)
         start = slots[0] * self.slot_bytes
         return _Placement(self, key, entry, slab[start : start + nbytes])
 
@@ -372,6 +399,7 @@ class CpuTier(Tier):
         with self._state():
             self._closed = True
             self._index.clear()
+            self._owned.clear()
             self._unwritten.clear()
             self._free = []
             self._slab = None  # leased views keep their memory alive until released
@@ -410,11 +438,12 @@ class CpuTier(Tier):
             }
 
     # -- internals (call with the lock held unless noted) -------------------------------
-    def _allocate(self, count: int) -> list[int] | None:
+    def _allocate(self, count: int, key: bytes) -> list[int] | None:
+        """``count`` free slots for ``key``, evicting what must go (see ``_victim``)."""
         if count > self.num_slots:
             return None
         while len(self._free) < count:
-            victim = next((k for k, e in self._index.items() if e.ready and e.leases == 0), None)
+            victim = self._victim(count, key)
             if victim is None:
                 return None  # everything is leased or being written
             if self.evict_hook is not None:
@@ -426,6 +455,35 @@ class CpuTier(Tier):
         if self._prefault is not None:
             self._prefault.need((max(slots) + 1) * self.slot_bytes)
         return slots
+
+    def _victim(self, count: int, key: bytes) -> bytes | None:
+        """What to evict to make room for ``key``: the least recently used chunk, except
+        where the tier is shared by tenants (``tenant_prefix``): each tenant with chunks
+        here has a fair share of the slots (all of them over the tenants). A tenant that
+        would go over its share evicts its own chunks, else those of tenants over theirs,
+        never one within its share (its put is dropped instead); a tenant within its share
+        evicts from the tenants over theirs first, then the least recently used."""
+
+        def first(where: Callable[[bytes], bool] | None = None) -> bytes | None:
+            return next(
+                (k for k, e in self._index.items() if e.ready and e.leases == 0 and (where is None or where(k))), None
+            )
+
+        n = self._tenant_prefix
+        if not n or not self._owned:
+            return first()
+        tenant = key[:n]
+        share = max(1, self.num_slots // (len(self._owned) + (tenant not in self._owned)))
+        over = {t for t, used in self._owned.items() if used > share and t != tenant}
+        if self._owned.get(tenant, 0) + count > share:
+            return first(lambda k: k[:n] == tenant) or (first(lambda k: k[:n] in over) if over else None)
+        return (first(lambda k: k[:n] in over) if over else None) or first()
+
+    def _insert(self, key: bytes, entry: _Entry) -> None:
+        self._index[key] = entry
+        if self._tenant_prefix:
+            tenant = key[: self._tenant_prefix]
+            self._owned[tenant] = self._owned.get(tenant, 0) + len(entry.slots)
 
     def _demote(self, key: bytes) -> None:
         """Offer an evicted chunk to ``evict_hook`` (write-back to a lower tier).
@@ -466,6 +524,13 @@ class CpuTier(Tier):
         self._unwritten.pop(key, None)
         if entry is None:
             return
+        if self._tenant_prefix:
+            tenant = key[: self._tenant_prefix]
+            left = self._owned.get(tenant, 0) - len(entry.slots)
+            if left > 0:
+                self._owned[tenant] = left
+            else:
+                self._owned.pop(tenant, None)
         if announce and entry.ready:
             self._announce("removed", [key])
         entry.dead = True
