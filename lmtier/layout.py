@@ -19,6 +19,9 @@ from typing import Any
 
 from lmtier.errors import ConfigError, LayoutError
 
+# Bounds no model reaches (the largest have ~200 layers, 128 KV heads, 1k-wide heads): a
+# layout past them is malformed input, refused before anything is sized or copied.
+MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 2048, 1024, 16384
 # Canonical dtype name -> bytes per element.
 DTYPE_SIZES = {
     "float32": 4,
@@ -71,6 +74,9 @@ class KVLayout:
                 raise LayoutError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if self.mla and self.num_kv_heads != 1:
             raise LayoutError("an MLA layout stores one latent per token: num_kv_heads must be 1")
+        for name, most in (("num_layers", MAX_LAYERS), ("num_kv_heads", MAX_HEADS), ("head_dim", MAX_HEAD_DIM)):
+            if getattr(self, name) > most:  # no model has more; far more would make every copy a long loop
+                raise LayoutError(f"KVLayout.{name} of {getattr(self, name)} is past any model's ({most} at most)")
 
     # -- sizes ------------------------------------------------------------------------
     @property

@@ -82,6 +82,9 @@ def deadline_after(seconds: float) -> float | None:
     return time.monotonic() + seconds if seconds else None
 
 
+LOOKUP_RUNS = 32  # runs of one tier a lookup follows before it stops (see lookup_tiers)
+
+
 class TieredStore:
     def __init__(
         self,
@@ -187,10 +190,13 @@ class TieredStore:
 
     def lookup_tiers(self, keys: Sequence[bytes]) -> list[tuple[Tier, int]]:
         """``lookup``, by tier: the leading run found, as (tier, chunks) in prompt order
-        (a prefix may be spread over tiers; on a tie the faster tier is named)."""
+        (a prefix may be spread over tiers; on a tie the faster tier is named). Each run
+        asks every tier about all the keys left, so a prefix that changes tier at every
+        chunk would cost the square of its length: past ``LOOKUP_RUNS`` runs the prefix is
+        taken to end (hits lost, never a wrong one; real prefixes change tier a few times)."""
         runs: list[tuple[Tier, int]] = []
         found = 0
-        while found < len(keys):
+        while found < len(keys) and len(runs) < LOOKUP_RUNS:
             rest = keys[found:]
             best, tier = max(
                 ((self._call(t, "contains", t.contains, rest, default=0), t) for t in self.tiers), key=lambda c: c[0]

@@ -1,6 +1,11 @@
 """Availability is part of isolation: what one tenant of a shared ``lmtier serve`` can take
 from the others, driven by raw gRPC clients written from the ``.proto`` (not lmtier's own
-client), with the other tenant's calls measured beside the attack."""
+client), with the other tenant's calls measured beside the attack.
+
+Longer than 400 lines: one catalogue of the attacks on availability (calls, memory, shared
+memory, secrets) with the raw-client helpers they share, kept together as test_security
+keeps its own catalogue of attacks on isolation.
+"""
 
 from __future__ import annotations
 
@@ -410,3 +415,45 @@ def test_a_tenant_past_its_call_rate_is_refused_and_the_other_is_served():
     finally:
         channel.close()
         srv.stop(0)
+
+
+def test_silent_releases_and_health_calls_hold_no_more_than_their_few_workers():
+    """Release (never refused for the limit: it frees memory) and the health service
+    (answered without credentials) once held every worker with calls that sent their
+    headers and nothing more; now they are counted, bounded and cancelled on stalling."""
+    srv, address = two_tenant_server(workers=8, stall_timeout=1.0)
+    channels = [connection(address) for _ in range(3)]
+    prompt = make_prompt(2, seed=410)
+    try:
+        assert call(channels[2], "Put", puts(prompt), token="alice-secret").stored == 2
+        releases = Stalled(channels[0], "Release", 12, "bob-secret")
+        health = [channels[1].stream_unary("/grpc.health.v1.Health/Check", None, lambda raw: raw)]
+        gate = threading.Event()
+
+        def wait():
+            gate.wait(30)
+            yield from ()
+
+        checks = [health[0].future(wait(), timeout=30) for _ in range(12)]
+        lookups(channels[2], prompt.keys, "alice-secret", 10)  # served beside them
+        assert S.RESOURCE_EXHAUSTED in releases.codes(20)
+        codes = []
+        for f in checks:
+            try:
+                f.result(timeout=20)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+        assert set(codes) <= {S.RESOURCE_EXHAUSTED, S.CANCELLED} and S.RESOURCE_EXHAUSTED in codes
+        gate.set()
+    finally:
+        for c in channels:
+            c.close()
+        srv.stop(0)
+
+
+def test_a_layout_past_any_model_is_refused():
+    from lmtier.errors import LayoutError
+    from lmtier.layout import KVLayout
+
+    with pytest.raises(LayoutError, match="past any model"):
+        KVLayout(131_072, 1, 1, dtype="uint8")

@@ -12,12 +12,13 @@ import torch
 from vllm.v1 import kv_cache_interface as kv_interface
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from lmtier import transfer
+from lmtier import layerload
 from lmtier.devicecopy import IndexCopier
 from lmtier.errors import LayoutError
+from lmtier.layerload import LayerLoad
 from lmtier.layout import KVLayout
 from lmtier.testing.layouts import ORDERS, paged_layers, strides
-from lmtier.transfer import CopyEngine, LayerLoad
+from lmtier.transfer import CopyEngine
 
 LAYERS, BLOCKS, BLOCK = 3, 12, 4
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
@@ -177,14 +178,14 @@ def test_wrong_staging_or_layout_is_refused():
         IndexCopier(layers, kv, BLOCK, BLOCKS - 1)
 
 
-@pytest.mark.parametrize("stage_bytes", [transfer.LOAD_STAGE_BYTES, 1], ids=["one-stage", "stage-per-item"])
+@pytest.mark.parametrize("stage_bytes", [layerload.LOAD_STAGE_BYTES, 1], ids=["one-stage", "stage-per-item"])
 @pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("order", ["LBNHC", "BHLNC"])
 def test_layer_loads_equal_scatters_with_token_slices_of_chunks(order, mla, stage_bytes, monkeypatch):
     """CopyEngine.load_layers (the layer-by-layer loads), with the token slices the
     connector passes for partial chunks, lands what scatter does, chunk by chunk; also
     when the device buffer holds one item at a time (a load larger than it)."""
-    monkeypatch.setattr(transfer, "LOAD_STAGE_BYTES", stage_bytes)
+    monkeypatch.setattr(layerload, "LOAD_STAGE_BYTES", stage_bytes)
     (layers, kv, raw), (same, _, same_raw) = (cache(order, torch.bfloat16, mla=mla, kernel_block=BLOCK // 2)
                                               for _ in range(2))  # fmt: skip
     chunk = torch.randn(kv.tensor_shape(3 * BLOCK)).to(torch.bfloat16)
@@ -203,23 +204,23 @@ def test_a_lazy_layer_load_issues_layers_ahead_of_the_one_waited_for():
     by finish; done() only once every layer is issued (the order, without a device)."""
     issued: list[int] = []
     load = LayerLoad(lambda i: issued.append(i), 12, [], lazy=True)
-    assert issued == list(range(transfer.LOAD_AHEAD)) and not load.done()
+    assert issued == list(range(layerload.LOAD_AHEAD)) and not load.done()
     load.wait(0)
-    assert issued == list(range(transfer.LOAD_AHEAD + 1))
+    assert issued == list(range(layerload.LOAD_AHEAD + 1))
     load.wait(5)
-    assert issued == list(range(5 + transfer.LOAD_AHEAD + 1)) and not load.done()
+    assert issued == list(range(5 + layerload.LOAD_AHEAD + 1)) and not load.done()
     load.finish()
     assert issued == list(range(12)) and load.done()
     eager: list[int] = []
     assert LayerLoad(lambda i: eager.append(i), 3, [], lazy=False).done() and eager == [0, 1, 2]
 
 
-@pytest.mark.parametrize("stage_bytes", [transfer.LOAD_STAGE_BYTES, 3 * 1024])
+@pytest.mark.parametrize("stage_bytes", [layerload.LOAD_STAGE_BYTES, 3 * 1024])
 def test_layer_loads_in_growing_groups_of_layers_land_every_item(stage_bytes, monkeypatch):
     """Eight layers go as groups of 1, 1, 2 and 4 (as far as the device buffer holds
     them), each item's layers of a group copied as one run, and land what scatter does:
     runs of items of three shapes, the first two token slices of chunks."""
-    monkeypatch.setattr(transfer, "LOAD_STAGE_BYTES", stage_bytes)
+    monkeypatch.setattr(layerload, "LOAD_STAGE_BYTES", stage_bytes)
     kv = KVLayout(8, 2, 8, dtype="float16")
     made = [paged_layers("LBHNC", layers=8, blocks=BLOCKS, heads=2, tokens=BLOCK, content=16,
                          dtype=torch.float16, seed=2) for _ in range(2)]  # fmt: skip

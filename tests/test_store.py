@@ -355,3 +355,21 @@ def test_the_store_reports_each_tiers_breaker_retries_and_skips():
     assert (down["retries"], down["skipped"]) == (3, 2)
     assert store._breakers[id(store.tiers[1])].cooldown == 60.0  # the tier's own cooldown
     store.close()
+
+
+def test_a_lookup_follows_a_bounded_number_of_tier_changes(tmp_path):
+    """A prefix that changes tier at every chunk would cost each lookup the square of its
+    length (every run asks every tier about all the keys left): it ends after
+    LOOKUP_RUNS runs, with the hits up to there."""
+    from lmtier.store import LOOKUP_RUNS
+    from lmtier.tiers.cpu import CpuTier
+
+    prompt = make_prompt(2 * LOOKUP_RUNS + 8, seed=11)
+    chunks = prompt.chunks()
+    a, b = CpuTier(size=64 << 20, name="a"), CpuTier(size=64 << 20, name="b")
+    a.put(chunks[0::2])
+    b.put(chunks[1::2])
+    store = TieredStore([a, b])
+    runs = store.lookup_tiers(prompt.keys)
+    assert len(runs) == LOOKUP_RUNS and sum(n for _, n in runs) == LOOKUP_RUNS
+    store.close()

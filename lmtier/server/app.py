@@ -88,7 +88,8 @@ class CacheServer:
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         )
         self.grpc.add_generic_rpc_handlers((self.service.handler(),))
-        self.health = Health(max_watchers=max(1, config.workers // 4))
+        quarter = max(1, config.workers // 4)
+        self.health = Health(max_watchers=quarter, max_waiting=quarter, watchdog=self.service.watchdog)
         self.grpc.add_generic_rpc_handlers((self.health.handler(),))
         _enable_reflection(self.grpc)
         address = f"{config.host}:{config.port}"

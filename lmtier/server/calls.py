@@ -22,7 +22,9 @@ so that one client (however many connections it opens) cannot take every worker;
 while fewer than a quarter of the workers are free, a tenant holding its fair share
 (the workers over the tenants with calls in flight) gets no more, so the others always
 find one; a tenant past ``max_call_rate_per_tenant`` calls a second is refused too.
-``admit=False`` lets a call through regardless (``Release``, which frees memory). An
+``admit=False`` (``Release``, which frees memory) gets ``RELEASE_EXTRA`` calls beyond
+the limit, and no rate or fair-share check: it is counted, so silent releases cannot
+hold the workers either. An
 ``Abort`` ends the call with its status, a client that went away is ``CANCELLED``, anything
 else is ``INTERNAL`` with a logged traceback: a bug, and the server never dies of one call.
 """
@@ -52,6 +54,9 @@ class Abort(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+RELEASE_EXTRA = 2  # calls a tenant at its limit may still make to release what it holds
 
 
 class Calls:
@@ -114,24 +119,27 @@ class Calls:
     def _admitted(self, context: grpc.ServicerContext, admit: bool) -> Iterator[bytes]:
         """The caller's tenant tag, for as long as the call runs."""
         tag = self.auth.tag(context)
-        if not admit:
-            yield tag
-            return
         with self._lock:
-            if self.rate and not self._take(tag):
+            held = self._calls.get(tag, 0)
+            if not admit and held >= self.limit + RELEASE_EXTRA:
+                raise Abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this tenant has {held} calls in flight, releases included; the limit is {self.limit} "
+                    f"(max_calls_per_tenant) and {RELEASE_EXTRA} more for releases",
+                )
+            if admit and self.rate and not self._take(tag):
                 raise Abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"this tenant is over its call rate of {self.rate:g} a second (max_call_rate_per_tenant)",
                 )
-            held = self._calls.get(tag, 0)
-            if held >= self.limit:
+            if admit and held >= self.limit:
                 raise Abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"this tenant has {held} calls in flight; the limit is {self.limit} (max_calls_per_tenant)",
                 )
             tenants = len(self._calls) + (tag not in self._calls)
             fair = max(1, self.workers // tenants)
-            if held >= fair and self._busy >= self.workers - self.reserve:
+            if admit and held >= fair and self._busy >= self.workers - self.reserve:
                 raise Abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the server is busy and this tenant has its share of it ({held} calls of {self.workers} workers)",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
@@ -84,10 +85,18 @@ def parse_response(data: bytes) -> int:
 
 
 class Health:
-    def __init__(self, max_watchers: int = 4) -> None:
+    """Check and Watch, answered without credentials (probes have none). Both are
+    registered request-streaming, like the cache service's methods: the wait for a
+    request is watched (``watchdog``: cancelled after its stall timeout) and at most
+    ``max_waiting`` calls wait for theirs at once (more: RESOURCE_EXHAUSTED), so calls
+    that send their headers and nothing more cannot hold the server's workers."""
+
+    def __init__(self, max_watchers: int = 4, max_waiting: int = 4, watchdog: Any = None) -> None:
         self._statuses: dict[str, int] = {}
         self._changed = threading.Condition()
         self._watchers = threading.BoundedSemaphore(max_watchers)
+        self._waiting = threading.BoundedSemaphore(max_waiting)
+        self._watchdog = watchdog
 
     def set(self, service: str, status: int) -> None:
         with self._changed:
@@ -98,27 +107,38 @@ class Health:
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
-                "Check": grpc.unary_unary_rpc_method_handler(
-                    self._check, request_deserializer=_request, response_serializer=encode_response
-                ),
-                "Watch": grpc.unary_stream_rpc_method_handler(
-                    self._watch, request_deserializer=_request, response_serializer=encode_response
-                ),
+                "Check": grpc.stream_unary_rpc_method_handler(self._check, response_serializer=encode_response),
+                "Watch": grpc.stream_stream_rpc_method_handler(self._watch, response_serializer=encode_response),
             },
         )
 
-    def _check(self, service: str | object, context: grpc.ServicerContext) -> int:
+    def _read(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> str:
+        """The call's one request, waited for under the watchdog, in one of the few slots."""
+        if not self._waiting.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many health calls waiting for their request")
+        try:
+            if self._watchdog is not None:
+                with self._watchdog.watch(context) as watch, watch.waiting():
+                    raw = next(requests, None)
+            else:
+                raw = next(requests, None)
+        finally:
+            self._waiting.release()
+        service = MALFORMED if raw is None else _request(raw)
         if service is MALFORMED:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a grpc.health.v1.HealthCheckRequest")
+        return service  # type: ignore[return-value]
+
+    def _check(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> int:
+        service = self._read(requests, context)
         with self._changed:
             status = self._statuses.get(service)
         if status is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {service!r}")
         return status
 
-    def _watch(self, service: str | object, context: grpc.ServicerContext) -> Iterator[int]:
-        if service is MALFORMED:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a grpc.health.v1.HealthCheckRequest")
+    def _watch(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[int]:
+        service = self._read(requests, context)
         if not self._watchers.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many health watchers; use Check")
         try:

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from lmtier import transfer
+from lmtier import layerload
 from lmtier.layout import KVLayout
 from lmtier.testing.layouts import ORDERS, paged_layers
 from lmtier.transfer import CopyEngine, HostBuffers
@@ -151,8 +151,8 @@ def test_layer_loads_land_before_the_kernels_that_wait_for_them(cuda, ahead, sta
     first item a token slice of a chunk (a partial hit), and also with one layer issued
     ahead of the wait and a device buffer of one item at a time."""
     if ahead is not None:
-        monkeypatch.setattr(transfer, "LOAD_AHEAD", ahead)
-        monkeypatch.setattr(transfer, "LOAD_STAGE_BYTES", stage_bytes)
+        monkeypatch.setattr(layerload, "LOAD_AHEAD", ahead)
+        monkeypatch.setattr(layerload, "LOAD_STAGE_BYTES", stage_bytes)
     (cpu, cpu_raw), (gpu, gpu_raw), layout = both("BLNHC", torch.bfloat16)
     srcs = []
     for tokens in (3 * BLOCK, 2 * BLOCK):
