@@ -31,7 +31,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("codec", ("lmtier.codec",)),
     ("wire formats", ("lmtier.shm", "lmtier.pieces", "lmtier.v1")),
     ("tiers", ("lmtier.tiers",)),
-    ("store and transfer", ("lmtier.events", "lmtier.store", "lmtier.transfer", "lmtier.layerload", "lmtier.devicecopy")),
+    (
+        "store and transfer",
+        ("lmtier.events", "lmtier.store", "lmtier.transfer", "lmtier.layerload", "lmtier.devicecopy"),
+    ),
     ("configuration", ("lmtier.config", "lmtier.sizing")),
     ("embedded API", ("lmtier.api",)),
     ("server and adapters", ("lmtier.server", "lmtier.connectors")),
