@@ -329,6 +329,10 @@ class ServerConfig:
         for token, tenant in self.tokens:
             if not token or not tenant:
                 raise ConfigError("a token and its tenant must not be empty")
+        owners: dict[str, str] = {}
+        for token, tenant in self.tokens:
+            if owners.setdefault(token, tenant) != tenant:  # it would only ever be the first one's
+                raise ConfigError(f"one secret is given for tenants {owners[token]} and {tenant}: each needs its own")
 
     def calls_per_tenant(self, single_tenant: bool) -> int:
         """The calls one tenant may have in flight: below the workers where several

@@ -457,3 +457,10 @@ def test_a_layout_past_any_model_is_refused():
 
     with pytest.raises(LayoutError, match="past any model"):
         KVLayout(131_072, 1, 1, dtype="uint8")
+
+
+def test_one_secret_for_two_tenants_is_refused():
+    with pytest.raises(ConfigError, match="tenants alice and bob"):
+        ServerConfig(tiers=("cpu://?size=1MiB",), tokens=(("same-secret-0123456789", "alice"),
+                                                         ("same-secret-0123456789", "bob")))  # fmt: skip
+    ServerConfig(tiers=("cpu://?size=1MiB",), tokens=(("same-secret-0123456789", "alice"),) * 2)  # a repeat is fine
