@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -109,6 +110,23 @@ class Stalled:
         self.gate.set()
 
 
+@contextmanager
+def attacked(channels: int, **settings):
+    """A two-tenant server, ``channels`` connections to it, and a list the test puts its
+    ``Stalled`` calls in: all released, closed and stopped at the end, whatever happened."""
+    srv, address = two_tenant_server(**settings)
+    conns = [connection(address) for _ in range(channels)]
+    stalls: list[Stalled] = []
+    try:
+        yield srv, conns, stalls
+    finally:
+        for s in stalls:
+            s.release()
+        for c in conns:
+            c.close()
+        srv.stop(0)
+
+
 def lookups(channel: grpc.Channel, keys: list[bytes], token: str, n: int) -> list[float]:
     """``n`` Lookups, each with a 5 s deadline: their latencies (an error fails the test)."""
     times = []
@@ -124,39 +142,29 @@ def test_calls_without_credentials_hold_no_worker():
     connections (the server has 16 workers): each is refused when its headers arrive, and
     the other tenant's calls and the health check go on being served (they once timed
     out: every worker waited for a request that never came)."""
-    srv, address = two_tenant_server(workers=16)
-    channels = [connection(address) for _ in range(4)]
-    health = health_pb2_grpc.HealthStub(channels[3])
     prompt = make_prompt(2, seed=400)
-    try:
+    with attacked(4, workers=16) as (_, channels, stalls):
+        health = health_pb2_grpc.HealthStub(channels[3])
         assert call(channels[3], "Put", puts(prompt), token="alice-secret").stored == 2
         before = lookups(channels[3], prompt.keys, "alice-secret", 20)
-        attacks = [Stalled(channels[i % 3], "Lookup", 10, token=None if i % 2 else "guessed") for i in range(4)]
+        stalls += [Stalled(channels[i % 3], "Lookup", 10, token=None if i % 2 else "guessed") for i in range(4)]
         during = lookups(channels[3], prompt.keys, "alice-secret", 20)
         assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == 1  # SERVING
-        for attack in attacks:
+        for attack in stalls:
             assert set(attack.codes(10)) == {S.UNAUTHENTICATED}
         print(f"alice's Lookup, median: {statistics.median(before) * 1e3:.2f} ms alone, "
               f"{statistics.median(during) * 1e3:.2f} ms beside 40 header-only calls")  # fmt: skip
-    finally:
-        for a in locals().get("attacks", []):
-            a.release()
-        for c in channels:
-            c.close()
-        srv.stop(0)
 
 
 def test_one_tenant_stalling_its_calls_holds_only_its_share_and_not_for_long():
     """Bob opens sixteen calls with his token and sends nothing more (Lookups and Puts):
     he holds at most his share of the 8 workers (the rest are refused at once), Alice is
     served throughout, and his stalled calls are cancelled after stall_timeout."""
-    srv, address = two_tenant_server(workers=8, stall_timeout=1.0)
     bob = tenant_tag("bob")
-    channels = [connection(address) for _ in range(3)]
     prompt = make_prompt(2, seed=401)
-    try:
+    with attacked(3, workers=8, stall_timeout=1.0) as (srv, channels, stalls):
         assert call(channels[2], "Put", puts(prompt), token="alice-secret").stored == 2
-        stalls = [Stalled(channels[0], "Lookup", 8, "bob-secret"), Stalled(channels[1], "Put", 8, "bob-secret")]
+        stalls += [Stalled(channels[0], "Lookup", 8, "bob-secret"), Stalled(channels[1], "Put", 8, "bob-secret")]
         assert eventually(lambda: srv.service.calls_in_flight(bob) >= 1, 5)
         assert srv.service.calls_in_flight(bob) <= 4  # half the workers where two tenants share them
         lookups(channels[2], prompt.keys, "alice-secret", 10)
@@ -165,12 +173,6 @@ def test_one_tenant_stalling_its_calls_holds_only_its_share_and_not_for_long():
         assert set(codes) <= {S.CANCELLED, S.RESOURCE_EXHAUSTED}
         assert eventually(lambda: srv.service.calls_in_flight(bob) == 0, 5)
         assert lookups(channels[2], prompt.keys, "alice-secret", 1)
-    finally:
-        for s in locals().get("stalls", []):
-            s.release()
-        for c in channels:
-            c.close()
-        srv.stop(0)
 
 
 def test_a_tenant_limit_at_or_above_the_workers_is_refused_where_tenants_share_them():
