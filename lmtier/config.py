@@ -278,11 +278,20 @@ class ServerConfig:
     # is closed after its calls, given call_timeout to end): clients reconnect.
     connection_idle: float = setting(600.0, NUMBER)
     connection_age: float = setting(3600.0, NUMBER)
+    # Connections open at once (more are closed as they arrive; held below the process's
+    # file limit, less what the server keeps for its tiers, probes and metrics), and
+    # seconds a new connection has to finish its HTTP/2 (and TLS) handshake.
+    max_connections: int = setting(4096, INTEGER)
+    handshake_timeout: float = setting(10.0, NUMBER)
     # Prometheus /metrics, /healthz and /readyz on this port (None: off).
     metrics_port: int | None = setting(None, OPTIONAL_INTEGER)
     # Its address; "" (the default): the gRPC address, ``host``. A sidecar whose gRPC
     # stays on 127.0.0.1 sets 0.0.0.0 here for the kubelet's probes and Prometheus.
     metrics_host: str = setting("", STRING)
+    # A secret that /metrics asks for (``Authorization: Bearer ...``; /healthz and /readyz
+    # stay open for probes), best given as LMTIER_SERVER_METRICS_TOKEN: the counters sum
+    # every tenant's traffic, which one tenant of a shared server should not watch.
+    metrics_token: str = setting("", STRING)
     # Same-host shared-memory data plane: the directory segments live in ("" turns it off).
     shm_dir: str = setting("/dev/shm", STRING)
     # Seconds between readiness probes of the tiers.
@@ -313,6 +322,7 @@ class ServerConfig:
             "workers",
             "max_concurrent_rpcs",
             "max_streams_per_connection",
+            "max_connections",
             "write_queue",
         ):
             if getattr(self, name) < 1:
@@ -323,7 +333,7 @@ class ServerConfig:
             )
         if self.max_calls_per_tenant < 0:
             raise ConfigError(f"max_calls_per_tenant must be 0 (automatic) or more, got {self.max_calls_per_tenant}")
-        for name in ("stall_timeout", "call_timeout", "connection_idle", "connection_age"):
+        for name in ("stall_timeout", "call_timeout", "connection_idle", "connection_age", "handshake_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         for token, tenant in self.tokens:
@@ -621,6 +631,7 @@ def public_view(config: Config) -> dict[str, Any]:
     data["server"]["tokens"] = sorted({tenant for _, tenant in config.server.tokens})
     data["server"]["tiers"] = [redact_url(url) for url in config.server.tiers]
     data["store"]["tiers"] = [redact_url(url) for url in config.store.tiers]
-    if data["server"].get("tls_key"):
-        data["server"]["tls_key"] = "***"
+    for secret in ("tls_key", "metrics_token"):
+        if data["server"].get(secret):
+            data["server"][secret] = "***"
     return data

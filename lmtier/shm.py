@@ -1,7 +1,9 @@
 """Shared-memory segments: the same-host data plane between the grpc:// tier and the server.
 
     Segment(directory, size, slot_bytes)    the client's: created, locked, cut into slots
-    SegmentMaps(directory)                  the server's: segments mapped by name, bounded; prune()
+    SegmentFiles(directory)                 the server's: clients' segments read and written by
+                                            name (pread/pwrite), bounded; prune()
+    SegmentMaps(directory)                  the client's: the server's memory mapped read-only
     sweep(directory)                        removes segments whose client died
 
 Python gRPC moves bulk bytes at well under 1 GB/s; a memory copy runs at several GB/s.
@@ -10,12 +12,14 @@ When client and server share a host (a sidecar in the engine's pod, with an in-m
 frames it puts into slots of it and lets the server write the frames it gets into other
 slots; gRPC carries only the slot references.
 
-Ownership keeps it safe. The segment is the client's: the server maps it only while a call
-runs and never hands out its own memory, so a client that dies mid-transfer strands
-nothing on the server. The client holds a shared ``flock`` on its segment for as long as
-it lives; ``sweep`` (run by the server now and then) removes segments nobody holds, which
-is how the memory of a killed client comes back. Frames carry their checksums, so bytes
-that change under a reader are a miss, never wrong KV.
+Ownership keeps it safe. The segment is the client's: the server reads and writes it only
+while a call runs, with ``pread``/``pwrite`` rather than a mapping (a client that shrinks
+its file under a mapping would kill the server with SIGBUS; a short read is only an
+error), so a client that dies or misbehaves mid-transfer strands nothing on the server.
+The client holds a shared ``flock`` on its segment for as long as it lives; ``sweep`` (run
+by the server now and then) removes segments nobody holds, which is how the memory of a
+killed client comes back. Frames carry their checksums, so bytes that change under a
+reader are a miss, never wrong KV.
 
 Names are ``lmtier-`` and 32 random hex digits: a server opens nothing else, and nothing
 outside its shared-memory directory.
@@ -23,6 +27,7 @@ outside its shared-memory directory.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import mmap
@@ -161,16 +166,150 @@ class Segment:
         os.close(self._fd)
 
 
-class SegmentMaps:
-    """Other processes' segments, mapped by name on first use: the server maps its clients'
-    (read-write), a client maps its server's memory (``writable=False``). At most
-    ``limit`` at a time (least recently used unmapped first), re-checked on each use so a
+class SegmentFiles:
+    """Clients' segments, opened by name on first use and read (``read_into``) or written
+    (``write``) through the descriptor, never mapped: the client owns the file and may
+    shrink it at any moment, which under a mapping is a SIGBUS in the server and through
+    ``pread``/``pwrite`` only a short read or a region out of bounds. At most ``limit``
+    open at a time (least recently used closed first), each re-checked on use so that a
     removed or replaced segment is never used."""
 
-    def __init__(self, directory: str = DEFAULT_DIR, limit: int = 64, writable: bool = True) -> None:
+    def __init__(self, directory: str = DEFAULT_DIR, limit: int = 64) -> None:
         self.directory = directory
         self.limit = limit
-        self.writable = writable
+        self._files: OrderedDict[str, tuple[int, int]] = OrderedDict()  # name -> (fd, inode)
+        self._lock = threading.Lock()
+
+    def read_into(self, name: str, offset: int, length: int, buffer) -> memoryview:
+        """``length`` bytes at ``offset`` of segment ``name``, read into ``buffer``; returns
+        the view of them. ``SegmentUnavailable`` if the segment is shorter than that."""
+        out = memoryview(buffer).cast("B")[:length]
+        if len(out) < length:
+            raise ValueError("buffer smaller than the region read")
+        with self._use(name) as fd:
+            got = os.preadv(fd, [out], offset) if length else 0
+        if got != length:
+            raise SegmentUnavailable(f"region [{offset}, {offset + length}) lies outside segment {name}")
+        return out
+
+    def write(self, name: str, offset: int, parts: list) -> int:
+        """Write ``parts`` (buffers, in order) at ``offset`` of segment ``name``, which must
+        lie within the segment as it is; returns the bytes written."""
+        views = [memoryview(p).cast("B") for p in parts]
+        length = sum(len(v) for v in views)
+        with self._use(name) as fd:
+            size = os.fstat(fd).st_size
+            if offset < 0 or offset + length > size:
+                raise FormatError(f"region [{offset}, {offset + length}) lies outside segment {name} of {size} bytes")
+            done = 0
+            while views:  # a write may stop short (a signal); go on from there
+                n = os.pwritev(fd, views[:1024], offset + done)
+                if n <= 0:
+                    raise SegmentUnavailable(f"segment {name} took no more bytes")
+                done += n
+                while views and n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                if n:
+                    views[0] = views[0][n:]
+        return done
+
+    @contextlib.contextmanager
+    def _use(self, name: str):
+        fd = self._fd(name)
+        try:
+            yield fd
+        except OSError as exc:
+            raise SegmentUnavailable(f"shared-memory segment {name}: {exc.strerror or exc}") from exc
+        finally:
+            os.close(fd)
+
+    def _fd(self, name: str) -> int:
+        """A descriptor of its own for one use (a duplicate of the one kept), so that
+        closing the kept one, when it is pushed out or pruned, never pulls it from a user."""
+        if not NAME.match(name):
+            raise FormatError(f"{name!r} is not an lmtier shared-memory segment name")
+        path = os.path.join(self.directory, name)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError as exc:
+            self._close(name)
+            raise SegmentUnavailable(f"shared-memory segment {name} is not here: {exc.strerror}") from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise SegmentUnavailable(f"{path} is not a regular file")
+        with self._lock:
+            held = self._files.get(name)
+            if held is not None and held[1] != st.st_ino:
+                os.close(self._files.pop(name)[0])
+                held = None
+            if held is None:
+                held = self._files[name] = (_open_checked(path, os.O_RDWR), st.st_ino)
+                while len(self._files) > self.limit:
+                    os.close(self._files.popitem(last=False)[1][0])
+            self._files.move_to_end(name)
+            return os.dup(held[0])
+
+    def prune(self) -> int:
+        """Close the segments that are gone (swept, or their client removed them), so that
+        their memory comes back at once; returns how many."""
+        with self._lock:
+            gone = [name for name, (_, inode) in self._files.items() if _inode(self.directory, name) != inode]
+            for name in gone:
+                os.close(self._files.pop(name)[0])
+            return len(gone)
+
+    def _close(self, name: str) -> None:
+        with self._lock:
+            held = self._files.pop(name, None)
+            if held is not None:
+                os.close(held[0])
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def clear(self) -> None:
+        with self._lock:
+            while self._files:
+                os.close(self._files.popitem()[1][0])
+
+
+def _inode(directory: str, name: str) -> int | None:
+    try:
+        return os.stat(os.path.join(directory, name), follow_symlinks=False).st_ino
+    except OSError:
+        return None
+
+
+def _open_checked(path: str, mode: int) -> int:
+    """A descriptor of ``path`` checked on the descriptor itself: a regular file (never a
+    symlink, never a FIFO to block on) with no other name (a hard link would let a request
+    reach a file outside the segment directory)."""
+    try:
+        fd = os.open(path, mode | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SegmentUnavailable(f"cannot open shared-memory segment {path}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SegmentUnavailable(f"{path} is not a regular file")
+        if st.st_nlink != 1:
+            raise SegmentUnavailable(f"{path} has {st.st_nlink} names: not a segment a client made")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class SegmentMaps:
+    """Another process's segments, mapped by name on first use: a client maps its server's
+    memory, read-only, to read chunks where they lie (the server is the one
+    process a client trusts with its memory; the server itself never maps a client's,
+    see ``SegmentFiles``). At most ``limit`` at a time (least recently used unmapped first), re-checked on each use so a
+    removed or replaced segment is never used."""
+
+    def __init__(self, directory: str = DEFAULT_DIR, limit: int = 64) -> None:
+        self.directory = directory
+        self.limit = limit
         self._maps: OrderedDict[str, tuple[mmap.mmap, int, int]] = OrderedDict()  # name -> (map, inode, size)
         self._lock = threading.Lock()
 
@@ -192,7 +331,7 @@ class SegmentMaps:
                 self._maps.pop(name)
                 held = None
             if held is None:
-                held = self._map(path, self.writable)
+                held = self._map(path)
                 self._maps[name] = held
                 while len(self._maps) > self.limit:
                     self._maps.popitem(last=False)  # unmapped once no view remains
@@ -205,23 +344,12 @@ class SegmentMaps:
         return memoryview(segment)[offset : offset + length]
 
     @staticmethod
-    def _map(path: str, writable: bool) -> tuple[mmap.mmap, int, int]:
-        """Map the file at ``path``, checked on the descriptor actually mapped: a regular
-        file (never a symlink, never a FIFO to block on) with no other name (a hard link
-        would let a request reach a file outside the segment directory)."""
-        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        try:
-            fd = os.open(path, flags)
-        except OSError as exc:
-            raise SegmentUnavailable(f"cannot open shared-memory segment {path}: {exc.strerror}") from exc
+    def _map(path: str) -> tuple[mmap.mmap, int, int]:
+        """Map the file at ``path`` read-only, checked on the descriptor actually mapped (``_open_checked``)."""
+        fd = _open_checked(path, os.O_RDONLY)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise SegmentUnavailable(f"{path} is not a regular file")
-            if st.st_nlink != 1:
-                raise SegmentUnavailable(f"{path} has {st.st_nlink} names: not a segment a client made")
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            return mmap.mmap(fd, st.st_size, prot=prot), st.st_ino, st.st_size
+            return mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ), st.st_ino, st.st_size
         except (OSError, ValueError) as exc:
             raise SegmentUnavailable(f"cannot map shared-memory segment {path}: {exc}") from exc
         finally:
@@ -322,4 +450,4 @@ def sweep(directory: str = DEFAULT_DIR, min_age: float = SWEEP_MIN_AGE_S) -> int
     return removed
 
 
-__all__ = ["DEFAULT_DIR", "Segment", "SegmentMaps", "SegmentUnavailable", "alive", "locked", "sweep"]
+__all__ = ["DEFAULT_DIR", "Segment", "SegmentFiles", "SegmentMaps", "SegmentUnavailable", "alive", "locked", "sweep"]

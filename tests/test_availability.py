@@ -17,6 +17,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,7 +32,7 @@ from test_security import SERVICE, call, connection, puts, two_tenant_server
 from lmtier import codec, shm
 from lmtier.config import ServerConfig, parse_token, read_token_file
 from lmtier.errors import ConfigError
-from lmtier.pieces import pack, piece
+from lmtier.pieces import Region, pack, piece
 from lmtier.server import create_server
 from lmtier.server.auth import certificate_identity, tenant_tag
 from lmtier.server.leases import Leases
@@ -156,6 +158,48 @@ def test_calls_without_credentials_hold_no_worker():
               f"{statistics.median(during) * 1e3:.2f} ms beside 40 header-only calls")  # fmt: skip
 
 
+def test_a_flood_of_idle_connections_takes_no_descriptor_the_server_needs(tmp_path):
+    """Raw TCP connections that never speak HTTP/2 (21,000 of them once left the server no
+    descriptor for its probes): past ``max_connections`` they are closed as they arrive,
+    those within it when their handshake time is up, and meanwhile an engine's open
+    connection is served, readiness holds, and a new client gets in once they are gone."""
+    import socket
+
+    prompt = make_prompt(2, seed=401)
+    srv, address = two_tenant_server(max_connections=8, handshake_timeout=1.0, metrics_port=0)
+    engine = connection(address)
+    flood: list[socket.socket] = []
+    try:
+        assert call(engine, "Put", puts(prompt), token="alice-secret").stored == 2
+        host, port = address.rsplit(":", 1)
+        for _ in range(40):
+            flood.append(socket.create_connection((host, int(port)), timeout=5))
+        assert lookups(engine, prompt.keys, "alice-secret", 10)  # the engine's connection: served
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/readyz", timeout=5) as ready:
+            assert ready.status == 200
+        closed = 0
+        for sock in flood:  # every one of them is closed by the server: over the limit or timed out
+            sock.settimeout(10)
+            try:
+                while sock.recv(4096):  # the server's HTTP/2 preface, then end of stream
+                    pass
+                closed += 1
+            except ConnectionResetError:
+                closed += 1
+        assert closed == len(flood)
+        newcomer = connection(address)
+        try:
+            lookup = call(newcomer, "Lookup", cache_pb2.LookupRequest(keys=prompt.keys), token="alice-secret")
+            assert lookup.hits == 2
+        finally:
+            newcomer.close()
+    finally:
+        for sock in flood:
+            sock.close()
+        engine.close()
+        srv.stop(0)
+
+
 def test_one_tenant_stalling_its_calls_holds_only_its_share_and_not_for_long():
     """Bob opens sixteen calls with his token and sends nothing more (Lookups and Puts):
     he holds at most his share of the 8 workers (the rest are refused at once), Alice is
@@ -249,6 +293,35 @@ def test_stats_shows_a_tenant_its_own_chunks_and_only_an_operator_the_whole_serv
 
 
 # -- the shared-memory plane ----------------------------------------------------------------------
+def test_metrics_ask_for_their_token_and_probes_do_not(caplog):
+    """/metrics sums every tenant's traffic: with ``metrics_token`` set, it answers only a
+    scrape that brings the token; /healthz and /readyz stay open for the kubelet; and a
+    shared server whose metrics anyone may reach says so when it starts."""
+
+    def get(port: int, path: str, token: str | None = None) -> int:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=5) as answer:
+                return answer.status
+        except urllib.error.HTTPError as refused:
+            return refused.code
+
+    srv, _ = two_tenant_server(metrics_port=0, metrics_token="scrape-0123456789abcdef")
+    try:
+        assert get(srv.metrics_port, "/metrics") == 401
+        assert get(srv.metrics_port, "/metrics", "alice-secret") == 401  # a tenant's token is not it
+        assert get(srv.metrics_port, "/metrics", "scrape-0123456789abcdef") == 200
+        assert get(srv.metrics_port, "/readyz") == 200 and get(srv.metrics_port, "/healthz") == 200
+    finally:
+        srv.stop(0)
+    with caplog.at_level(logging.WARNING, logger="lmtier.server.app"):
+        srv, _ = two_tenant_server(metrics_port=0, metrics_host="0.0.0.0")
+        srv.stop(0)
+    assert any("sums every tenant's traffic" in r.getMessage() for r in caplog.records)
+
+
 def test_a_fifo_named_like_a_segment_blocks_no_sweep(tmp_path):
     """Any local user can make a FIFO in the segment directory: opening it once blocked the
     server's sweep thread for good (readiness then never changed, no lease was reaped)."""
@@ -310,11 +383,14 @@ def test_a_lease_ends_after_its_time_whatever_its_owner(monkeypatch):
 
 
 # -- a fair share of the memory tier ---------------------------------------------------------------
-def test_one_tenants_ordinary_puts_leave_the_other_its_share_of_memory():
-    """Bob stores five times what the memory tier holds, in ordinary valid Puts: Alice's
-    chunks, within her share, stay (one LRU once evicted them all within seconds), and Bob
-    over his share evicts his own oldest chunks."""
-    srv, address = two_tenant_server(tiers=("cpu://?size=512KiB&slot=8KiB",))  # 64 slots
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_one_tenants_ordinary_puts_leave_the_other_its_share_of_a_tier(tier, tmp_path):
+    """Bob stores five times what the tier holds, in ordinary valid Puts: Alice's chunks,
+    within her share, stay (one LRU once evicted them all within seconds, from memory and
+    from disk), and Bob over his share evicts his own oldest chunks."""
+    url = {"memory": "cpu://?size=512KiB&slot=8KiB",  # 64 slots
+           "disk": f"file://{tmp_path}/disk?size=768KiB"}[tier]  # 64 frames of 12 KiB  # fmt: skip
+    srv, address = two_tenant_server(tiers=(url,))
     channel = grpc.insecure_channel(address)
     try:
         alice = make_prompt(20, seed=407)
@@ -466,3 +542,75 @@ def test_one_secret_for_two_tenants_is_refused():
         ServerConfig(tiers=("cpu://?size=1MiB",), tokens=(("same-secret-0123456789", "alice"),
                                                          ("same-secret-0123456789", "bob")))  # fmt: skip
     ServerConfig(tiers=("cpu://?size=1MiB",), tokens=(("same-secret-0123456789", "alice"),) * 2)  # a repeat is fine
+
+
+def test_a_client_shrinking_its_segment_mid_call_gets_an_error_and_the_server_lives(tmp_path):
+    """Single-tenant (sidecar) mode: the client owns its segment and may shrink it while the
+    server reads a Put from it or writes a Get into it. Under a mapping that is a SIGBUS that
+    kills the server; read and written through the descriptor it is a clear error (and the
+    server is fine). The race is driven hard: a thread flips the file's size all along."""
+    from lmtier.testing.cache_server import ServerProcess
+
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    # a disk tier first: every chunk got is written into the client's landing region
+    server = ServerProcess(tmp_path, "--tier", f"file://{tmp_path / 'disk'}?size=64MiB", "--shm-dir", str(shm_dir))
+    segment = shm.Segment(str(shm_dir), 64 * 65536, 65536)
+    prompt = make_prompt(32, seed=77)
+    frames = [codec.encode(c) for c in prompt.chunks()]
+    channel = grpc.insecure_channel(server.address)
+    flipping = threading.Event()
+
+    def flip() -> None:
+        while not flipping.is_set():
+            os.truncate(segment.path, 0)
+            os.truncate(segment.path, segment.size)
+
+    try:
+        # the deterministic case first: a region past the end of a segment shrunk to nothing
+        os.truncate(segment.path, 0)
+        region = cache_pb2.SharedRegion(segment=segment.name, offset=0, length=len(frames[0]))
+        whole = Region(segment.name, 0, len(frames[0]))
+        with pytest.raises(grpc.RpcError) as refused:
+            call(channel, "Put", [pack(piece(prompt.keys[0], len(frames[0]), region=whole))])
+        assert refused.value.code() == S.FAILED_PRECONDITION and "outside" in refused.value.details()
+        call(channel, "Put", puts(prompt))  # stored, to be served into landing regions
+        request = cache_pb2.GetRequest(keys=prompt.keys[:1], landing=[region])
+        with pytest.raises(grpc.RpcError) as refused:
+            list(call(channel, "Get", request))
+        assert refused.value.code() == S.INVALID_ARGUMENT and "outside" in refused.value.details()
+        os.truncate(segment.path, segment.size)
+
+        thread = threading.Thread(target=flip, daemon=True)
+        thread.start()
+        codes: set = set()
+        landing = [cache_pb2.SharedRegion(segment=segment.name, offset=i * 65536, length=65536) for i in range(32)]
+        fd = os.open(segment.path, os.O_RDWR)  # never through our own mapping: it would SIGBUS here
+        for _ in range(150):
+            for i, frame in enumerate(frames[:8]):
+                os.pwrite(fd, frame, (32 + i) * 65536)
+            put = [pack(*[piece(k, len(f), region=Region(segment.name, (32 + i) * 65536, len(f)))
+                          for i, (k, f) in enumerate(zip(prompt.keys[:8], frames[:8], strict=True))])]  # fmt: skip
+            for method, request in (("Put", put), ("Get", cache_pb2.GetRequest(keys=prompt.keys, landing=landing))):
+                try:
+                    call(channel, method, request, timeout=30)
+                    codes.add(S.OK)
+                except grpc.RpcError as e:
+                    codes.add(e.code())
+                except Exception as e:  # a malformed frame read back under the flipping: not the server's
+                    codes.add(type(e).__name__)
+            if server.proc.poll() is not None:
+                break
+        flipping.set()
+        thread.join()
+        os.close(fd)
+        assert server.proc.poll() is None, server.log()[-3000:]
+        assert codes <= {S.OK, S.FAILED_PRECONDITION, S.INVALID_ARGUMENT, S.DATA_LOSS}, codes
+        assert server.serving()
+        lookup = call(channel, "Lookup", cache_pb2.LookupRequest(keys=prompt.keys))
+        assert lookup.hits == 32  # every chunk the server stored is still served
+    finally:
+        flipping.set()
+        channel.close()
+        segment.close()
+        server.stop()

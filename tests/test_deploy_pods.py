@@ -211,8 +211,8 @@ def test_the_prestop_hook_waits_for_the_clients_of_other_processes_only(tmp_path
     try:
         name = engine.stdout.readline().strip()
         assert hook.clients(directory, os.getpid()) == [name]
-        maps = shm.SegmentMaps(directory)  # as the server does on the client's first call
-        maps.region(name, 0, 1024).release()
+        files = shm.SegmentFiles(directory)  # as the server does on the client's first call
+        files.read_into(name, 0, 1024, bytearray(1024))
         assert hook.clients(directory, os.getpid()) == [name]
         script = [
             sys.executable,

@@ -352,3 +352,25 @@ def test_a_chunk_damaged_in_memory_leaves_zeros_that_a_rebuild_steps_over(tmp_pa
     assert [c.tobytes() for c in got] == [p.chunk_bytes(i) for i in range(4) if held[i]]
     release_all(got)
     again.close()
+
+
+def test_tenants_sharing_the_tier_keep_their_shares_whatever_the_batches_mix(tmp_path):
+    """Keys that begin with a tenant's tag (the cache server's): a tenant within its share
+    keeps its chunks while another floods the tier, and a batch that mixes tenants (what
+    a write-back demotion hands down) is held to each tenant's share, not the first's."""
+    frame = round_up(len(codec.encode(make_prompt(1, seed=1).chunks()[0])))
+    tier = DiskTier(tmp_path / "d", size=64 * frame, context=TierContext(tenant_prefix=1))
+
+    def tagged(tag: bytes, prompt) -> list[Chunk]:
+        return [c.view_as(tag + k) for c, k in zip(prompt.chunks(), prompt.keys, strict=True)]
+
+    alice = tagged(b"a", make_prompt(20, seed=2))
+    tier.put(alice)
+    for i in range(6):  # Bob over his share, in batches mixed with one more of Alice's
+        tier.put([*tagged(b"b", make_prompt(24, seed=10 + i)), *tagged(b"a", make_prompt(1, seed=40 + i))])
+    assert tier.contains([c.key for c in alice]) == 20
+    usage = tier.index.usage()
+    assert usage <= tier.capacity
+    bob = len(tier.keys(b"b"))
+    assert 28 <= bob <= 40  # his share and what Alice leaves free, never her chunks
+    tier.close()

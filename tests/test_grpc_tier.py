@@ -391,7 +391,7 @@ def test_a_get_that_breaks_half_way_returns_all_it_had_received_before_raising(t
     chunks, frames = prompt.chunks(), [codec.encode(c) for c in prompt.chunks()]
     memory = shm.Segment(str(tmp_path), 1 << 20, 64 << 10)  # the fake server's own memory
     memory.view(0)[: chunks[0].nbytes] = prompt.chunk_bytes(0)
-    clients = shm.SegmentMaps(str(tmp_path))
+    clients = shm.SegmentFiles(str(tmp_path))
     released: list[int] = []
 
     def get(request: bytes, context):
@@ -400,7 +400,7 @@ def test_a_get_that_breaks_half_way_returns_all_it_had_received_before_raising(t
         yield pack(piece(asked.keys[0], len(frames[0]), region=Region(memory.name, 0, chunks[0].nbytes), head=head,
                          lease=7))  # fmt: skip
         slot = asked.landing[1]
-        clients.region(slot.segment, slot.offset, len(frames[1]))[:] = frames[1]
+        clients.write(slot.segment, slot.offset, [frames[1]])
         yield pack(piece(asked.keys[1], len(frames[1]), region=Region(slot.segment, slot.offset, len(frames[1]))))
         yield pack(piece(asked.keys[2], len(frames[2]), data=[frames[2]]))
         yield pack(piece(asked.keys[3], len(frames[3]), data=[frames[3][:100]]))
@@ -491,13 +491,13 @@ def test_a_client_killed_mid_transfer_leaves_nothing_behind(tmp_path):
         srv.stop(0)
 
 
-def test_a_swept_segment_is_unmapped_at_once(tmp_path):
-    """The server maps a client's segment while it sends chunks; once the segment is swept
-    (its client died), pruning unmaps it, instead of keeping its memory until 64 newer
-    segments push it out."""
+def test_a_swept_segment_is_closed_at_once(tmp_path):
+    """The server keeps a client's segment open while it sends chunks; once the segment is
+    swept (its client died), pruning closes it, instead of keeping its memory until 64
+    newer segments push it out."""
     segment = shm.Segment(str(tmp_path), 1 << 20, 64 << 10)
-    maps = shm.SegmentMaps(str(tmp_path))
-    maps.region(segment.name, 0, 4096).release()
+    maps = shm.SegmentFiles(str(tmp_path))
+    maps.read_into(segment.name, 0, 4096, bytearray(4096))
     assert maps.prune() == 0 and len(maps) == 1  # still there: kept
     os.unlink(segment.path)  # what sweep does to a dead client's segment
     assert maps.prune() == 1 and len(maps) == 0

@@ -17,6 +17,7 @@ Shutdown drains: readiness drops first (load balancers stop sending), in-flight 
 from __future__ import annotations
 
 import faulthandler
+import hmac
 import logging
 import os
 import signal
@@ -40,6 +41,7 @@ from lmtier.tiers.base import Tier, TierContext
 log = logging.getLogger(__name__)
 
 SWEEP_EVERY_S = 30.0
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class CacheServer:
@@ -52,13 +54,12 @@ class CacheServer:
         # server) only when every caller is one tenant: they could map all of that memory.
         self.zero_copy = bool(config.shm_dir) and self.auth.single_tenant
         # Lower tiers that cannot be opened yet are opened later; the first is what it serves from.
+        shares = 0 if self.auth.single_tenant else TAG_BYTES  # every tier: a fair share each
         self.store = store or TieredStore.open(
             config.tiers,
             defer="lower",
-            first=TierContext(
-                shared_dir=config.shm_dir if self.zero_copy else "",
-                tenant_prefix=0 if self.auth.single_tenant else TAG_BYTES,  # a fair share each
-            ),
+            context=TierContext(tenant_prefix=shares),
+            first=TierContext(shared_dir=config.shm_dir if self.zero_copy else "", tenant_prefix=shares),
             wrap=_upstream,
             write_queue=config.write_queue,
         )
@@ -78,6 +79,9 @@ class CacheServer:
             ("grpc.max_connection_idle_ms", int(config.connection_idle * 1000)),
             ("grpc.max_connection_age_ms", int(config.connection_age * 1000)),
             ("grpc.max_connection_age_grace_ms", int(config.call_timeout * 1000)),
+            # a flood of connections takes no descriptor the server needs for itself
+            ("grpc.max_allowed_incoming_connections", connection_limit(config.max_connections)),
+            ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout * 1000)),
             # gRPC sets SO_REUSEPORT by default: a second server on a taken port would then
             # start, and the kernel would split connections between the two. Refuse instead.
             ("grpc.so_reuseport", 0),
@@ -148,7 +152,11 @@ class CacheServer:
             "TLS" if self.config.tls_cert else "plaintext",
             ", ".join(t.name for t in self.store.tiers),
         )
-        if self.auth.open and self.config.host not in ("127.0.0.1", "localhost", "::1"):
+        watched = self._http is not None and self.metrics_host not in LOOPBACK
+        if watched and not self.config.metrics_token and not self.auth.single_tenant:
+            log.warning("/metrics on %s sums every tenant's traffic for anyone who reaches it: set metrics_token "
+                        "(LMTIER_SERVER_METRICS_TOKEN) or metrics_host=127.0.0.1", self.metrics_host)  # fmt: skip
+        if self.auth.open and self.config.host not in LOOPBACK:
             log.warning("no tokens and no mutual TLS: any client that reaches %s may use the cache", self.config.host)
         return self
 
@@ -173,6 +181,11 @@ class CacheServer:
     def wait(self) -> None:
         """Until ``stop`` has finished (queued writes flushed, tiers closed)."""
         self.stopped.wait()
+
+    def metrics_allowed(self, authorization: str) -> bool:
+        """Whether a /metrics request may read the counters (``metrics_token``, if set)."""
+        want = self.config.metrics_token
+        return not want or hmac.compare_digest(authorization.encode(), f"Bearer {want}".encode())
 
     # -- readiness ----------------------------------------------------------------------
     def probe(self) -> bool:
@@ -221,7 +234,9 @@ def _handler(server: CacheServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
-            if path == "/metrics":
+            if path == "/metrics" and not server.metrics_allowed(self.headers.get("Authorization", "")):
+                self._send(401, b"/metrics needs the metrics token: Authorization: Bearer <metrics_token>\n")
+            elif path == "/metrics":
                 body = generate_latest(metrics.REGISTRY) + generate_latest(metrics.SERVER_REGISTRY)
                 self._send(200, body, CONTENT_TYPE_LATEST)
             elif path == "/healthz":
@@ -243,6 +258,30 @@ def _handler(server: CacheServer) -> type[BaseHTTPRequestHandler]:
             pass
 
     return Handler
+
+
+FD_RESERVE = 256  # descriptors kept for the tiers, probes, metrics and shared-memory segments
+
+
+def connection_limit(wanted: int) -> int:
+    """``wanted`` connections, held below what the process may open: the soft file limit is
+    raised to the hard one first (containers often start at 1,024 of 1,048,576), and
+    ``FD_RESERVE`` descriptors are kept for the server's own use."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    room = max(16, soft - FD_RESERVE)
+    if wanted > room:
+        log.warning("at most %d connections (the file limit is %d; max_connections asks %d)", room, soft, wanted)
+    return min(wanted, room)
 
 
 def _check_free(host: str, port: int) -> None:

@@ -39,13 +39,13 @@ from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk, release_all
 from lmtier.config import Config, ServerConfig, public_view
 from lmtier.errors import IntegrityError, LayoutError, LmtierError
-from lmtier.pieces import PIECE_BYTES, FrameAssembler, FrameTooLarge, Region, no_release, pack, piece, split, unpack
+from lmtier.pieces import PIECE_BYTES, FrameAssembler, FrameTooLarge, Region, pack, piece, split, unpack
 from lmtier.server.auth import Authenticator, tenant_tag
 from lmtier.server.calls import Abort, Calls, refusal
 from lmtier.server.leases import Leases
 from lmtier.server.match import match
 from lmtier.server.watchdog import Watchdog
-from lmtier.shm import SegmentMaps, SegmentUnavailable
+from lmtier.shm import SegmentFiles, SegmentUnavailable
 from lmtier.store import TieredStore
 from lmtier.v1 import cache_pb2
 
@@ -77,7 +77,7 @@ class CacheService:
         # Requests name client segments, and every process on the host can see those names:
         # a server with several tenants cannot tell whose a segment is, so it maps none (one
         # tenant could otherwise have it read another's segment or write into its slots).
-        self.maps = SegmentMaps(config.shm_dir) if config.shm_dir and auth.single_tenant else None
+        self.maps = SegmentFiles(config.shm_dir) if config.shm_dir and auth.single_tenant else None
         self._no_shm = (
             "this server has shared memory turned off"
             if not config.shm_dir
@@ -155,7 +155,6 @@ class CacheService:
         if landing and self.maps is None:
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, self._no_shm)
         index = 0
-        segments: dict[str, memoryview] = {}  # mapped once per call
         if landing and self.shared is not None:
             self._not_own(landing[0].segment)
         lease = self.leases.open(tag, landing[0].segment) if landing and self.shared is not None else 0
@@ -170,7 +169,7 @@ class CacheService:
                             return
                         region = landing[index] if index < len(landing) else None
                         try:
-                            parts, messages = self._serve(keys[index], chunk, region, segments, lease)
+                            parts, messages = self._serve(keys[index], chunk, region, lease)
                         except IntegrityError as exc:  # the stored copy is dropped: a miss from here
                             log.warning("chunk %s failed verification while served: %s", keys[index].hex()[:16], exc)
                             damaged = True
@@ -193,9 +192,7 @@ class CacheService:
             batches.close()
             self.leases.finish(lease)
 
-    def _serve(
-        self, key: bytes, chunk: Chunk, region: Region | None, segments: dict, lease: int
-    ) -> tuple[list | None, list[bytes]]:
+    def _serve(self, key: bytes, chunk: Chunk, region: Region | None, lease: int) -> tuple[list | None, list[bytes]]:
         """One chunk under the caller's key: ``(piece, [])`` when it went through shared
         memory (a piece to pack with others), ``(None, messages)`` when it travels as bytes.
 
@@ -212,12 +209,10 @@ class CacheService:
                 metrics.SERVER_BYTES.labels("get", "shm").inc(size)
                 return piece(key, size, region=where, head=head, lease=lease), []
         if region is not None and size <= region.length:
-            segment = segments.get(region.segment)
-            if segment is None:
-                segment = segments[region.segment] = self._mapped(region.segment)  # checked once
-            if region.offset + size > len(segment):
-                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"a landing region lies outside {region.segment}")
-            codec.encode_into(view, segment[region.offset : region.offset + size], relay=True)
+            self._segment_io(
+                lambda files: files.write(region.segment, region.offset, codec.encode_parts(view, relay=True)),
+                region.segment,
+            )
             metrics.SERVER_BYTES.labels("get", "shm").inc(size)
             return piece(key, size, region=Region(region.segment, region.offset, size)), []
         parts = [memoryview(p).cast("B") for p in codec.encode_parts(view, relay=True)]
@@ -227,14 +222,14 @@ class CacheService:
             for offset, views in split(parts, PIECE_BYTES)
         ]
 
-    def _mapped(self, segment: str, offset: int = 0, length: int | None = None) -> memoryview:
-        """A span of a client's segment (``length`` None: all of it from ``offset``); a
-        segment this server cannot or will not map is the caller's error, with a status."""
+    def _segment_io(self, io: Callable[[SegmentFiles], object], segment: str):
+        """``io(files)`` on a client's segment; a segment this server cannot or will not
+        use, or a region outside it, is the caller's error, with a status."""
         if self.maps is None:
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, self._no_shm)
         self._not_own(segment)
         try:
-            return self.maps.region(segment, offset, length)
+            return io(self.maps)
         except SegmentUnavailable as exc:
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
         except LmtierError as exc:
@@ -311,8 +306,16 @@ class CacheService:
                     raise FrameTooLarge(
                         f"frame of {one.frame_size} bytes exceeds the limit of {self.config.max_chunk_bytes}"
                     )
-                view = self._mapped(one.region.segment, one.region.offset, one.region.length)
-                return one.key, view, None, no_release, "shm"
+                region, buffer = one.region, self.buffers.acquire(one.region.length)
+                try:  # read, never mapped: the client may shrink its segment at any moment
+                    view = self._segment_io(
+                        lambda files: files.read_into(region.segment, region.offset, region.length, buffer),
+                        region.segment,
+                    )
+                except BaseException:
+                    self.buffers.release(buffer)
+                    raise
+                return one.key, view, None, lambda: self.buffers.release(buffer), "shm"
             done = assembler.add(one, one.data if one.data is not None else memoryview(b""))
         except FrameTooLarge as exc:
             raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc

@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
-from lmtier.buffers import round_up
+from lmtier.buffers import ALIGN, round_up
 
 SCHEMA_VERSION = 2
 _SCHEMA = """
@@ -311,6 +311,22 @@ class Txn:
                 if len(out) == n:
                     break
         return out
+
+    def by_age(self, exclude: set[bytes]) -> Iterator[tuple[bytes, Location]]:
+        """Every chunk, least recently used first, skipping ``exclude`` (read lazily: a
+        caller that stops early reads no further)."""
+        rows = self._db.execute(
+            "SELECT c.key, c.seg, s.name, c.off, c.len FROM chunks c JOIN segments s ON s.id = c.seg ORDER BY c.atime"
+        )
+        for key, seg, name, off, length in rows:
+            if key not in exclude:
+                yield key, Location(seg, name, off, length)
+
+    def usage_by_prefix(self, n: int) -> dict[bytes, int]:
+        """Bytes held per leading ``n`` bytes of the keys (per tenant, on the cache server)."""
+        unit = ALIGN
+        sql = f"SELECT substr(key, 1, ?), SUM((len + {unit - 1}) / {unit} * {unit}) FROM chunks GROUP BY 1"
+        return {bytes(prefix): int(total) for prefix, total in self._db.execute(sql, (n,))}
 
     def touch(self, rows: Iterable[tuple[bytes, int]]) -> None:
         self._db.executemany("UPDATE chunks SET atime=? WHERE key=?", ((a, k) for k, a in rows))

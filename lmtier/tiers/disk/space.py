@@ -6,6 +6,7 @@ Everything here runs inside one of the tier's index transactions (under its writ
       .room(txn, keep, writer) -> int         the most bytes a put may add now
       .earn(nbytes)                           a put's credit for copying forward
       .free(txn, short, keep, writer, batch)  evict and reclaim until ``short`` more bytes are free
+    Shares                                    tenants' fair shares, where tenants share the tier
       .reap(txn, segs, own)                   remove segments nothing live is left in
       .recover(txn) -> (adopted, forgotten)   the index in line with the segment files
       .migrate(txn) -> int                    the one-file-per-chunk layout, adopted
@@ -27,6 +28,7 @@ import contextlib
 import logging
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -93,10 +95,22 @@ class Space:
         segments cheapest first, copying forward no more than the credit puts earn
         (``earn``; more chunks are evicted where that is not enough): over time this
         process copies at most ``COMPACT_RATIO`` of what it stores, and a small put may
-        still spend what earlier ones left. ``batch`` None (a reopen): no limit. Returns
-        what is still short."""
+        still spend what earlier ones left. ``batch`` None (a reopen): no limit. Where
+        tenants share the tier, only chunks ``Shares`` allows are evicted. Returns what is
+        still short (the caller stores less)."""
         segs = {s.id: [s.size, s.live] for s in self.reclaimable(txn, writer)}
+        shares = Shares.of(txn, self.tier.tenant_prefix, self.tier.capacity, keep, batch or 0)
         budget = float("inf") if batch is None else self.credit  # a reopen (None) copies what it must
+        if shares is not None:
+            # Tenants: evict what the chunks themselves take over the capacity, by the
+            # shares' rule, and compact whatever that costs: evicting more to spare copying
+            # would take it from whoever the rule allows, not from whoever is least recent.
+            over = sum(shares.usage.values()) + shares.incoming - self.tier.capacity
+            if over > 0:
+                victims = self._victims(txn, 1 << 30, over, keep, shares)
+                if victims:
+                    self._evict(txn, victims, segs)
+            budget = float("inf")
         copied = 0
         while short > 0:
             empty = [sid for sid, (_, live) in segs.items() if live <= 0]
@@ -114,12 +128,7 @@ class Space:
                 continue
             # evict at least what no compaction can find yet, else a few chunks more
             want = max(short - sum(size - live for size, live in segs.values()), 1)
-            victims, got = [], 0
-            for key, loc in txn.oldest(max(8, want // (256 << 10) + 1), keep):
-                victims.append((key, loc))
-                got += round_up(loc.len)
-                if got >= want:
-                    break
+            victims = self._victims(txn, max(8, want // (256 << 10) + 1), want, keep, shares)
             if victims:
                 self._evict(txn, victims, segs)
                 continue
@@ -132,6 +141,20 @@ class Space:
         if batch is not None:
             self.credit -= copied  # spent (overdrawn when nothing was left to evict: repaid later)
         return max(short, 0)
+
+    @staticmethod
+    def _victims(txn: Txn, count: int, want: int, keep: set[bytes], shares: Shares | None) -> list:
+        """Up to ``count`` chunks to evict, least recent first, until ``want`` bytes."""
+        victims, got = [], 0
+        candidates = txn.oldest(count, keep) if shares is None else shares.candidates(txn, keep)
+        for key, loc in candidates:
+            victims.append((key, loc))
+            got += round_up(loc.len)
+            if shares is not None:
+                shares.taken(key, round_up(loc.len))
+            if got >= want or len(victims) >= count:
+                break
+        return victims
 
     def reap(self, txn: Txn, segs: set[int], own: bool = True) -> None:
         """Remove the segments of ``segs`` with nothing live left in them that no live
@@ -305,6 +328,61 @@ class Space:
             _rmdir(sub.path)  # once empty: what is not ours stays, with its directory
         _rmdir(str(old))
         return moved
+
+
+class Shares:
+    """Each tenant's fair share of a tier that tenants share (the cache server's, whose
+    keys begin with the tenant's tag): the capacity over the tenants with chunks here.
+    The memory tier's rule (``cpu``), for a batch: a put within its tenant's share evicts
+    from the tenants over theirs first, then its tenant's own; a put that takes its tenant
+    over its share evicts from the tenants over theirs only up to its share, then its
+    tenant's own chunks, then more of theirs. Never a chunk of another tenant within its
+    share: where what is left to evict is not enough, segments are compacted past the
+    copying budget (the room is there: fragmentation, not chunks), or the put stores less."""
+
+    def __init__(self, usage: dict[bytes, int], prefix: int, capacity: int, tenant: bytes, incoming: int) -> None:
+        self.usage = usage
+        self.prefix = prefix
+        self.tenant = tenant
+        self.share = capacity // max(1, len(usage) + (tenant not in usage))
+        self.incoming = incoming
+        self.taken_from_others = 0  # bytes of other tenants' evicted for this put
+
+    @classmethod
+    def of(cls, txn: Txn, prefix: int, capacity: int, keep: set[bytes], incoming: int) -> Shares | None:
+        """The shares for a put of ``keep`` (its keys, one tenant's), None where the tier
+        is one pool (no ``prefix``) or nothing says whose the put is (a reopen)."""
+        if not prefix or not keep:
+            return None
+        return cls(txn.usage_by_prefix(prefix), prefix, capacity, next(iter(keep))[:prefix], incoming)
+
+    def _over(self, tenant: bytes) -> bool:
+        return tenant != self.tenant and self.usage.get(tenant, 0) > self.share
+
+    def candidates(self, txn: Txn, keep: set[bytes]) -> Iterator[tuple[bytes, Location]]:
+        """The chunks this put may evict, in the order it should: passes over the chunks,
+        least recent first, each taking one kind (the first, in a put over its share, only
+        while what it took from others leaves its tenant within its share)."""
+        mine = self.usage.get(self.tenant, 0)
+        own = lambda t: t == self.tenant  # noqa: E731
+        if mine + self.incoming <= self.share:
+            passes = [(self._over, False), (own, False)]
+        else:
+            passes = [(self._over, True), (own, False), (self._over, False)]
+        seen: set[bytes] = set()
+        for allowed, bounded in passes:
+            for key, loc in txn.by_age(keep):
+                if bounded and self.taken_from_others >= self.share - mine:
+                    break
+                if key not in seen and allowed(key[: self.prefix]):
+                    seen.add(key)
+                    yield key, loc
+
+    def taken(self, key: bytes, nbytes: int) -> None:
+        tenant = key[: self.prefix]
+        self.usage[tenant] = self.usage.get(tenant, 0) - nbytes
+        if tenant != self.tenant:
+            self.taken_from_others += nbytes
 
 
 def _legacy_key(name: str) -> bytes | None:

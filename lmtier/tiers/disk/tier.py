@@ -86,6 +86,7 @@ class DiskTier(Tier):
             raise ConfigError(f"segment must be at least {ALIGN} bytes")
         self.root = Path(path)
         self.capacity = size
+        self.tenant_prefix = context.tenant_prefix if context else 0  # fair shares: see ``Shares``
         self.threads = threads
         self.name = name
         # A segment is closed once the next batch would take it past this size (a batch is
@@ -182,6 +183,14 @@ class DiskTier(Tier):
             return
         for chunk in chunks:
             _check_key(chunk.key)
+        n = self.tenant_prefix
+        if n and any(c.key[:n] != chunks[0].key[:n] for c in chunks):  # one tenant's share at a time
+            by_tenant: dict[bytes, list[Chunk]] = {}
+            for chunk in chunks:
+                by_tenant.setdefault(chunk.key[:n], []).append(chunk)
+            for group in by_tenant.values():
+                self.put(group)
+            return
         order = {chunk.key: i for i, chunk in reversed(list(enumerate(chunks)))}  # first position
         with self._write_lock:
             present = self.index.present(list(order))
@@ -376,7 +385,10 @@ class DiskTier(Tier):
                 self.space.earn(total)
                 short = txn.usage() + writer.end - txn.segment(writer.id).size + total - self.capacity
                 if short > 0:
-                    self.space.free(txn, short, keep, writer, batch=total)
+                    short = self.space.free(txn, short, keep, writer, batch=total)
+                while short > 0 and fit:  # what could not be freed (a tenant's share): fewer frames
+                    fit -= 1
+                    short -= sizes[fit]
         return fit
 
     def _frame(self, chunk: Chunk, size: int) -> Frame:
@@ -452,7 +464,15 @@ class DiskTier(Tier):
                         dropped = sum(1 for f in frames[n:] if f.key not in already)
                     short = txn.usage() + writer.end - txn.segment(writer.id).size - self.capacity
                     if short > 0:
-                        self.space.free(txn, short, keep, writer, batch=writer.end - start)
+                        short = self.space.free(txn, short, keep, writer, batch=writer.end - start)
+                    if short > 0 and n:  # not all of it could be freed (a tenant's share): cut more
+                        cut = n
+                        while short > 0 and cut:
+                            cut -= 1
+                            short -= frames[cut].padded
+                        writer.truncate(offsets[cut] if cut else start)
+                        dropped += sum(1 for f in frames[cut:n] if f.key not in already)
+                        n = cut
                     rows = [
                         (f.key, writer.id, off, f.length, now - order[f.key])
                         for f, off in zip(frames[:n], offsets[:n], strict=True)

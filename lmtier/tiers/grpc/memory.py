@@ -78,7 +78,7 @@ class SharedMemory:
 
     def server_region(self, region: Region) -> memoryview:
         if self._server_maps is None:
-            self._server_maps = SegmentMaps(self.directory, limit=SERVER_MAPS, writable=False)
+            self._server_maps = SegmentMaps(self.directory, limit=SERVER_MAPS)
         try:
             view = self._server_maps.region(region.segment, region.offset, region.length)
         except SegmentUnavailable as exc:
