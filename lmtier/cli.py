@@ -559,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, help="serve /metrics, /healthz and /readyz on this port")
     p.add_argument("--metrics-host", help="the metrics port's address (default: the gRPC address, --host)")
     p.add_argument("--max-chunk", help="largest chunk frame accepted (default 64MiB)")
-    p.add_argument("--max-message", help="largest gRPC message accepted (default 80MiB)")
+    p.add_argument("--max-message", help="largest gRPC message accepted (default 16MiB; a client's pieces are 4MiB)")
     p.add_argument("--max-keys", type=int, help="keys per request (default 4096)")
     p.add_argument("--workers", type=int, help="threads serving calls (default 16)")
     p.add_argument("--max-concurrent-rpcs", type=int, help="calls at once; more are refused (default 64)")

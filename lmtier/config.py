@@ -255,7 +255,7 @@ class ServerConfig:
     operators: tuple[str, ...] = setting((), STRINGS)
     # Limits: one frame, one gRPC message, keys per request, RPCs served at once.
     max_chunk_bytes: int = setting(64 * 1024**2, SIZE)
-    max_message_bytes: int = setting(80 * 1024**2, SIZE)
+    max_message_bytes: int = setting(16 * 1024**2, SIZE)
     max_keys: int = setting(4096, INTEGER)
     workers: int = setting(16, INTEGER)
     max_concurrent_rpcs: int = setting(64, INTEGER)

@@ -32,7 +32,7 @@ from google.protobuf.message import DecodeError
 
 from lmtier import codec
 from lmtier.buffers import BufferPool
-from lmtier.errors import FormatError
+from lmtier.errors import FormatError, LmtierError
 from lmtier.v1.cache_pb2 import Pieces
 
 # Field tags: (field number << 3) | wire type (0 varint, 2 length-delimited).
@@ -240,9 +240,10 @@ class FrameAssembler:
     ``FormatError`` (or ``FrameTooLarge``) and drops the unfinished frame.
     """
 
-    def __init__(self, pool: BufferPool, max_frame: int) -> None:
+    def __init__(self, pool: BufferPool, max_frame: int, budget: Any = None) -> None:
         self.pool = pool
         self.max_frame = max_frame
+        self.budget = budget  # take(n) -> bool / give(n): the memory half-built frames may hold
         self._key = b""
         self._size = 0
         self._got = 0
@@ -264,6 +265,8 @@ class FrameAssembler:
                 raise FormatError("a piece runs past the end of its frame")
             if len(body) == piece.frame_size:  # the common case: the whole frame in one piece
                 return piece.key, body, None, no_release
+            if self.budget is not None and not self.budget.take(piece.frame_size):
+                raise ReceiveBusy(f"no room to receive a chunk of {piece.frame_size} bytes now; try again")
             self._key, self._size, self._got = piece.key, piece.frame_size, 0
             self._buf = self.pool.acquire(piece.frame_size)
             self._hash = codec.PayloadHash(memoryview(self._buf)[: piece.frame_size])
@@ -285,13 +288,18 @@ class FrameAssembler:
         buf, digest = self._buf, self._hash.digest()  # type: ignore[union-attr]
         key, size = self._key, self._size
         self._buf = self._hash = None
-        return key, memoryview(buf)[:size], digest, lambda: self.pool.release(buf)
+        return key, memoryview(buf)[:size], digest, lambda: self._give(buf, size)
+
+    def _give(self, buf: Any, size: int) -> None:
+        self.pool.release(buf)
+        if self.budget is not None:
+            self.budget.give(size)
 
     def abandon(self) -> None:
         """Drop a half-built frame (the stream ended or broke)."""
         if self._buf is not None:
-            self.pool.release(self._buf)
-            self._buf = self._hash = None
+            buf, self._buf, self._hash = self._buf, None, None
+            self._give(buf, self._size)
 
 
 def no_release() -> None:
@@ -314,6 +322,10 @@ def split(parts: Sequence[Any], size: int) -> Iterator[tuple[int, list[memoryvie
                 offset, current, filled = offset + size, [], 0
     if current:
         yield offset, current
+
+
+class ReceiveBusy(LmtierError):
+    """No room to rebuild another frame now (the receiver's budget): retry later."""
 
 
 class FrameTooLarge(FormatError):

@@ -322,6 +322,44 @@ def test_metrics_ask_for_their_token_and_probes_do_not(caplog):
     assert any("sums every tenant's traffic" in r.getMessage() for r in caplog.records)
 
 
+def test_puts_that_announce_large_chunks_and_stall_hold_a_bounded_part_of_memory():
+    """Bob opens Puts that each announce a chunk of the largest size, send its first piece
+    and stall (sixteen of them once held 1.4 GB): the chunks half-received at once are
+    bounded (four of the largest; two per tenant where tenants share the server), the
+    rest are refused at once, and Alice's chunks in pieces still get through."""
+    big = 4 << 20
+    srv, address = two_tenant_server(max_chunk_bytes=big, workers=16)
+    gate = threading.Event()
+    bob, alice = connection(address), connection(address)
+    put = bob.stream_unary(SERVICE + "Put", None, cache_pb2.PutResponse.FromString)
+
+    def stalled(n: int):
+        key = n.to_bytes(16, "little")
+        yield pack(piece(key, big, 0, data=[b"\0" * (1 << 20)]))
+        gate.wait(30)
+
+    try:
+        calls = [put.future(stalled(n), metadata=(("authorization", "Bearer bob-secret"),), timeout=30)
+                 for n in range(6)]  # fmt: skip
+        assert eventually(lambda: srv.service.receiving.held == 2 * big and sum(c.done() for c in calls) == 4, 10)
+        refused = [c.exception() for c in calls if c.done()]
+        assert {e.code() for e in refused} == {S.RESOURCE_EXHAUSTED}
+        assert "no room to receive" in refused[0].details()
+        # Alice: one chunk of 1 MiB sent in pieces of 256 KiB, rebuilt in her part of the budget
+        prompt = make_prompt(1, seed=410)
+        frame = codec.encode(prompt.chunks()[0])
+        step = 1024
+        pieces = [pack(piece(prompt.keys[0] if o == 0 else b"", len(frame) if o == 0 else 0, o,
+                             data=[frame[o : o + step]])) for o in range(0, len(frame), step)]  # fmt: skip
+        assert call(alice, "Put", pieces, token="alice-secret").stored == 1
+    finally:
+        gate.set()
+        bob.close()
+        alice.close()
+        srv.stop(0)
+    assert srv.service.receiving.held == 0
+
+
 def test_a_fifo_named_like_a_segment_blocks_no_sweep(tmp_path):
     """Any local user can make a FIFO in the segment directory: opening it once blocked the
     server's sweep thread for good (readiness then never changed, no lease was reaped)."""

@@ -16,8 +16,11 @@ Bulk bytes skip protobuf (``lmtier.pieces``): ``Put`` receives raw ``ChunkPiece`
 tier hashes the payload while copying it in) and as it is served (the chunk is verified
 while it is encoded), so the server never keeps or hands out a damaged chunk.
 
-Memory per call is bounded: a ``Put`` holds at most ``PUT_BATCH_BYTES`` of frames plus one
-half-built frame; a ``Get`` holds ``GET_BATCH`` chunks and reads one batch ahead.
+Memory per call is bounded: a ``Put`` holds at most ``PUT_BATCH_BYTES`` of frames, one
+half-built frame (all Puts' half-built frames together at most ``RECEIVING_CHUNKS`` of the
+largest, half of that per tenant where tenants share the server: ``budget``) and one
+message in gRPC's buffers (``max_message_bytes``); a ``Get`` holds ``GET_BATCH`` chunks and
+reads one batch ahead.
 
 Longer than 400 lines: one method per call of the service, each with the input checks that
 keep one tenant's request from reaching another's chunks or the server's own memory, kept
@@ -39,8 +42,9 @@ from lmtier.buffers import BufferPool
 from lmtier.chunk import Chunk, release_all
 from lmtier.config import Config, ServerConfig, public_view
 from lmtier.errors import IntegrityError, LayoutError, LmtierError
-from lmtier.pieces import PIECE_BYTES, FrameAssembler, FrameTooLarge, Region, pack, piece, split, unpack
+from lmtier.pieces import PIECE_BYTES, FrameAssembler, FrameTooLarge, ReceiveBusy, Region, pack, piece, split, unpack
 from lmtier.server.auth import Authenticator, tenant_tag
+from lmtier.server.budget import RECEIVING_CHUNKS, ReceiveBudget
 from lmtier.server.calls import Abort, Calls, refusal
 from lmtier.server.leases import Leases
 from lmtier.server.match import match
@@ -84,6 +88,8 @@ class CacheService:
             else "shared memory is refused on a server with several tenants"
         )
         self.buffers = BufferPool(max_free=32, max_free_bytes=128 << 20)
+        receiving = RECEIVING_CHUNKS * config.max_chunk_bytes
+        self.receiving = ReceiveBudget(receiving, receiving if auth.single_tenant else receiving // 2)
         first = store.tiers[0]
         self.shared = first if first.capabilities.shared_memory else None  # zero-copy reads
         self.leases = Leases(first.capacity // 4, config.shm_dir, ttl=config.call_timeout)
@@ -242,7 +248,7 @@ class CacheService:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a request names the server's own segment as the client's")
 
     def Put(self, messages: Iterator[bytes], context: grpc.ServicerContext, tag: bytes) -> cache_pb2.PutResponse:
-        assembler = FrameAssembler(self.buffers, self.config.max_chunk_bytes)
+        assembler = FrameAssembler(self.buffers, self.config.max_chunk_bytes, self.receiving.for_call(tag))
         batch: list[tuple[Chunk, Callable[[], None]]] = []
         damaged: list[bytes] = []
         totals = {"stored": 0, "dropped": 0}
@@ -317,7 +323,7 @@ class CacheService:
                     raise
                 return one.key, view, None, lambda: self.buffers.release(buffer), "shm"
             done = assembler.add(one, one.data if one.data is not None else memoryview(b""))
-        except FrameTooLarge as exc:
+        except (FrameTooLarge, ReceiveBusy) as exc:
             raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         except LmtierError as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
