@@ -273,6 +273,12 @@ def _server_tier(url: str, token: str | None, timeout: float):
     _require("grpc", "grpc", "google.protobuf")
     from lmtier.tiers.grpc import GrpcTier
 
+    if token or "token" in parsed.options:
+        print(
+            "lmtier: a token given with --token or ?token= is in the command line, which every local user can "
+            "read (/proc/PID/cmdline): set LMTIER_TOKEN instead",
+            file=sys.stderr,
+        )
     if token:  # encoded: a token may hold '+', '&' or '='
         url += ("&" if "?" in url else "?") + "token=" + quote(token, safe="")
     url += ("&" if "?" in url else "?") + f"shm=off&timeout={timeout}"

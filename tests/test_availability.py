@@ -403,6 +403,11 @@ def test_a_client_cannot_name_the_servers_own_segment(tmp_path):
             call(channel, "Get", request)
         assert refused.value.code() == S.INVALID_ARGUMENT and "own segment" in refused.value.details()
         assert srv.service.leases.held == 0
+        # nor name two segments in one Get: its lease belongs to one client's segment
+        two = [cache_pb2.SharedRegion(segment=f"lmtier-{c * 32}", offset=0, length=1 << 16) for c in "ab"]
+        with pytest.raises(grpc.RpcError) as refused:
+            call(channel, "Get", cache_pb2.GetRequest(keys=prompt.keys * 2, landing=two))
+        assert refused.value.code() == S.INVALID_ARGUMENT and "more than one segment" in refused.value.details()
     finally:
         channel.close()
         srv.stop(0)

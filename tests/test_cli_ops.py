@@ -83,10 +83,11 @@ def test_serve_runs_from_a_config_file_with_environment_overrides(configured_ser
     assert main(["stats", "--server", url, "--token", "s3cret"]) == 0
     text = capsys.readouterr().out
     assert "hit ratio" in text and "cpu" in text and "disk" in text
-    # a wrong token: one line, non-zero
+    # a wrong token: one line, non-zero (after the warning that --token is readable by all)
     assert main(["stats", "--server", url, "--token", "wrong"]) == 2
-    err = capsys.readouterr().err
-    assert "UNAUTHENTICATED" in err and err.count("\n") == 1
+    warning, error = capsys.readouterr().err.splitlines()
+    assert "/proc/PID/cmdline" in warning and "LMTIER_TOKEN" in warning
+    assert "UNAUTHENTICATED" in error
 
 
 def test_metrics_count_hits_misses_and_bytes_after_a_workload(configured_server):

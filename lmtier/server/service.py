@@ -158,6 +158,8 @@ class CacheService:
         landing = [Region(r.segment, r.offset, r.length) for r in request.landing]
         if len(landing) > len(keys):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "more landing regions than keys")
+        if len({r.segment for r in landing}) > 1:  # the lease's owner is that one segment's client
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "landing regions name more than one segment")
         if landing and self.maps is None:
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, self._no_shm)
         index = 0
