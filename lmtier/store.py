@@ -56,6 +56,7 @@ from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError
 from lmtier.events import DEFAULT_LIMIT as DEFAULT_EVENTS
 from lmtier.events import TierEvents
+from lmtier.fairqueue import FairQueue
 from lmtier.tiers.base import Placement, Tier, TierContext, open_tier
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class TieredStore:
         breaker: Callable[[], CircuitBreaker] | None = None,  # default: each tier's cooldown
         policy: SavePolicy | None = None,  # default: always
         writeback_after: float = WRITEBACK_AFTER_S,  # write-back's checkpoint (0: off)
+        tenant_prefix: int = 0,  # keys begin with a tenant's tag: its writes queue in a lane of its own
     ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
@@ -104,6 +106,7 @@ class TieredStore:
             raise ConfigError(f"write_queue must be at least 1, got {write_queue}")
         self.tiers = list(tiers)
         self.policy = policy or SavePolicy("always")
+        self._tenant_prefix = tenant_prefix
         if write_mode == "auto":  # the policy's choice, where the first tier allows it
             write_mode = self.policy.write_mode if self.tiers[0].capabilities.leases else "through"
         self.write_back = write_mode == "back" and len(self.tiers) > 1
@@ -175,7 +178,13 @@ class TieredStore:
                 if wrap is not None:
                     tiers[-1] = wrap(tiers[-1])
             policy = SavePolicy(save_policy, min_tokens=min_tokens, keys=_policy_keys(tiers, context.chunk_bytes))
-            return cls(tiers, write_queue=write_queue, write_mode=write_mode, policy=policy)
+            return cls(
+                tiers,
+                write_queue=write_queue,
+                write_mode=write_mode,
+                policy=policy,
+                tenant_prefix=context.tenant_prefix,
+            )
         except BaseException:
             for tier in reversed(tiers):
                 try:
@@ -454,7 +463,12 @@ class TieredStore:
         """The write queue and its thread, made lazily and anew after ``fork``."""
         if self._pid != os.getpid():
             self._pid = os.getpid()
-            self._jobs: queue.Queue = queue.Queue(maxsize=self._queue_size)
+            n = self._tenant_prefix
+            self._jobs: queue.Queue = (
+                FairQueue(self._queue_size, lambda job: job[0][0][:n] if isinstance(job, tuple) and job[0] else b"")
+                if n
+                else queue.Queue(maxsize=self._queue_size)
+            )
             self._thread = threading.Thread(target=self._drain, name="lmtier-writer", daemon=True)
             self._thread.start()
         return self._jobs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -373,3 +374,27 @@ def test_a_lookup_follows_a_bounded_number_of_tier_changes(tmp_path):
     runs = store.lookup_tiers(prompt.keys)
     assert len(runs) == LOOKUP_RUNS and sum(n for _, n in runs) == LOOKUP_RUNS
     store.close()
+
+
+def test_the_write_queue_of_a_shared_store_serves_tenants_in_turn_and_keeps_room_for_each():
+    """On the cache server every tenant's background writes share one queue: one tenant
+    saving as fast as it can takes at most three quarters of it alone, a newcomer still
+    gets in, the flooder is refused past its share, and the writer serves them in turn."""
+    import queue as queue_mod
+
+    from lmtier.fairqueue import FairQueue
+
+    jobs = FairQueue(16, lambda job: job[0])
+    flooded = 0
+    with contextlib.suppress(queue_mod.Full):
+        while True:
+            jobs.put_nowait((b"bob", flooded))
+            flooded += 1
+    assert flooded == 12  # three quarters: room kept for others
+    for n in range(4):
+        jobs.put_nowait((b"alice", n))
+    with pytest.raises(queue_mod.Full):
+        jobs.put_nowait((b"bob", flooded))  # over his share now that Alice waits too
+    order = [jobs.get_nowait()[0] for _ in range(8)]
+    assert order == [b"bob", b"alice"] * 4  # in turn, not Bob's twelve first
+    assert jobs.qsize() == 8
