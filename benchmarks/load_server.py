@@ -220,8 +220,14 @@ def run_load(clients: int = 8, duration: float = 60.0, workdir: Path | None = No
             peak_disk = max(peak_disk, watcher.stats()["server_tiers"][1]["used_bytes"])
             samples += 1
             time.sleep(0.5)
-        accounted = watcher.stats()["server_tiers"][1]["used_bytes"]
-        on_disk = disk_bytes(disk)  # quiet now: the files must add up to the accounting
+        # Once quiet (the server's queued writes done), the files must add up to the
+        # accounting: read both until the accounting holds still around a look at the files.
+        for _ in range(60):
+            accounted = watcher.stats()["server_tiers"][1]["used_bytes"]
+            on_disk = disk_bytes(disk)
+            if accounted == on_disk == watcher.stats()["server_tiers"][1]["used_bytes"]:
+                break
+            time.sleep(0.25)
         watcher.close()
         results = []
         for p in procs:

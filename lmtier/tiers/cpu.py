@@ -123,6 +123,8 @@ class CpuTier(Tier):
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() yields slot 0 first
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # front = evicted first
         self._owned: dict[bytes, int] = {}  # tenant prefix -> slots its chunks take (tenant_prefix)
+        # tenant prefix -> its keys, least recently used first (listing one tenant's chunks)
+        self._tenant_keys: dict[bytes, OrderedDict[bytes, None]] = {}
         # Write-back: stored chunks the lower tiers do not hold yet -> when they were stored
         # (front = examined first by ``unwritten``). Only kept while evict_hook is set.
         self._unwritten: OrderedDict[bytes, float] = OrderedDict()
@@ -221,7 +223,7 @@ class CpuTier(Tier):
                 for entry in held:
                     self._unlease(entry)
             for key in reversed(touched):  # first chunk of the batch = most recent
-                self._index.move_to_end(key)
+                self._recent(key)
         bad: list[bytes] = []
         try:
             for chunk, entry in plan:
@@ -285,7 +287,7 @@ class CpuTier(Tier):
                     leased.append((i, entry))
             if use:
                 for i, _ in reversed(leased):
-                    self._index.move_to_end(keys[i])
+                    self._recent(keys[i])
         for i, entry in leased:
             out[i] = self._chunk(keys[i], entry, self._slot_views(slab, entry))
         return out
@@ -357,7 +359,7 @@ class CpuTier(Tier):
         with self._state():
             for key in reversed(keys):
                 if key in self._index:
-                    self._index.move_to_end(key)
+                    self._recent(key)
 
     def unwritten(self, older_than: float, limit: int) -> list[tuple[bytes, int]]:
         """Write-back: up to ``limit`` chunks only memory holds, stored at least
@@ -400,6 +402,7 @@ class CpuTier(Tier):
             self._closed = True
             self._index.clear()
             self._owned.clear()
+            self._tenant_keys.clear()
             self._unwritten.clear()
             self._free = []
             self._slab = None  # leased views keep their memory alive until released
@@ -414,9 +417,12 @@ class CpuTier(Tier):
         """Keys held that start with ``prefix``, most recently used first (for flushing in
         write-back mode, and for listing a tenant's chunks on the server)."""
         out: list[bytes] = []
+        n = self._tenant_prefix
         with self._state():
-            for k, e in reversed(self._index.items()):
-                if e.ready and k.startswith(prefix):
+            # one tenant's keys: its own index, not every tenant's
+            mine = n and len(prefix) >= n
+            for k in reversed(self._tenant_keys.get(prefix[:n], {}) if mine else self._index):
+                if k.startswith(prefix) and self._index[k].ready:
                     out.append(k)
                     if limit is not None and len(out) >= limit:
                         break
@@ -484,6 +490,13 @@ class CpuTier(Tier):
         if self._tenant_prefix:
             tenant = key[: self._tenant_prefix]
             self._owned[tenant] = self._owned.get(tenant, 0) + len(entry.slots)
+            self._tenant_keys.setdefault(tenant, OrderedDict())[key] = None
+
+    def _recent(self, key: bytes) -> None:
+        """``key`` becomes the most recently used (in its tenant's order too)."""
+        self._index.move_to_end(key)
+        if self._tenant_prefix:
+            self._tenant_keys[key[: self._tenant_prefix]].move_to_end(key)
 
     def _demote(self, key: bytes) -> None:
         """Offer an evicted chunk to ``evict_hook`` (write-back to a lower tier).
@@ -531,6 +544,11 @@ class CpuTier(Tier):
                 self._owned[tenant] = left
             else:
                 self._owned.pop(tenant, None)
+            mine = self._tenant_keys.get(tenant)
+            if mine is not None:
+                mine.pop(key, None)
+                if not mine:
+                    del self._tenant_keys[tenant]
         if announce and entry.ready:
             self._announce("removed", [key])
         entry.dead = True
