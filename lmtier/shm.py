@@ -227,16 +227,7 @@ class SegmentFiles:
     def _fd(self, name: str) -> int:
         """A descriptor of its own for one use (a duplicate of the one kept), so that
         closing the kept one, when it is pushed out or pruned, never pulls it from a user."""
-        if not NAME.match(name):
-            raise FormatError(f"{name!r} is not an lmtier shared-memory segment name")
-        path = os.path.join(self.directory, name)
-        try:
-            st = os.stat(path, follow_symlinks=False)
-        except OSError as exc:
-            self._close(name)
-            raise SegmentUnavailable(f"shared-memory segment {name} is not here: {exc.strerror}") from exc
-        if not stat.S_ISREG(st.st_mode):
-            raise SegmentUnavailable(f"{path} is not a regular file")
+        path, st = _look_up(self.directory, name, self._close)
         with self._lock:
             held = self._files.get(name)
             if held is not None and held[1] != st.st_ino:
@@ -273,6 +264,22 @@ class SegmentFiles:
                 os.close(self._files.popitem()[1][0])
 
 
+def _look_up(directory: str, name: str, gone) -> tuple[str, os.stat_result]:
+    """The path and status of segment ``name``: a name of lmtier's shape for a regular file
+    in ``directory`` (``gone(name)`` is told when it is not there)."""
+    if not NAME.match(name):
+        raise FormatError(f"{name!r} is not an lmtier shared-memory segment name")
+    path = os.path.join(directory, name)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError as exc:
+        gone(name)
+        raise SegmentUnavailable(f"shared-memory segment {name} is not here: {exc.strerror}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise SegmentUnavailable(f"{path} is not a regular file")
+    return path, st
+
+
 def _inode(directory: str, name: str) -> int | None:
     try:
         return os.stat(os.path.join(directory, name), follow_symlinks=False).st_ino
@@ -304,8 +311,8 @@ class SegmentMaps:
     """Another process's segments, mapped by name on first use: a client maps its server's
     memory, read-only, to read chunks where they lie (the server is the one
     process a client trusts with its memory; the server itself never maps a client's,
-    see ``SegmentFiles``). At most ``limit`` at a time (least recently used unmapped first), re-checked on each use so a
-    removed or replaced segment is never used."""
+    see ``SegmentFiles``). At most ``limit`` at a time (least recently used unmapped
+    first), re-checked on each use so a removed or replaced segment is never used."""
 
     def __init__(self, directory: str = DEFAULT_DIR, limit: int = 64) -> None:
         self.directory = directory
@@ -315,16 +322,7 @@ class SegmentMaps:
 
     def region(self, name: str, offset: int, length: int | None) -> memoryview:
         """A view of ``length`` bytes at ``offset`` of segment ``name`` (``None``: to its end)."""
-        if not NAME.match(name):
-            raise FormatError(f"{name!r} is not an lmtier shared-memory segment name")
-        path = os.path.join(self.directory, name)
-        try:
-            st = os.stat(path, follow_symlinks=False)
-        except OSError as exc:
-            self._forget(name)
-            raise SegmentUnavailable(f"shared-memory segment {name} is not here: {exc.strerror}") from exc
-        if not stat.S_ISREG(st.st_mode):
-            raise SegmentUnavailable(f"{path} is not a regular file")
+        path, st = _look_up(self.directory, name, self._forget)
         with self._lock:
             held = self._maps.get(name)
             if held is not None and (held[1] != st.st_ino or held[2] != st.st_size):
