@@ -48,6 +48,7 @@ NAME = re.compile(r"lmtier-[0-9a-f]{32}\Z")
 DEFAULT_DIR = "/dev/shm"
 QUARANTINE_S = 30.0  # slots of a call that ended abnormally rest this long before reuse
 GROW_STEP = 32 << 20  # a growing segment reserves this much at a time
+MAX_SPAN = 1 << 62  # no segment reaches past this offset (file offsets are signed 64-bit)
 SWEEP_MIN_AGE_S = 60.0  # a segment younger than this is never swept (it may be starting)
 
 
@@ -123,6 +124,13 @@ class Segment:
                 if upto == self.num_slots:
                     return
 
+    def protect(self) -> None:
+        """Make the file read-only, so that no process opens it for writing (or cuts it
+        short) by mistake, its owner included, short of root or a ``chmod``: for a
+        segment others only read (the server's memory tier). This process's descriptor and
+        mapping keep their write access."""
+        os.fchmod(self._fd, 0o400)
+
     def view(self, slot: int) -> memoryview:
         start = slot * self.slot_bytes
         return memoryview(self.map)[start : start + self.slot_bytes]
@@ -183,6 +191,7 @@ class SegmentFiles:
     def read_into(self, name: str, offset: int, length: int, buffer) -> memoryview:
         """``length`` bytes at ``offset`` of segment ``name``, read into ``buffer``; returns
         the view of them. ``SegmentUnavailable`` if the segment is shorter than that."""
+        _check_span(name, offset, length)
         out = memoryview(buffer).cast("B")[:length]
         if len(out) < length:
             raise ValueError("buffer smaller than the region read")
@@ -197,6 +206,7 @@ class SegmentFiles:
         lie within the segment as it is; returns the bytes written."""
         views = [memoryview(p).cast("B") for p in parts]
         length = sum(len(v) for v in views)
+        _check_span(name, offset, length)
         with self._use(name) as fd:
             size = os.fstat(fd).st_size
             if offset < 0 or offset + length > size:
@@ -262,6 +272,12 @@ class SegmentFiles:
         with self._lock:
             while self._files:
                 os.close(self._files.popitem()[1][0])
+
+
+def _check_span(name: str, offset: int, length: int) -> None:
+    """A region a file offset can name (a request's 64-bit numbers may be past any)."""
+    if offset < 0 or length < 0 or offset + length > MAX_SPAN:
+        raise FormatError(f"region [{offset}, {offset + length}) lies outside segment {name}")
 
 
 def _look_up(directory: str, name: str, gone) -> tuple[str, os.stat_result]:

@@ -200,6 +200,37 @@ def test_a_flood_of_idle_connections_takes_no_descriptor_the_server_needs(tmp_pa
         srv.stop(0)
 
 
+def test_idle_connections_to_the_metrics_port_are_bounded_and_closed(monkeypatch):
+    """Connections to the metrics port that never send a request once each held a thread and
+    a descriptor for good (a thousand: 600 threads): at most MAX_CONNECTIONS are served at
+    once, the rest closed as they arrive, each closed after TIMEOUT_S, and the probes
+    answer again once they are gone."""
+    import socket
+
+    from lmtier.server.app import MetricsHTTPServer
+
+    monkeypatch.setattr(MetricsHTTPServer, "MAX_CONNECTIONS", 8)
+    monkeypatch.setattr(MetricsHTTPServer, "TIMEOUT_S", 1.0)
+    srv, _ = two_tenant_server(metrics_port=0)
+    threads = threading.active_count()
+    flood = [socket.create_connection(("127.0.0.1", srv.metrics_port), timeout=5) for _ in range(60)]
+    try:
+        time.sleep(0.5)
+        assert threading.active_count() <= threads + 8
+        for sock in flood:  # every one is closed by the server: at once, or after its second
+            sock.settimeout(10)
+            try:
+                assert sock.recv(1) == b""
+            except ConnectionResetError:
+                pass
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/readyz", timeout=5) as ready:
+            assert ready.status == 200
+    finally:
+        for sock in flood:
+            sock.close()
+        srv.stop(0)
+
+
 def test_one_tenant_stalling_its_calls_holds_only_its_share_and_not_for_long():
     """Bob opens sixteen calls with his token and sends nothing more (Lookups and Puts):
     he holds at most his share of the 8 workers (the rest are refused at once), Alice is
@@ -217,6 +248,40 @@ def test_one_tenant_stalling_its_calls_holds_only_its_share_and_not_for_long():
         assert set(codes) <= {S.CANCELLED, S.RESOURCE_EXHAUSTED}
         assert eventually(lambda: srv.service.calls_in_flight(bob) == 0, 5)
         assert lookups(channels[2], prompt.keys, "alice-secret", 1)
+
+
+def test_idle_reflection_streams_hold_no_worker_without_a_token_and_not_for_long_with_one():
+    """gRPC reflection once stood beside the gate: 32 streams that never sent a message, with
+    no token, held every worker (each tenant's calls timed out for as long as the client
+    liked). Now those are refused as their headers arrive, and a tenant's own idle streams
+    count against its calls and are cancelled after stall_timeout."""
+    bob = tenant_tag("bob")
+    path = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+    prompt = make_prompt(2, seed=402)
+    gate = threading.Event()
+
+    def silent():
+        gate.wait(60)
+        yield from ()
+
+    with attacked(5, workers=8, stall_timeout=1.0) as (srv, channels, _):
+        try:
+            assert call(channels[4], "Put", puts(prompt), token="alice-secret").stored == 2
+            streams = []
+            for i in range(32):  # no token, on four connections
+                streams.append(channels[i % 4].stream_stream(path, None, None)(silent(), timeout=60))
+            for i in range(8):  # Bob's, with his token
+                fn = channels[i % 4].stream_stream(path, None, None)
+                streams.append(fn(silent(), timeout=60, metadata=(("authorization", "Bearer bob-secret"),)))
+            assert srv.service.calls_in_flight(bob) <= 4
+            assert lookups(channels[4], prompt.keys, "alice-secret", 10)  # served throughout
+            assert eventually(lambda: all(s.done() for s in streams), 20)
+            codes = [s.code() for s in streams]
+            assert set(codes[:32]) == {S.UNAUTHENTICATED}
+            assert set(codes[32:]) <= {S.CANCELLED, S.RESOURCE_EXHAUSTED} and S.CANCELLED in codes[32:]
+            assert srv.service.calls_in_flight(bob) == 0
+        finally:
+            gate.set()
 
 
 def test_a_tenant_limit_at_or_above_the_workers_is_refused_where_tenants_share_them():
@@ -397,6 +462,7 @@ def test_a_client_cannot_name_the_servers_own_segment(tmp_path):
     try:
         call(channel, "Put", puts(prompt))
         own = srv.service.shared.shared_name
+        assert os.stat(tmp_path / own).st_mode & 0o777 == 0o400  # clients map it read-only; none may cut it
         request = cache_pb2.GetRequest(keys=prompt.keys, landing=[cache_pb2.SharedRegion(segment=own, offset=0,
                                                                                           length=1 << 16)])  # fmt: skip
         with pytest.raises(grpc.RpcError) as refused:
@@ -617,6 +683,11 @@ def test_a_client_shrinking_its_segment_mid_call_gets_an_error_and_the_server_li
         with pytest.raises(grpc.RpcError) as refused:
             call(channel, "Put", [pack(piece(prompt.keys[0], len(frames[0]), region=whole))])
         assert refused.value.code() == S.FAILED_PRECONDITION and "outside" in refused.value.details()
+        for offset in (1 << 62, 1 << 63, (1 << 64) - 1):  # past any file offset: no OverflowError
+            far = Region(segment.name, offset, len(frames[0]))
+            with pytest.raises(grpc.RpcError) as refused:
+                call(channel, "Put", [pack(piece(prompt.keys[0], len(frames[0]), region=far))])
+            assert refused.value.code() == S.INVALID_ARGUMENT and "outside" in refused.value.details()
         call(channel, "Put", puts(prompt))  # stored, to be served into landing regions
         request = cache_pb2.GetRequest(keys=prompt.keys[:1], landing=[region])
         with pytest.raises(grpc.RpcError) as refused:

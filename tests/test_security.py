@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from lmtier import codec, metrics
 from lmtier.chunk import release_all
@@ -136,10 +137,21 @@ def test_every_rpc_refuses_a_caller_without_a_known_token(server, method, metada
     call(server.channel, method, REQUESTS[method](), token="alice-secret")
 
 
-def test_only_health_and_reflection_answer_without_credentials(server):
-    """Kubernetes probes need health without a token; neither service reveals a key."""
+def test_only_health_answers_without_credentials_and_reflection_needs_a_token(server):
+    """Kubernetes probes need health without a token (it reveals no key); reflection is a
+    tenant's call like any other (an idle stream of it once held a worker for good)."""
     answer = health_pb2_grpc.HealthStub(server.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(server.channel)
+    ask = [reflection_pb2.ServerReflectionRequest(list_services="")]
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.ServerReflectionInfo(iter(ask), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    answers = list(
+        stub.ServerReflectionInfo(iter(ask), timeout=10, metadata=(("authorization", "Bearer alice-secret"),))
+    )
+    names = {s.name for s in answers[0].list_services_response.service}
+    assert "lmtier.v1.CacheService" in names
 
 
 # -- tenant isolation, per RPC: Alice stores PROMPT; Bob's call must not see or change it ----

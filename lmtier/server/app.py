@@ -34,7 +34,7 @@ from lmtier.config import ServerConfig, warn_weak_tokens
 from lmtier.server.auth import PROBE_TAG, TAG_BYTES, Authenticator
 from lmtier.server.chain import UpstreamTier
 from lmtier.server.health import NOT_SERVING, SERVICE_NAME, SERVING, Health
-from lmtier.server.service import SERVICE, CacheService
+from lmtier.server.service import SERVICE, CacheService, Gate
 from lmtier.store import TieredStore
 from lmtier.tiers.base import Tier, TierContext
 
@@ -95,7 +95,7 @@ class CacheServer:
         quarter = max(1, config.workers // 4)
         self.health = Health(max_watchers=quarter, max_waiting=quarter, watchdog=self.service.watchdog)
         self.grpc.add_generic_rpc_handlers((self.health.handler(),))
-        _enable_reflection(self.grpc)
+        _enable_reflection(self.grpc, self.service)
         address = f"{config.host}:{config.port}"
         credentials = None
         if config.tls_cert:
@@ -129,7 +129,7 @@ class CacheServer:
         warn_weak_tokens(self.config.tokens)
         if self.config.metrics_port is not None:  # before anything runs: a taken port stops the start cleanly
             try:
-                self._http = ThreadingHTTPServer((self.metrics_host, self.config.metrics_port), _handler(self))
+                self._http = MetricsHTTPServer((self.metrics_host, self.config.metrics_port), _handler(self))
             except OSError as exc:
                 self.grpc.stop(None)
                 self.service.watchdog.stop()
@@ -230,8 +230,42 @@ class CacheServer:
                 self._set_ready(False)
 
 
+class MetricsHTTPServer(ThreadingHTTPServer):
+    """The metrics port's HTTP server, bounded: at most ``MAX_CONNECTIONS`` connections at
+    once (more are closed as they arrive), each closed after ``TIMEOUT_S`` without a
+    request, so that idle connections cannot take the threads and descriptors the server
+    needs (Prometheus and the kubelet open one at a time)."""
+
+    MAX_CONNECTIONS = 64
+    TIMEOUT_S = 2.0
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog (socketserver's default is 5)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._slots = threading.BoundedSemaphore(self.MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 def _handler(server: CacheServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = MetricsHTTPServer.TIMEOUT_S  # a connection that sends nothing is closed
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics" and not server.metrics_allowed(self.headers.get("Authorization", "")):
@@ -301,16 +335,26 @@ def _check_free(host: str, port: int) -> None:
                 raise OSError(f"cannot listen on {where[0]}:{port}: {exc.strerror or exc}") from exc
 
 
-def _enable_reflection(server: grpc.Server) -> None:
+def _enable_reflection(server: grpc.Server, service: CacheService) -> None:
     """gRPC server reflection (``grpcurl`` without the .proto), when grpcio-reflection is
     installed beside lmtier: it is left out of the ``server`` extra because it pins a
-    grpcio and protobuf as new as itself, which would move an engine's own."""
+    grpcio and protobuf as new as itself, which would move an engine's own. Its calls go
+    through the service's gate and admission like every other call (a token checked when
+    the headers arrive, counted against the tenant, cancelled when it stalls): a stream
+    nobody writes to would otherwise hold a worker for good."""
     try:
-        from grpc_reflection.v1alpha import reflection
+        from grpc_reflection.v1alpha import reflection, reflection_pb2
     except ImportError:
         log.info("gRPC reflection is off: grpcio-reflection is not installed")
         return
-    reflection.enable_server_reflection((SERVICE, SERVICE_NAME, reflection.SERVICE_NAME), server)
+    servicer = reflection.ReflectionServicer((SERVICE, SERVICE_NAME, reflection.SERVICE_NAME))
+    method = grpc.stream_stream_rpc_method_handler(
+        service.calls.bidi("ServerReflectionInfo", servicer.ServerReflectionInfo),
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    methods = grpc.method_handlers_generic_handler(reflection.SERVICE_NAME, {"ServerReflectionInfo": method})
+    server.add_generic_rpc_handlers((Gate(methods, service.auth),))
 
 
 def _upstream(tier: Tier) -> Tier:

@@ -6,6 +6,7 @@ tenant resolved, admitted, counted, and any failure turned into a status.
         .unary(name, fn, request_type, admit=True) -> behaviour of a unary method
         .stream(name, fn, request_type) -> the same for a server-streaming method
         .uploads(name, fn) -> the same for a client-streaming method (Put)
+        .bidi(name, fn) -> the same for one streaming both ways (gRPC reflection)
         .in_flight(tag) -> int
 
 Every behaviour is registered as request-streaming (``handlers``), whatever the method's
@@ -92,6 +93,18 @@ class Calls:
         def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             with self._accounted(name, context, True) as (tag, watch):
                 return fn(_watched(requests, watch), context, tag)
+
+        return call
+
+    def bidi(self, name: str, fn: Callable[..., Iterator[Any]]) -> Callable:
+        """The same for a method streaming both ways whose handler takes no tenant
+        (``fn(requests, context)``: gRPC's reflection service)."""
+
+        def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            with self._accounted(name, context, True) as (_, watch):
+                for answer in fn(_watched(requests, watch), context):
+                    with watch.waiting():
+                        yield answer
 
         return call
 

@@ -102,7 +102,7 @@ class CacheService:
         """Every method takes its request as bytes and parses it itself (gRPC's own
         deserializer would answer a malformed request with INTERNAL, not INVALID_ARGUMENT),
         and is registered as request-streaming (see ``calls``). Credentials are checked
-        when the call's headers arrive (``_Gate``), before a worker or a byte of memory."""
+        when the call's headers arrive (``Gate``), before a worker or a byte of memory."""
 
         def unary(fn, response_type, request_type=None, admit=True):
             return grpc.stream_unary_rpc_method_handler(
@@ -127,7 +127,7 @@ class CacheService:
                 "Match": unary(self.Match, cache_pb2.MatchResponse, cache_pb2.MatchRequest),
             },
         )
-        return _Gate(methods, self.auth)
+        return Gate(methods, self.auth)
 
     def calls_in_flight(self, tag: bytes) -> int:
         return self.calls.in_flight(tag)
@@ -449,7 +449,7 @@ def _check_key(key: bytes, what: str) -> None:
         )
 
 
-class _Gate(grpc.GenericRpcHandler):
+class Gate(grpc.GenericRpcHandler):
     """The service's methods behind a check of the call's credentials as its headers
     arrive: a call without a known token is refused there (``UNAUTHENTICATED``), before
     gRPC gives it a worker or reads its request, however large."""

@@ -139,6 +139,7 @@ class CpuTier(Tier):
         if self._slab is None:
             if self._shared_dir:
                 self._segment = Segment(self._shared_dir, self.capacity, self.slot_bytes)
+                self._segment.protect()  # clients map it read-only; none may cut it short
                 self._slab, region = np.frombuffer(self._segment.map, dtype=np.uint8), self._segment.map
             else:
                 self._slab, region = _allocate(self.capacity, self._pin)
