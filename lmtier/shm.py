@@ -23,6 +23,10 @@ reader are a miss, never wrong KV.
 
 Names are ``lmtier-`` and 32 random hex digits: a server opens nothing else, and nothing
 outside its shared-memory directory.
+
+Longer than 400 lines: the plane's three users (the client's segment, the server's access
+to it, the client's map of the server's memory) share the checks on names and files that
+keep it safe; kept side by side, one reader sees every way a segment is opened.
 """
 
 from __future__ import annotations

@@ -23,7 +23,15 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "foundations",
-        ("lmtier.errors", "lmtier.units", "lmtier.metrics", "lmtier.breaker", "lmtier.buffers", "lmtier.admission"),
+        (
+            "lmtier.errors",
+            "lmtier.units",
+            "lmtier.metrics",
+            "lmtier.breaker",
+            "lmtier.buffers",
+            "lmtier.admission",
+            "lmtier.fairqueue",
+        ),
     ),
     ("layout", ("lmtier.layout",)),
     ("keys", ("lmtier.keys",)),
