@@ -20,6 +20,9 @@ of the availability suite at once, for the second phase:
 
 Prints JSON and a table: Alice's p50 and p99 latency alone and beside the attacker (the
 target: p99 within 3x), her failed calls, and how many of her chunks she still finds.
+``--nice`` runs the attacker's process at the lowest CPU priority, as a client on its own
+host would be: what is then measured is the server's isolation, not the share of a small
+machine's cores the attacker's own process takes from Alice's client.
 ``tests/test_availability.py`` runs it (shorter) and asserts what is not a time.
 """
 
