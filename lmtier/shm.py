@@ -213,7 +213,7 @@ class SegmentFiles:
         _check_span(name, offset, length)
         with self._use(name) as fd:
             size = os.fstat(fd).st_size
-            if offset < 0 or offset + length > size:
+            if offset + length > size:  # the file as it is now (_check_span saw the numbers)
                 raise FormatError(f"region [{offset}, {offset + length}) lies outside segment {name} of {size} bytes")
             done = 0
             while views:  # a write may stop short (a signal); go on from there

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import logging
 import os
 import random
@@ -299,18 +300,7 @@ class Txn:
 
     def oldest(self, n: int, exclude: set[bytes]) -> list[tuple[bytes, Location]]:
         """Up to ``n`` least recently used chunks, skipping ``exclude``."""
-        out: list[tuple[bytes, Location]] = []
-        rows = self._db.execute(
-            "SELECT c.key, c.seg, s.name, c.off, c.len FROM chunks c JOIN segments s ON s.id = c.seg "
-            "ORDER BY c.atime LIMIT ?",
-            (n + len(exclude),),
-        )
-        for key, seg, name, off, length in rows:
-            if key not in exclude:
-                out.append((key, Location(seg, name, off, length)))
-                if len(out) == n:
-                    break
-        return out
+        return list(itertools.islice(self.by_age(exclude), n))
 
     def by_age(self, exclude: set[bytes]) -> Iterator[tuple[bytes, Location]]:
         """Every chunk, least recently used first, skipping ``exclude`` (read lazily: a
