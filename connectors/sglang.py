@@ -80,7 +80,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without sglang i
 log = logging.getLogger(__name__)
 
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
-OWN_KEYS = engine_keys(chunk_tokens=False)  # the page size is SGLang's
+OWN_KEYS = engine_keys(chunk_tokens=False, roles=False)  # the page size is SGLang's; no kv_role
 ENGINE = "sglang"
 
 

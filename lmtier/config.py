@@ -164,6 +164,12 @@ class StoreConfig:
     # are complete before the forward pass starts. A CPU engine runs the same path with
     # every layer landed before the forward pass (whole-chunk verification first).
     layer_loads: bool = setting(False, BOOL)
+    # Prefill/decode disaggregation (vLLM's kv_role; connectors/vllm_pd.py): how long a
+    # producer's step holds its answer for its writes to land, and how long a consumer
+    # waits for the chunks a forwarded hand-off names, in seconds; past it, recompute.
+    handoff_timeout: float = setting(5.0, NUMBER)
+    # kv_role kv_consumer: also store what it computes (off: a consumer never writes).
+    save_decoded: bool = setting(False, BOOL)
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, str):
@@ -193,17 +199,25 @@ class StoreConfig:
             raise ConfigError(f"metrics_port must lie in [0, 65536), got {self.metrics_port}")
         if self.load_deadline < 0:
             raise ConfigError(f"load_deadline must not be negative, got {self.load_deadline}")
+        if self.handoff_timeout < 0:
+            raise ConfigError(f"handoff_timeout must not be negative, got {self.handoff_timeout}")
 
 
 WRITE_MODES = ("auto", "through", "back")
 
 
-def engine_keys(*, chunk_tokens: bool = True) -> frozenset[str]:
+ROLE_KEYS = frozenset({"handoff_timeout", "save_decoded"})  # engines with vLLM's kv_role
+
+
+def engine_keys(*, chunk_tokens: bool = True, roles: bool = True) -> frozenset[str]:
     """The extra-config keys an engine adapter accepts: every engine-side setting (without
-    ``chunk_tokens`` where the engine's page size decides it), the config file, and the
-    model's name in the keys."""
+    ``chunk_tokens`` where the engine's page size decides it, without the disaggregation
+    settings where the engine has no roles), the config file, and the model's name in the
+    keys."""
     keys = {f.name for f in fields(StoreConfig)} | {"config", "model_id"}
-    return frozenset(keys if chunk_tokens else keys - {"chunk_tokens"})
+    if not chunk_tokens:
+        keys -= {"chunk_tokens"}
+    return frozenset(keys if roles else keys - ROLE_KEYS)
 
 
 AUTO_CHUNK_MIN_BYTES = 256 * 1024

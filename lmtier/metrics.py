@@ -108,6 +108,21 @@ ENGINE_TOKENS = Counter(
     ["engine", "result"],
     registry=REGISTRY,
 )
+HANDOFF_WAIT = Histogram(
+    "lmtier_handoff_wait_seconds",
+    "Prefill/decode disaggregation: how long a producer's step held its output for its chunks "
+    "to reach every tier (kv_role kv_producer, no parameters forwarded).",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    registry=REGISTRY,
+)
+HANDOFFS = Counter(
+    "lmtier_handoffs_total",
+    "Prefill/decode disaggregation on a decode instance: forwarded hand-offs by outcome "
+    "(ready: every chunk readable in time; late: the deadline passed first; ignored: of "
+    "another model, layout or prompt).",
+    ["result"],
+    registry=REGISTRY,
+)
 # The cache server's own figures live apart: an engine's exporter would otherwise show a
 # server gauge (lmtier_server_ready 0) that an alert would read as a server down.
 SERVER_REGISTRY = CollectorRegistry(auto_describe=True)

@@ -4,6 +4,7 @@
     lookup(keys) -> int          leading chunks present across all tiers
     get(keys) -> list[Chunk]     the leading run of chunks found; caller releases them
     put(chunks) -> int           stores; returns the leading chunks the first tier holds
+    put_all(chunks) -> bool      stores in every tier before it returns (a PD hand-off)
     delete(keys), warm(), flush(timeout), persist(timeout), close(), stats()
 
 Longer than 400 lines: the store is the one home of caching policy, and its parts (the
@@ -425,6 +426,19 @@ class TieredStore:
         # all of memory was never kept whole: the lower tiers get it now, or nothing does
         oversized = self.write_back and held < len(keys) and 0 < first.capacity < sum(c.nbytes for c in chunks)
         return len(keys) if oversized and self._put_lower(chunks) else held
+
+    def put_all(self, chunks: Sequence[Chunk]) -> bool:
+        """Write ``chunks`` to every tier in the caller's thread, past the save policy and
+        the write queue: a disaggregated prefill's hand-off, which must be readable by
+        another instance before its answer leaves. True when the last tier holds them all."""
+        if not chunks or self._closed:
+            return False
+        keys = [c.key for c in chunks]
+        self.policy.seen(keys)
+        for tier in self.tiers:
+            self._call(tier, "put", tier.put, chunks, default=None)
+        last = self.tiers[-1]
+        return self._call(last, "contains", last.contains, keys, default=0) == len(keys)
 
     def _put_lower(self, chunks: Sequence[Chunk]) -> bool:
         """Write ``chunks`` (the caller's, valid for the length of its ``put``) to the lower

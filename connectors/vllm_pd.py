@@ -1,0 +1,146 @@
+"""Prefill/decode disaggregation through lmtier's shared tiers: the roles, and the
+hand-off a router forwards from the prefill instance to the decode instance.
+
+    role_of(kv_role, config) -> Role        what an instance does; a role its tiers cannot
+                                            serve is a ConfigError at start
+    Handoff.of(params) -> Handoff | None    the hand-off in a request's kv_transfer_params
+    handoff_params(...) -> dict             what a producer's request_finished returns
+    forwarded(params) -> bool               whether the router forwards parameters
+
+Roles (vLLM's ``kv_role``):
+
+- ``kv_producer`` (the prefill instance) stores every full chunk of each prompt, never
+  looks up or loads, and writes every tier before a save counts as done (the shared tier
+  included, not only its own memory).
+- ``kv_consumer`` (the decode instance) looks up and loads, never stores (``save_decoded``
+  lets it store what it computes: a prompt no producer saw, a multi-turn chat's replies).
+- ``kv_both``: both, as a colocated engine caches.
+
+A producer or consumer whose tiers are all its own (``cpu://``, ``file://``) could never
+meet the other side: that is an error at start.
+
+An answer means the KV is readable, both ways routers work:
+
+- No parameters forwarded (llm-d's shared-storage mode, simple proxies): the producer's
+  step that completes a prompt holds its output until that prompt's chunks are written to
+  every tier (at most ``handoff_timeout`` seconds), so that a decode instance asked next
+  finds them by the prompt alone.
+- Parameters forwarded (a request to the producer that carries ``do_remote_decode: true``,
+  as vLLM's proxies, Dynamo and llm-d's NIXL modes send): the producer answers at once and
+  its ``request_finished`` returns ``{"lmtier": {...}}`` (``handoff_params``), which the
+  router passes verbatim to the decode instance. There the lookup answers "ask again next
+  step" until the chunks named are readable or the deadline passes, then loads what is
+  there; the engine recomputes the rest.
+
+The hand-off only ever decides how long a decode instance waits: the keys it loads come
+from its own prompt, so a hand-off of another prompt or model can cost a wait, never KV
+of another prompt. One of another model or layout (its namespace differs) or another
+prompt (its last key differs) is ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from lmtier.config import StoreConfig
+from lmtier.errors import ConfigError
+from lmtier.tiers.base import TierURL
+
+log = logging.getLogger("lmtier.vllm")
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+LOCAL_SCHEMES = ("cpu", "file")  # tiers only their own process (or host directory lock) reads
+VERSION = 1
+# The keys of a hand-off inside kv_transfer_params["lmtier"] (beside the switches "load", "save").
+HANDOFF_KEYS = ("v", "namespace", "key", "tokens", "chunk_tokens", "deadline")
+RECHECK_S = 0.01  # a waiting hand-off is looked up again at most this often
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    loads: bool
+    saves: bool
+    producer: bool  # writes every tier before a save counts, answers only once readable
+
+
+def role_of(kv_role: str | None, config: StoreConfig) -> Role:
+    role = kv_role or "kv_both"
+    if role not in ROLES:
+        raise ConfigError(f"lmtier: kv_role must be one of {ROLES}, got {role!r}")
+    if role != "kv_both":
+        schemes = [TierURL.parse(url).scheme for url in config.tiers]
+        if all(s in LOCAL_SCHEMES for s in schemes):
+            raise ConfigError(
+                f"lmtier: kv_role {role} needs a tier the other side reads too (redis://, redis+cluster://, "
+                f"grpc://, ...), but every tier is this instance's own: {', '.join(schemes)}"
+            )
+    if role == "kv_producer":
+        return Role(role, loads=False, saves=True, producer=True)
+    if role == "kv_consumer":
+        return Role(role, loads=True, saves=config.save_decoded, producer=False)
+    return Role(role, loads=True, saves=True, producer=False)
+
+
+def forwarded(params: Any) -> bool:
+    """Whether a producer's request comes from a router that forwards parameters to the
+    decode instance (it asks for a remote decode, as vLLM's proxies and Dynamo do)."""
+    return isinstance(params, dict) and params.get("do_remote_decode") is True
+
+
+def handoff_params(namespace: bytes, key: bytes, tokens: int, chunk_tokens: int, timeout: float) -> dict[str, Any]:
+    """A producer's hand-off: what it stored (the namespace of rank 0, the key of its last
+    chunk there, the tokens covered, the chunk size) and until when (wall-clock seconds
+    since the epoch) a decode instance should wait for it."""
+    return {
+        "lmtier": {
+            "v": VERSION,
+            "namespace": namespace.hex(),
+            "key": key.hex(),
+            "tokens": tokens,
+            "chunk_tokens": chunk_tokens,
+            "deadline": round(time.time() + timeout, 3),
+        }
+    }
+
+
+@dataclass(frozen=True)
+class Handoff:
+    namespace: str
+    key: str
+    tokens: int
+    chunk_tokens: int
+    deadline: float  # wall clock
+
+    @classmethod
+    def of(cls, params: Any) -> Handoff | None:
+        """The hand-off in a request's ``kv_transfer_params``, or None (none there, or one
+        this version cannot read: a warning)."""
+        mine = params.get("lmtier") if isinstance(params, dict) else None
+        if not isinstance(mine, dict) or "key" not in mine:
+            return None
+        try:
+            if mine.get("v") != VERSION:
+                raise ValueError(f"version {mine.get('v')!r}, not {VERSION}")
+            handoff = cls(
+                str(mine["namespace"]),
+                str(mine["key"]),
+                int(mine["tokens"]),
+                int(mine["chunk_tokens"]),
+                float(mine["deadline"]),
+            )
+            if handoff.tokens < 0 or handoff.chunk_tokens <= 0:
+                raise ValueError("tokens or chunk_tokens out of range")
+            return handoff
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("lmtier: a hand-off in kv_transfer_params that cannot be read (%s): ignored", exc)
+            return None
+
+    def wait_until(self, timeout: float) -> float:
+        """The monotonic time a decode instance waits until: the hand-off's deadline, and
+        never longer than its own ``timeout`` from now (clocks of two hosts differ)."""
+        left = min(self.deadline - time.time(), timeout)
+        return time.monotonic() + max(0.0, left)

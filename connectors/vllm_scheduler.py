@@ -1,0 +1,444 @@
+"""The scheduler half of ``LMTierConnector`` (vLLM's engine-core process): what to load,
+what to save, when a request's blocks go back.
+
+- ``get_num_new_matched_tokens`` looks up the prompt's chunk keys *for every
+  tensor-parallel rank* (each rank stores its slice of the KV heads under its own
+  namespace) and counts the chunks all ranks have: what the workers can actually load.
+  Only full chunks; a whole-prompt hit leaves the last token to the engine. A decode
+  instance given a producer's hand-off (``connectors/vllm_pd.py``) answers "ask again"
+  until the chunks it names are readable or its deadline has passed.
+- ``build_connector_meta`` turns allocations into plain plans (``connectors/vllm_plans.py``):
+  which keys to load into which blocks, which newly computed full chunks to save from
+  which blocks.
+- ``request_finished`` keeps the blocks of a request whose copies are still in flight,
+  and returns a producer's hand-off for the router to forward.
+
+Longer than 400 lines: one request's lookup, hand-off wait, plans and release share its
+state (``_Request``), and the hybrid models' lanes and windows run through each of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+
+from lmtier import metrics
+from lmtier.connectors import announce
+from lmtier.connectors.vllm_events import LMTierKVEvents
+from lmtier.connectors.vllm_pd import HANDOFF_KEYS, RECHECK_S, Handoff, forwarded, handoff_params
+from lmtier.connectors.vllm_plans import LMTierMetadata, LMTierWorkerMeta, LoadPlan, SavePlan
+from lmtier.connectors.vllm_stats import hit_sources
+from lmtier.keys import chunk_keys
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("lmtier.vllm")
+ENGINE = "vllm"  # the engine label of lmtier_engine_tokens_total
+WINDOW_TRIES = 8  # shorter prefixes tried when a sliding-window lane lacks a hit's window
+
+
+@dataclass
+class _Request:
+    """Scheduler-side state of one request (dropped when it finishes)."""
+
+    request: Any
+    hit_chunks: int = 0  # leading chunks every rank holds (at the last lookup)
+    sources: list[tuple[str, int]] = field(default_factory=list)  # (tier scheme, chunks): rank 0's hit
+    local_tokens: int = 0  # the engine's own prefix-cache hit
+    external_tokens: int = 0  # tokens planned to load
+    load_pending: bool = False
+    block_ids: list[int] = field(default_factory=list)  # a model with one lane (hybrid: the cache manager's)
+    saved: list[int] = field(default_factory=list)  # per lane: leading chunks known stored (hit or saved)
+    plans: int = 0  # save plans sent (the workers copy its blocks after the step)
+    copied: int = 0  # ... and reported copied by the workers (each worker's report counts)
+    keys: list[list[list[bytes]]] = field(default_factory=list)  # [lane][rank][chunk], grown as tokens grow
+    sighted: int = 0  # chunks its first lookup found, for the workers' save policy (reuse)
+    load: bool = True  # per request: kv_transfer_params {"lmtier": {"load": false}}
+    save: bool = True  # ... {"lmtier": {"save": false}}
+    counted: bool = False  # its prompt counted in the metrics (at its first answered lookup)
+    hold: bool = False  # a producer's, no parameters forwarded: its last prompt step waits for its writes
+    handoff: Handoff | None = None  # a decode instance's: what a producer stored, to wait for
+    wait_until: float = 0.0  # ... until then (monotonic)
+    next_look: float = 0.0  # ... looked up again from then
+
+
+_SWITCHES = ("load", "save")
+
+
+def _request_options(request: Any) -> dict[str, bool]:
+    """A request's own switches, from its ``kv_transfer_params``:
+    ``{"lmtier": {"load": false, "save": false}}`` (both default to true).
+
+    A request is never refused for them, but a typo must not store a private document:
+    when the ``lmtier`` entry is not a map, has keys other than these two (and a producer's
+    hand-off, ``connectors/vllm_pd.py``), or switches that are not booleans, the request's
+    KV is not saved (the safe side), with a warning."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    mine = params.get("lmtier") if isinstance(params, dict) else None
+    if mine is None:
+        return {}
+    if not isinstance(mine, dict):
+        log.warning("lmtier: kv_transfer_params['lmtier'] is %r, not a map: this request's KV is not saved", mine)
+        return {"save": False}
+    options = {k: mine[k] for k in _SWITCHES if isinstance(mine.get(k), bool)}
+    wrong = sorted(
+        str(k) for k in mine if k not in HANDOFF_KEYS and (k not in _SWITCHES or not isinstance(mine[k], bool))
+    )
+    if wrong:
+        log.warning(
+            "lmtier: kv_transfer_params['lmtier'] has unknown keys or values that are not booleans (%s; known: "
+            "'load', 'save', and a hand-off's): this request's KV is not saved",
+            ", ".join(wrong),
+        )
+        options["save"] = False
+    return options
+
+
+class SchedulerSide:
+    """Mixed into ``LMTierConnector``; its state is made in the connector's ``__init__``."""
+
+    def _keys_for(self, state: _Request, num_tokens: int, lane: int = 0) -> list[list[bytes]]:
+        """Keys of every full chunk of the request's first ``num_tokens`` tokens in one
+        lane, per rank."""
+        chunks = num_tokens // self.chunk_tokens
+        if not state.keys or len(state.keys[0][0]) < chunks:
+            tokens = np.asarray(state.request.all_token_ids[: chunks * self.chunk_tokens], dtype=np.int64)
+            state.keys = [[chunk_keys(tokens, ns) for ns in lane_ns] for lane_ns in self.lane_namespaces]
+        return [k[:chunks] for k in state.keys[lane]]
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = self._new_request(request)
+        prompt_len = len(request.prompt_token_ids or [])
+        # Whole blocks only, and never the whole prompt: the engine computes the last token.
+        limit = (prompt_len - 1) // self.block_size * self.block_size
+        if state.handoff is not None and not self._handoff_ready(state, prompt_len, limit):
+            return None, False  # vLLM asks again next step; other requests go on meanwhile
+        loadable = 0
+        try:
+            state.hit_chunks, state.sources = 0, []
+            if state.load and prompt_len >= self.chunk_tokens:
+                loadable = self._lookup(state, prompt_len, limit)
+        except Exception:  # never break the scheduler: a lookup that fails is a miss
+            log.exception("lmtier lookup failed for %s", request.request_id)
+            state.hit_chunks, loadable = 0, 0
+        state.local_tokens = num_computed_tokens
+        state.external_tokens = max(0, loadable - num_computed_tokens)
+        for i, lane in enumerate(self.lanes):  # what the store holds is not saved again
+            known = state.hit_chunks if not lane.window else loadable // self.chunk_tokens
+            state.saved[i] = max(state.saved[i], known)
+        if not state.counted:  # the scheduler may ask again for a request it could not place
+            state.counted = True
+            state.save = state.save and self.store.policy.stores(prompt_len)  # min_tokens
+            if self.store.policy.sketch is not None:  # reuse: a prefix found is a reuse sighted
+                state.sighted = state.hit_chunks
+            metrics.ENGINE_TOKENS.labels(ENGINE, "requested").inc(prompt_len)
+            metrics.ENGINE_TOKENS.labels(ENGINE, "hit").inc(max(loadable, num_computed_tokens))
+        return state.external_tokens, False
+
+    def _new_request(self, request: Request) -> _Request:
+        """A request's state at its first lookup: its switches, its role's part, and a
+        decode instance's hand-off to wait for."""
+        params = getattr(request, "kv_transfer_params", None)
+        state = _Request(request, **_request_options(request))
+        state.saved = [0] * len(self.lanes)
+        state.load = state.load and self.kv_role.loads
+        state.save = state.save and self.kv_role.saves
+        state.hold = self.kv_role.producer and state.save and not forwarded(params)
+        if state.load:
+            state.handoff = self._handoff_of(state, Handoff.of(params))
+            if state.handoff is not None:
+                state.wait_until = state.handoff.wait_until(self.config.handoff_timeout)
+        return state
+
+    def _handoff_of(self, state: _Request, handoff: Handoff | None) -> Handoff | None:
+        """A hand-off this instance can wait for: of its own model and layout (rank 0's
+        namespace) and of this prompt (the key of its last chunk), else None."""
+        if handoff is None or handoff.tokens < self.chunk_tokens:
+            return None
+        rid = state.request.request_id
+        mine = self.lane_namespaces[0][0].digest.hex()
+        if handoff.namespace != mine or handoff.chunk_tokens != self.chunk_tokens:
+            log.warning(
+                "lmtier: %s: a hand-off of another model or layout (namespace %s, %d-token chunks; this instance's: "
+                "%s, %d): ignored",
+                rid, handoff.namespace, handoff.chunk_tokens, mine, self.chunk_tokens,
+            )  # fmt: skip
+            metrics.HANDOFFS.labels("ignored").inc()
+            return None
+        chunks = handoff.tokens // self.chunk_tokens
+        fits = handoff.tokens <= len(state.request.all_token_ids)
+        keys = self._keys_for(state, chunks * self.chunk_tokens)[0] if fits else []
+        if len(keys) < chunks or keys[chunks - 1].hex() != handoff.key:
+            log.warning("lmtier: %s: a hand-off of another prompt: ignored", rid)
+            metrics.HANDOFFS.labels("ignored").inc()
+            return None
+        return handoff
+
+    def _handoff_ready(self, state: _Request, prompt_len: int, limit: int) -> bool:
+        """Whether a decode instance stops waiting for its hand-off: every chunk it names is
+        readable on every rank, or the deadline has passed (then it loads what is there)."""
+        handoff = state.handoff
+        assert handoff is not None
+        now = time.monotonic()
+        if now >= state.wait_until:
+            log.warning(
+                "lmtier: %s: the hand-off's chunks were not all readable by its deadline; the engine recomputes "
+                "what is missing",
+                state.request.request_id,
+            )
+            state.handoff = None
+            metrics.HANDOFFS.labels("late").inc()
+            return True
+        if now < state.next_look:
+            if not self._napped:  # a scheduler with nothing else to do spins: once a step, yield the core
+                self._napped = True
+                time.sleep(RECHECK_S / 10)
+            return False
+        state.next_look = now + RECHECK_S
+        wanted = min(handoff.tokens, prompt_len) // self.chunk_tokens
+        try:
+            self._lookup(state, prompt_len, limit)
+        except Exception:
+            log.exception("lmtier lookup failed for %s", state.request.request_id)
+            return False
+        if state.hit_chunks < wanted:
+            return False
+        state.handoff = None
+        metrics.HANDOFFS.labels("ready").inc()
+        return True
+
+    def _lookup(self, state: _Request, prompt_len: int, limit: int) -> int:
+        """Tokens a load can restore: the leading chunks every full-attention lane holds on
+        every rank (``state.hit_chunks``), cut to ``limit``; with sliding-window lanes, the
+        longest such prefix whose window (the chunks its next token attends to) each
+        sliding-window lane holds too."""
+        if len(self.lanes) > 1 and getattr(self, "_kv_cache_manager", None) is None:
+            return 0  # a hybrid model's blocks come from the cache manager, which vLLM binds
+        full = [i for i, lane in enumerate(self.lanes) if not lane.window] or [0]
+        keys = [self._keys_for(state, prompt_len, i) for i in range(len(self.lanes))]
+        state.sources = [(t.scheme, n) for t, n in self.store.lookup_tiers(keys[full[0]][0])]
+        runs = [sum(n for _, n in state.sources)]
+        runs += [self.store.lookup(k) for i in full for k in keys[i][(1 if i == full[0] else 0) :]]
+        state.hit_chunks = min(runs)
+        tokens = min(state.hit_chunks * self.chunk_tokens, limit)
+        for _ in range(WINDOW_TRIES):
+            if tokens <= 0 or self._windows_held(keys, tokens):
+                return max(0, tokens)
+            tokens = (-(-tokens // self.chunk_tokens) - 1) * self.chunk_tokens  # the chunk boundary before
+        return 0
+
+    def _windows_held(self, keys: list[list[list[bytes]]], tokens: int) -> bool:
+        """Whether every sliding-window lane holds, on every rank, the chunks under the
+        window of the token after ``tokens``."""
+        last = -(-tokens // self.chunk_tokens)
+        for i, lane in enumerate(self.lanes):
+            if lane.window:
+                first = lane.first_needed(tokens, self.block_size) // self.chunk_tokens
+                if any(self.store.lookup(k[first:last]) < last - first for k in keys[i]):
+                    return False
+        return True
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """The tokens lmtier supplies, by the tier that holds them (host, disk, or a shared
+        tier: unspecified), for vLLM's ``prompt_tokens_cached_by_source``."""
+        state = self._requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return hit_sources(state.sources, self.chunk_tokens, state.local_tokens, num_external_tokens)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        copies = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(copies, LMTierWorkerMeta):
+            for req_id, n in copies.copied.items():
+                state = self._requests.get(req_id)
+                if state is not None:  # (a finished request's blocks wait for get_finished)
+                    state.copied += n
+        events = getattr(connector_output, "kv_cache_events", None)
+        if self._book is not None and isinstance(events, LMTierKVEvents):
+            self._book.absorb(events)
+
+    def take_events(self):  # type: ignore[override]
+        return self._book.take() if self._book is not None else ()
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        state.external_tokens = num_external_tokens
+        state.load_pending = num_external_tokens > 0
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = LMTierMetadata(fence_all=self.windowed, released=self._released)
+        self._released = []
+        self._napped = False
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            if state.sighted:
+                meta.seen.append(self._keys_for(state, state.sighted * self.chunk_tokens))
+                state.sighted = 0
+            self._plan(state, new.req_id, new.num_computed_tokens, scheduled.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # back from preemption: a fresh block list
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                state.block_ids.extend(new_blocks[0])
+            self._plan(state, req_id, cached.num_computed_tokens[i], scheduled.get(req_id, 0), meta)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            state = self._requests.get(req_id)
+            if state is not None and state.plans:
+                meta.fence.append(req_id)
+        return meta
+
+    def _blocks(self, state: _Request, lane: int) -> list[int]:
+        """The request's blocks in a lane's group, as they are now. A hybrid model's come
+        from the cache manager: a sliding window's old blocks are let go (vLLM's null block
+        stands in for them), which no list kept from the scheduler's output would show."""
+        if len(self.lanes) == 1:
+            return state.block_ids
+        manager = getattr(self, "_kv_cache_manager", None)
+        if manager is None:
+            return []
+        return list(manager.get_block_ids(state.request.request_id)[self.lanes[lane].index])
+
+    def _plan(self, state: _Request, req_id: str, computed: int, scheduled: int, meta: LMTierMetadata) -> None:
+        per, size = self.blocks_per_chunk, self.chunk_tokens
+        load = state.load_pending
+        state.load_pending = False
+        done = min(computed + scheduled, len(state.request.all_token_ids)) // size
+        if state.hold and computed + scheduled >= len(state.request.prompt_token_ids or ()):
+            meta.hold.append(req_id)  # the prompt is complete after this step: its writes land first
+            state.hold = False
+        for i, lane in enumerate(self.lanes):
+            blocks = self._blocks(state, i)
+            if load:
+                end = state.local_tokens + state.external_tokens
+                start = max(state.local_tokens, lane.first_needed(end, self.block_size))  # block-aligned
+                if lane.window:  # never a block vLLM did not give this window (its null block)
+                    while start < end and blocks[start // self.block_size] == self._null_block():
+                        start += self.block_size
+                first_chunk, last_chunk = start // size, -(-end // size)
+                if start < end:
+                    keys = self._keys_for(state, last_chunk * size, i)
+                    self._remember(state, keys, first_chunk, i)  # a load promotes them into the memory tier
+                    meta.loads.append(
+                        LoadPlan(
+                            req_id,
+                            [k[first_chunk:last_chunk] for k in keys],
+                            blocks[first_chunk * per : last_chunk * per],
+                            first_block=(start - first_chunk * size) // self.block_size,
+                            num_blocks=(end - first_chunk * size) // self.block_size,
+                            lane=i,
+                        )
+                    )
+            # Save every chunk that is complete after this step and not known to be stored
+            # (a sliding window's: those whose blocks it still holds).
+            first = state.saved[i]
+            if not state.save or done <= first or len(blocks) < done * per:
+                continue
+            keys = self._keys_for(state, done * size, i)
+            null = self._null_block()
+            chunks = [c for c in range(first, done) if null not in blocks[c * per : (c + 1) * per]]
+            state.saved[i] = done
+            if not chunks:
+                continue
+            self._remember(state, keys, first, i)
+            meta.saves.append(
+                SavePlan(
+                    req_id,
+                    [[k[c] for c in chunks] for k in keys],
+                    [b for c in chunks for b in blocks[c * per : (c + 1) * per]],
+                    lane=i,
+                    digests=[ns.digest for ns in self.lane_namespaces[i]],
+                )
+            )
+            state.plans += 1
+
+    def _null_block(self) -> int:
+        """The id of vLLM's null block (what a sliding window's let-go blocks become)."""
+        manager = getattr(self, "_kv_cache_manager", None)
+        return manager.block_pool.null_block.block_id if manager is not None else 0
+
+    def _remember(self, state: _Request, keys: list[list[bytes]], first: int, lane: int = 0) -> None:
+        """Keep the tokens behind chunks about to land in a tier, for their events."""
+        if self._book is not None:
+            tokens = state.request.all_token_ids[: len(keys[0]) * self.chunk_tokens]
+            self._book.remember(keys[0], tokens, first, group=self.lanes[lane].index if len(self.lanes) > 1 else 0)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after a weight update:
+        this instance never again loads a chunk stored before. Its namespaces move to a
+        fresh epoch (a random salt), so a chunk computed with the old weights is a miss,
+        never a hit; what the tiers hold stays for the instances that still use it, and
+        the memory tier lets the old chunks go as new ones come. The new digests are
+        logged (for ``lmtier match``); routers get vLLM's own ``AllBlocksCleared``. A
+        request already in the engine saves nothing more (its KV may predate the reset)."""
+        if self.role != KVConnectorRole.SCHEDULER:
+            return None
+        epoch = secrets.token_hex(8)
+        salt = f"{self.config.salt}/reset={epoch}"
+        self.lane_namespaces = [[replace(ns, salt=salt) for ns in lane] for lane in self.lane_namespaces]
+        self.namespaces = self.lane_namespaces[0]
+        for state in self._requests.values():
+            # Requests already here (vLLM's reset fails while any runs) computed their KV,
+            # or part of it, before the reset: none of it is saved under the new epoch.
+            state.save = False
+        if self._book is not None:
+            self._book.clear()
+        announce("vllm", self.config.tiers, self.namespaces, f"{self._model_id} (after a cache reset)")
+        return True
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return False, None
+        params = self._handoff_params(state)
+        if not state.plans:
+            return False, params
+        if state.copied >= state.plans * self._workers:
+            # Every worker has reported every copy of its blocks done (a request that
+            # finishes a step or more after its last save): they go back now, so that an
+            # idle engine holds no block (vLLM's prefix-cache reset needs them all free).
+            self._released.append(request.request_id)
+            return False, params
+        # Copies in flight: the blocks stay until the workers report them done
+        # (get_finished), which every worker does for every request it had a save plan for.
+        return True, params
+
+    def _handoff_params(self, state: _Request) -> dict[str, Any] | None:
+        """A producer's hand-off for the router to forward: the chunks of the prompt it
+        stored (``connectors/vllm_pd.py``); None for any other request."""
+        chunks = state.saved[0] if state.saved else 0
+        if not (self.kv_role.producer and state.save and chunks and state.keys and len(state.keys[0][0]) >= chunks):
+            return None
+        namespace = self.lane_namespaces[0][0].digest
+        key = state.keys[0][0][chunks - 1]
+        timeout = self.config.handoff_timeout
+        return handoff_params(namespace, key, chunks * self.chunk_tokens, self.chunk_tokens, timeout)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` of a hybrid model (``SupportsHMA``): every group's blocks
+        stay until the copies reading them are done."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
