@@ -69,6 +69,7 @@ class _Request:
     handoff: Handoff | None = None  # a decode instance's: what a producer stored, to wait for
     wait_until: float = 0.0  # ... until then (monotonic)
     next_look: float = 0.0  # ... looked up again from then
+    namespaces: list = field(default_factory=list)  # [lane][rank]: the instance's, or salted (cache_salt)
 
 
 _SWITCHES = ("load", "save")
@@ -112,7 +113,7 @@ class SchedulerSide:
         chunks = num_tokens // self.chunk_tokens
         if not state.keys or len(state.keys[0][0]) < chunks:
             tokens = np.asarray(state.request.all_token_ids[: chunks * self.chunk_tokens], dtype=np.int64)
-            state.keys = [[chunk_keys(tokens, ns) for ns in lane_ns] for lane_ns in self.lane_namespaces]
+            state.keys = [[chunk_keys(tokens, ns) for ns in lane_ns] for lane_ns in state.namespaces]
         return [k[:chunks] for k in state.keys[lane]]
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -152,6 +153,14 @@ class SchedulerSide:
         params = getattr(request, "kv_transfer_params", None)
         state = _Request(request, **_request_options(request))
         state.saved = [0] * len(self.lanes)
+        # vLLM's cache_salt keeps a user's prefix cache to requests with the same salt: so
+        # does lmtier, with the salt in the request's namespaces
+        salt = getattr(request, "cache_salt", None)
+        state.namespaces = self.lane_namespaces
+        if salt:
+            state.namespaces = [
+                [replace(ns, salt=f"{ns.salt}/cache_salt={salt}") for ns in lane] for lane in self.lane_namespaces
+            ]
         state.load = state.load and self.kv_role.loads
         state.save = state.save and self.kv_role.saves
         state.hold = self.kv_role.producer and state.save and not forwarded(params)
@@ -167,7 +176,7 @@ class SchedulerSide:
         if handoff is None or handoff.tokens < self.chunk_tokens:
             return None
         rid = state.request.request_id
-        mine = self.lane_namespaces[0][0].digest.hex()
+        mine = state.namespaces[0][0].digest.hex()
         if handoff.namespace != mine or handoff.chunk_tokens != self.chunk_tokens:
             log.warning(
                 "lmtier: %s: a hand-off of another model or layout (namespace %s, %d-token chunks; this instance's: "
@@ -369,7 +378,7 @@ class SchedulerSide:
                     [[k[c] for c in chunks] for k in keys],
                     [b for c in chunks for b in blocks[c * per : (c + 1) * per]],
                     lane=i,
-                    digests=[ns.digest for ns in self.lane_namespaces[i]],
+                    digests=[ns.digest for ns in state.namespaces[i]],
                 )
             )
             state.plans += 1
@@ -431,7 +440,7 @@ class SchedulerSide:
         chunks = state.saved[0] if state.saved else 0
         if not (self.kv_role.producer and state.save and chunks and state.keys and len(state.keys[0][0]) >= chunks):
             return None
-        namespace = self.lane_namespaces[0][0].digest
+        namespace = state.namespaces[0][0].digest
         key = state.keys[0][0][chunks - 1]
         timeout = self.config.handoff_timeout
         return handoff_params(namespace, key, chunks * self.chunk_tokens, self.chunk_tokens, timeout)

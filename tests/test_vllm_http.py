@@ -38,15 +38,24 @@ class VllmServer:
     engine core and the workers too), with lmtier's ``extra`` settings over a memory and a
     disk tier."""
 
-    def __init__(self, model: str, disk: Path, log: Path, **extra) -> None:
+    def __init__(
+        self,
+        model: str,
+        disk: Path | None,
+        log: Path,
+        *,
+        tiers: list[str] | None = None,
+        role: str = "kv_both",
+        **extra,
+    ) -> None:
         self.port = free_port()
         transfer = {
             "kv_connector": "LMTierConnector",
             "kv_connector_module_path": "lmtier.connectors.vllm",
-            "kv_role": "kv_both",
+            "kv_role": role,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
-                "tiers": ["cpu://?size=256MiB", f"file://{disk}?size=1GiB"],
+                "tiers": tiers or ["cpu://?size=256MiB", f"file://{disk}?size=1GiB"],
                 "chunk_tokens": CHUNK,
                 **extra,
             },
@@ -73,11 +82,16 @@ class VllmServer:
         except OSError:
             return False
 
-    def complete(self, model: str, prompt: list[int]) -> dict:
-        """One greedy completion; the output in lmtier.testing.engine's form."""
-        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def complete(self, model: str, prompt: list[int], base: str | None = None, **fields) -> dict:
+        """One greedy completion (from ``base``, e.g. a proxy in front; ``fields``: more of
+        the request's body); the output in lmtier.testing.engine's form."""
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2, **fields}
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/completions",
+            f"{base or self.url}/v1/completions",
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
@@ -93,7 +107,8 @@ class VllmServer:
             "logprobs": logprobs["token_logprobs"],
             "margins": margins,
             "cached": (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-            "prompt": "p",
+            "prompt": hash(tuple(prompt)),
+            "kv_transfer_params": answer.get("kv_transfer_params"),
         }
 
     def metric(self, name: str, **labels: str) -> float:

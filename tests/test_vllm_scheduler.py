@@ -397,3 +397,26 @@ def test_fp8_caches_that_vllm_allocates_as_bytes_are_taken_as_fp8(dtype):
     engine.gather([3], out)
     assert torch.equal(out.view(torch.uint8)[1, 0, 5], caches[1][3, :, 5, :8])  # K of token 5, layer 1
     assert _typed(caches[0], KVLayout(2, 2, 8, dtype="bfloat16")) is caches[0]  # others untouched
+
+
+def test_a_cache_salt_keeps_a_requests_kv_to_requests_with_the_same_salt(scheduler):
+    """vLLM's per-request ``cache_salt`` (a user's prefix cache kept apart): lmtier keys
+    the request's chunks with it, so that a salted request neither loads another's chunks
+    nor saves where an unsalted (or differently salted) request would find them."""
+    prompt = tokens(450, seed=41)
+    store_chunks(scheduler.connector, prompt, 3)  # stored without a salt
+
+    def submit(req_id, salt):
+        request = Request(
+            request_id=req_id, prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None, cache_salt=salt,
+        )  # fmt: skip
+        return scheduler.connector.get_num_new_matched_tokens(request, 0), scheduler.connector._requests[req_id]
+
+    assert submit("plain", None)[0] == (384, False)
+    hit, alice = submit("alice", "alice-secret")
+    assert hit == (0, False)
+    keys = scheduler.connector._keys_for(alice, 384)
+    assert keys[0] != scheduler.connector.namespaces[0].keys(prompt)[:3]
+    assert submit("alice-again", "alice-secret")[1].namespaces[0][0].digest == alice.namespaces[0][0].digest
+    assert submit("bob", "bob-secret")[1].namespaces[0][0].digest != alice.namespaces[0][0].digest

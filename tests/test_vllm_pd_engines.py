@@ -1,0 +1,158 @@
+"""Prefill/decode disaggregation with real engines side by side: a producer and a consumer
+``vllm serve`` (CPU build) kept up together, over a real Redis and over a real ``lmtier
+serve``, driven through the reference proxy (``lmtier.demo.pd_proxy``) by a real HTTP
+client, both ways routers work (parameters forwarded or not).
+
+For every prompt length at the boundaries (block - 1, block, block + 1, a chunk, a chunk
++ 1, chunk multiples, a tail) the decode instance's cached tokens cover the prompt up to
+its partial tail (lmtier stores whole chunks; the engine computes the rest and at least
+the last token), and its answer equals the decode instance's own prefix-cache hit bit for
+bit where both cached as many tokens, and a full prefill by greedy tokens.
+
+Then, on the Redis pair: the producer's writes slowed by 0.3 s (a TCP link that holds its
+bytes), a hand-off whose chunks arrive past the decode instance's deadline, two requests
+for one prompt at once, a consumer that computes a prompt no producer saw, the producer
+killed after it answered, Redis stopped."""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from test_vllm_http import BLOCK, CHUNK, VllmServer
+
+from lmtier.demo.pd_proxy import PDProxy
+from lmtier.testing.cache_server import ServerProcess
+from lmtier.testing.engine import compare_answers
+from lmtier.testing.slow_link import SlowLink
+from lmtier.testing.tinymodel import build
+
+LENGTHS = (BLOCK - 1, BLOCK, BLOCK + 1, CHUNK, CHUNK + 1, 3 * CHUNK, 3 * CHUNK + 65)
+GRPC_LENGTHS = (BLOCK + 1, CHUNK + 1, 3 * CHUNK)
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(5, 500, length)]
+
+
+def expected_cached(length: int) -> int:
+    """What the decode instance loads: whole chunks, never past the last whole block
+    before the last token (the engine computes that token)."""
+    return min(length // CHUNK * CHUNK, (length - 1) // BLOCK * BLOCK)
+
+
+def side_by_side(model: str, tmp_path, producer_tiers: list[str], consumer_tiers: list[str], name: str):
+    """The producer and the consumer, started together and both kept up."""
+    with ThreadPoolExecutor(2) as pool:
+        p = pool.submit(
+            VllmServer, model, None, tmp_path / f"{name}-prefill.log", tiers=producer_tiers, role="kv_producer",
+            handoff_timeout=30,
+        )  # fmt: skip
+        d = pool.submit(
+            VllmServer, model, None, tmp_path / f"{name}-decode.log", tiers=consumer_tiers, role="kv_consumer",
+            handoff_timeout=2,
+        )  # fmt: skip
+        return p.result(), d.result()
+
+
+def check_lengths(model, producer, decode, lengths, seed) -> None:
+    """Every boundary length through the proxy, both router contracts."""
+    got, hits, full = [], [], []
+    for forward in (False, True):
+        with PDProxy(producer.url, decode.url, forward=forward) as proxy:
+            for i, length in enumerate(lengths):
+                p = prompt(length, seed + 100 * forward + i)
+                answer = decode.complete(model, p, base=proxy.url)
+                assert answer["cached"] == expected_cached(length), (forward, length, answer["cached"])
+                got.append(answer)
+                hits.append(decode.complete(model, p))  # the decode instance's own prefix cache
+                full.append(producer.complete(model, p, cache_salt=uuid.uuid4().hex))  # a full prefill
+            assert proxy.prefills == len(lengths) and proxy.failed_prefills == 0
+    problems, exact = compare_answers(got, hits, full)
+    assert not problems, problems
+    assert exact >= len(lengths)  # wherever lmtier's hit and vLLM's own are the same tokens
+
+
+@pytest.mark.timeout(2400)
+def test_prefill_and_decode_instances_over_redis(tmp_path, redis_server):
+    model = str(build(tmp_path / "model"))
+    redis_server.call("FLUSHALL")
+    link = SlowLink(redis_server.port)
+    slow_redis = f"redis://127.0.0.1:{link.port}"
+    producer, decode = side_by_side(model, tmp_path, ["cpu://?size=256MiB", slow_redis], [redis_server.url], "redis")
+    try:
+        check_lengths(model, producer, decode, LENGTHS, seed=1000)
+
+        # The producer's writes slowed: the answer still means the KV is readable.
+        link.delay = 0.3
+        for forward in (False, True):
+            with PDProxy(producer.url, decode.url, forward=forward) as proxy:
+                p = prompt(449, 2000 + forward)
+                assert decode.complete(model, p, base=proxy.url)["cached"] == 384, forward
+
+        # Past the decode instance's deadline (2 s): it recomputes, and answers correctly.
+        link.delay = 3.0
+        p = prompt(449, 2100)
+        with PDProxy(producer.url, decode.url, forward=True) as proxy:
+            late = decode.complete(model, p, base=proxy.url)
+        link.delay = 0.0
+        assert late["cached"] < 384
+        full = producer.complete(model, p, cache_salt=uuid.uuid4().hex)
+        problems, _ = compare_answers([late], [full], [full])
+        assert not problems, problems
+
+        # Two requests for one prompt at once.
+        p = prompt(449, 2200)
+        with PDProxy(producer.url, decode.url, forward=True) as proxy, ThreadPoolExecutor(2) as pool:
+            both = list(pool.map(lambda _: decode.complete(model, p, base=proxy.url), range(2)))
+        full = producer.complete(model, p, cache_salt=uuid.uuid4().hex)
+        problems, _ = compare_answers(both, [full, full], [full, full])
+        assert not problems, problems
+
+        # A consumer stores nothing; a producer never loads.
+        keys = int(redis_server.call("DBSIZE"))
+        decode.complete(model, prompt(449, 2300))
+        assert int(redis_server.call("DBSIZE")) == keys
+        assert producer.metric("vllm:external_prefix_cache_hits_total") == 0
+
+        # The producer killed right after it answered: its KV is the shared tier's.
+        p = prompt(449, 2400)
+        reference = decode.complete(model, p, cache_salt=uuid.uuid4().hex)  # (cache_salt: its own, apart)
+        producer.complete(model, p, max_tokens=1)  # the prefill, as the proxy asks for it
+        producer.kill(signal.SIGKILL)
+        after = decode.complete(model, p)
+        assert after["cached"] == 384
+        problems, _ = compare_answers([after], [reference], [reference])
+        assert not problems, problems
+
+        # Redis stopped: the decode instance computes, answers correctly, does not hang.
+        p = prompt(449, 2500)
+        reference = decode.complete(model, p, cache_salt=uuid.uuid4().hex)
+        redis_server.stop()
+        down = decode.complete(model, p, cache_salt=uuid.uuid4().hex)
+        assert down["cached"] == 0
+        problems, _ = compare_answers([down], [reference], [reference])
+        assert not problems, problems
+    finally:
+        for server in (producer, decode):
+            server.stop()
+        link.close()
+        if redis_server.proc.poll() is not None:
+            redis_server.start()
+
+
+@pytest.mark.timeout(1800)
+def test_prefill_and_decode_instances_over_the_cache_server(tmp_path):
+    model = str(build(tmp_path / "model"))
+    server = ServerProcess(tmp_path, "--tier", "cpu://?size=512MiB")
+    tier = f"grpc://{server.address}"
+    producer, decode = side_by_side(model, tmp_path, ["cpu://?size=256MiB", tier], [tier], "grpc")
+    try:
+        check_lengths(model, producer, decode, GRPC_LENGTHS, seed=3000)
+    finally:
+        for s in (producer, decode):
+            s.stop()
+        server.stop()
