@@ -270,3 +270,19 @@ def _layout_of(vllm_config: VllmConfig) -> KVLayout:
     if getattr(model, "use_mla", False):
         return KVLayout(layers, 1, model.get_head_size(), dtype, mla=True)
     return KVLayout(layers, model.get_num_kv_heads(parallel), model.get_head_size(), dtype)
+
+
+def _register() -> None:
+    """vLLM's registry of connectors by name, with lmtier in it: MultiConnector rebuilds
+    its children's figures in the API process by name (``get_connector_class_by_name``),
+    and an out-of-tree connector missing there failed every stats report, which ended
+    the engine's output handler. Registered once per process, as vLLM's own are."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector("LMTierConnector", __name__, "LMTierConnector")
+    except ValueError:  # already registered (this module imported under two names)
+        pass
+
+
+_register()

@@ -215,6 +215,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         return run_demo(tiers=args.tier or None, directory=args.dir)
     _require("vllm", "vllm", "torch", "transformers", "tokenizers")  # the engines, and the model they load
+    if args.what == "pd":
+        _require("grpc", "grpc")  # the shared tier is lmtier serve
+        from lmtier.demo.pd import run_pd_demo
+
+        return run_pd_demo(out_dir=args.out, docs=args.docs, doc_tokens=args.doc_tokens, directory=args.dir)
     from lmtier.demo.vllm import run_vllm_demo
 
     return run_vllm_demo(out_dir=args.out, docs=args.docs, doc_tokens=args.doc_tokens, directory=args.dir)
@@ -539,6 +544,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_match)
 
     p = sub.add_parser("demo", help="two vLLM engines in two processes: the second skips the first's prefills")
+    p.add_argument(
+        "what", nargs="?", choices=("vllm", "pd"), default="vllm",
+        help="vllm (default): one instance after another on a disk; pd: a prefill and a decode vllm serve, "
+        "side by side, through lmtier serve and the reference proxy",
+    )  # fmt: skip
     p.add_argument("--out", default="lmtier-demo", help="where the TTFT plot and JSON go (default ./lmtier-demo)")
     p.add_argument("--docs", type=int, default=3, help="documents (default 3)")
     p.add_argument("--doc-tokens", type=int, default=4096, help="tokens per document (default 4096)")

@@ -239,3 +239,11 @@ def test_the_connector_implements_every_abstract_hook_of_the_installed_vllm_as_d
         want = list(inspect.signature(base).parameters) if base is not None else params
         assert list(inspect.signature(getattr(LMTierConnector, name)).parameters) == want, name
     assert isinstance(vars(LMTierConnector)["supports_sleep_mode"], classmethod)
+
+
+def test_vllms_registry_knows_the_connector_by_name():
+    """MultiConnector looks its children up by class name in the API process (their stats);
+    an out-of-tree connector missing there ended the engine's output handler."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    assert KVConnectorFactory.get_connector_class_by_name("LMTierConnector") is LMTierConnector

@@ -22,13 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from test_vllm_http import BLOCK, CHUNK, VllmServer
 
 from lmtier.demo.pd_proxy import PDProxy
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.engine import compare_answers
 from lmtier.testing.slow_link import SlowLink
 from lmtier.testing.tinymodel import build
+from lmtier.testing.vllm_serve import BLOCK, CHUNK, VllmServer
 
 LENGTHS = (BLOCK - 1, BLOCK, BLOCK + 1, CHUNK, CHUNK + 1, 3 * CHUNK, 3 * CHUNK + 65)
 GRPC_LENGTHS = (BLOCK + 1, CHUNK + 1, 3 * CHUNK)
@@ -156,3 +156,69 @@ def test_prefill_and_decode_instances_over_the_cache_server(tmp_path):
         for s in (producer, decode):
             s.stop()
         server.stop()
+
+
+def multi(role: str, tiers: list[str], storage, **extra) -> dict:
+    """vLLM's MultiConnector: lmtier in ``role`` first, vLLM's ExampleConnector (a shared
+    directory) beside it."""
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {
+                    "kv_connector": "LMTierConnector",
+                    "kv_connector_module_path": "lmtier.connectors.vllm",
+                    "kv_role": role,
+                    "kv_connector_extra_config": {"tiers": tiers, "chunk_tokens": CHUNK, **extra},
+                },
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+                },
+            ]
+        },
+    }
+
+
+@pytest.mark.timeout(1800)
+def test_inside_vllms_multiconnector_beside_another_connector(tmp_path, redis_server):
+    """lmtier's kv_transfer_params pass through MultiConnector without a clash (the proxy
+    forwards them), its hand-off still waits there, and a hit from either connector
+    answers correctly: lmtier's (listed first), and the other's once Redis has lost the
+    prompt."""
+    model = str(build(tmp_path / "model"))
+    redis_server.call("FLUSHALL")
+    storage = tmp_path / "example-storage"
+    with ThreadPoolExecutor(2) as pool:
+        p = pool.submit(
+            VllmServer, model, None, tmp_path / "multi-prefill.log",
+            transfer=multi("kv_producer", ["cpu://?size=256MiB", redis_server.url], storage, handoff_timeout=30),
+        )  # fmt: skip
+        d = pool.submit(
+            VllmServer, model, None, tmp_path / "multi-decode.log",
+            transfer=multi("kv_consumer", [redis_server.url], storage, handoff_timeout=5),
+        )  # fmt: skip
+        producer, decode = p.result(), d.result()
+    try:
+        got, full = [], []
+        with PDProxy(producer.url, decode.url, forward=True) as proxy:
+            p1 = prompt(449, 4000)
+            got.append(decode.complete(model, p1, base=proxy.url))
+            assert got[-1]["cached"] == 384  # lmtier's hit, through MultiConnector
+            full.append(producer.complete(model, p1, cache_salt=uuid.uuid4().hex))
+            assert proxy.failed_prefills == 0
+        p2 = prompt(449, 4001)
+        producer.complete(model, p2, max_tokens=1)  # the prefill: both connectors store it
+        redis_server.call("FLUSHALL")  # lmtier has lost it; the other connector has not
+        asked = p2 + [7]  # ExampleConnector finds a prompt by all but its last token (the prefill's)
+        got.append(decode.complete(model, asked))
+        assert got[-1]["cached"] == 448  # the other connector's hit (whole blocks before the last token)
+        full.append(producer.complete(model, asked, cache_salt=uuid.uuid4().hex))
+        problems, _ = compare_answers(got, full, full)
+        assert not problems, problems
+    finally:
+        producer.stop()
+        decode.stop()

@@ -19,9 +19,9 @@ import signal
 
 import numpy as np
 import pytest
-from test_vllm_http import CHUNK, VllmServer
 
 from lmtier.testing.tinymodel import build
+from lmtier.testing.vllm_serve import CHUNK, VllmServer
 from lmtier.tiers.disk import DiskTier
 
 from conftest import eventually

@@ -129,7 +129,7 @@ def main() -> None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LMTierConnector",
             kv_connector_module_path="lmtier.connectors.vllm",
-            kv_role="kv_both",
+            kv_role=spec.get("kv_role", "kv_both"),
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["lmtier"],
         )
