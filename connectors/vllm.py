@@ -177,6 +177,16 @@ class LMTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
         self.windowed = any(lane.window for lane in self.lanes)
         self.store = _shared_store(self.config, max(lane.layout.chunk_bytes(self.chunk_tokens) for lane in self.lanes))
         announce("vllm", self.config.tiers, self.namespaces, model_id)
+        if self.kv_role.name != "kv_both" and role == KVConnectorRole.SCHEDULER:
+            log.info(
+                "lmtier: %s: %s (handoff_timeout %g s)",
+                self.kv_role.name,
+                "stores every prompt's chunks in every tier, answers once they are readable, never loads"
+                if self.kv_role.producer
+                else "loads, waits for a forwarded hand-off's chunks, "
+                + ("stores what it computes" if self.kv_role.saves else "never stores"),
+                self.config.handoff_timeout,
+            )
         if hasattr(self._kv_transfer_config, "kv_load_failure_policy"):
             try:
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"

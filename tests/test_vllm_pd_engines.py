@@ -213,7 +213,7 @@ def test_inside_vllms_multiconnector_beside_another_connector(tmp_path, redis_se
         p2 = prompt(449, 4001)
         producer.complete(model, p2, max_tokens=1)  # the prefill: both connectors store it
         redis_server.call("FLUSHALL")  # lmtier has lost it; the other connector has not
-        asked = p2 + [7]  # ExampleConnector finds a prompt by all but its last token (the prefill's)
+        asked = [*p2, 7]  # ExampleConnector finds a prompt by all but its last token (the prefill's)
         got.append(decode.complete(model, asked))
         assert got[-1]["cached"] == 448  # the other connector's hit (whole blocks before the last token)
         full.append(producer.complete(model, asked, cache_salt=uuid.uuid4().hex))
