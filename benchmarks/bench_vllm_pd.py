@@ -10,6 +10,9 @@ One run, real engines, one tiny random-weight Llama, a real Redis as the shared 
   step holds its output until the prompt's chunks are in Redis); ``forwarded`` carries
   ``do_remote_decode`` (the answer leaves at once, the writes follow in the background).
   Background writes settle (untimed) after each request.
+- **What the hold can cost**: the time to write a prompt's KV to memory and Redis as a
+  producer does (``TieredStore.put_all``), measured alone against the same Redis. On this
+  CPU the prefill's compute dwarfs it; on a GPU it is what a held step waits for.
 - **The decode instance's TTFT** (``kv_consumer`` over Redis, vLLM's prefix cache on): the
   same prompts, their KV loaded from Redis, against the same prompts asked again in that
   engine (vLLM's own prefix hit: what a colocated engine that had computed the prompt
@@ -94,6 +97,7 @@ def run(lengths: list[int], docs: int, layers: int, hidden: int, kv_heads: int, 
         )["results"]  # fmt: skip
         print("reference: full prefills, no cache ...", flush=True)
         reference = run_engine({**base, "phases": full}, tmp, "full", timeout=3600)["results"]
+        writes = {n: write_seconds(layout, n, redis.url) for n in lengths}
     finally:
         redis.stop()
 
@@ -112,6 +116,7 @@ def run(lengths: list[int], docs: int, layers: int, hidden: int, kv_heads: int, 
                 "producer_no_store": median(producer, "no_store", length),
                 "producer_hold": median(producer, "hold", length),
                 "producer_forwarded": median(producer, "forwarded", length),
+                "write_s": writes[length],
                 "decode_lmtier": median(decode, "decode", length),
                 "decode_cached_tokens": min(o["cached"] for o in outs),
                 "vllm_prefix_hit": median(decode, "own", length),
@@ -124,18 +129,20 @@ def run(lengths: list[int], docs: int, layers: int, hidden: int, kv_heads: int, 
         r["hold_ratio"] = r["producer_hold"] / r["producer_no_store"]
         r["forwarded_ratio"] = r["producer_forwarded"] / r["producer_no_store"]
         r["decode_ratio"] = r["decode_lmtier"] / r["vllm_prefix_hit"]
+        r["write_share"] = r["write_s"] / r["producer_no_store"]
     report = {"kv_bytes_per_token": layout.chunk_bytes(1), "docs": docs, "rows": rows}
     print(json.dumps(report, indent=2))
     print()
     print(f"KV of {report['kv_bytes_per_token'] // 1024} KiB per token; medians over {docs} prompts per length")
     print()
-    print("| tokens | producer, no store (s) | hold (s) | ratio | forwarded (s) | ratio | decode, lmtier hit (s) "
-          "| cached | vLLM prefix hit (s) | ratio | full prefill (s) |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| tokens | producer, no store (s) | hold (s) | ratio | forwarded (s) | ratio | its KV's write (s) "
+          "| decode, lmtier hit (s) | cached | vLLM prefix hit (s) | ratio | full prefill (s) |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['tokens']} | {r['producer_no_store']:.3f} | {r['producer_hold']:.3f} | {r['hold_ratio']:.2f} "
-            f"| {r['producer_forwarded']:.3f} | {r['forwarded_ratio']:.2f} | {r['decode_lmtier']:.3f} "
+            f"| {r['producer_forwarded']:.3f} | {r['forwarded_ratio']:.2f} | {r['write_s']:.3f} "
+            f"| {r['decode_lmtier']:.3f} "
             f"| {r['decode_cached_tokens']} | {r['vllm_prefix_hit']:.3f} | {r['decode_ratio']:.2f} "
             f"| {r['full_prefill']:.3f} |"
         )
@@ -145,6 +152,25 @@ def run(lengths: list[int], docs: int, layers: int, hidden: int, kv_heads: int, 
     if out_json:
         out_json.write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def write_seconds(layout: KVLayout, tokens: int, url: str) -> float:
+    """What a hold can cost at most for a prompt of ``tokens``: writing its KV, in chunks,
+    to memory and Redis as a producer does (``TieredStore.put_all``), best of three."""
+    from lmtier.chunk import Chunk
+    from lmtier.store import TieredStore
+
+    from common import best
+
+    rng = np.random.default_rng(tokens)
+    data = rng.integers(0, 256, (tokens // CHUNK, *layout.byte_shape(CHUNK)), dtype=np.uint8)
+    with TieredStore.open(["cpu://?size=1GiB", url]) as store:
+
+        def write() -> None:
+            chunks = [Chunk(rng.bytes(16), layout, d) for d in data]  # new keys: a write every time
+            assert store.put_all(chunks)
+
+        return best(write, 3)
 
 
 def main() -> None:
