@@ -204,6 +204,7 @@ class LMTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
         # scheduler side
         self._requests: dict[str, _Request] = {}
         self._napped = False  # a hand-off's wait yielded the core this step
+        self._handoff_looks = 0  # hand-offs looked up this step
         self._workers = parallel.world_size  # each reports its copies (LMTierWorkerMeta)
         self._released: list[str] = []  # finished without holding their blocks, for the next step
         # worker side

@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("lmtier.vllm")
 ENGINE = "vllm"  # the engine label of lmtier_engine_tokens_total
 WINDOW_TRIES = 8  # shorter prefixes tried when a sliding-window lane lacks a hit's window
+# waiting hand-offs looked up per scheduler step at most (each is a lookup in the shared
+# tier: a crowd of them must not make every step wait on the network)
+HANDOFF_LOOKS_PER_STEP = 8
 
 
 @dataclass
@@ -209,12 +212,13 @@ class SchedulerSide:
             state.handoff = None
             metrics.HANDOFFS.labels("late").inc()
             return True
-        if now < state.next_look:
+        if now < state.next_look or self._handoff_looks >= HANDOFF_LOOKS_PER_STEP:
             if not self._napped:  # a scheduler with nothing else to do spins: once a step, yield the core
                 self._napped = True
                 time.sleep(RECHECK_S / 10)
             return False
         state.next_look = now + RECHECK_S
+        self._handoff_looks += 1
         wanted = min(handoff.tokens, prompt_len) // self.chunk_tokens
         try:
             self._lookup(state, prompt_len, limit)
@@ -292,6 +296,7 @@ class SchedulerSide:
         meta = LMTierMetadata(fence_all=self.windowed, released=self._released)
         self._released = []
         self._napped = False
+        self._handoff_looks = 0
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)

@@ -90,6 +90,9 @@ def prefill(scheduler, worker, prompt, req_id="r", params=None):
     return out, output.kv_transfer_params
 
 
+FORWARDED = {"do_remote_decode": True}
+
+
 def scheduled(scheduler, req_id: str, seconds: float = 10.0):
     """The first scheduler output that schedules ``req_id`` (a waiting hand-off is looked
     up again every RECHECK_S)."""
@@ -247,3 +250,28 @@ def test_handoff_keys_are_not_mistaken_for_a_typo_in_the_switches(model, redis):
     out = both.schedule()
     assert out.num_scheduled_tokens["r"] == 900 - 512
     assert [len(s.keys[0]) for s in out.kv_connector_metadata.saves] == [3]  # chunks 4..6 are new
+
+
+def test_a_crowd_of_waiting_handoffs_costs_a_step_a_bounded_number_of_lookups(model, redis, monkeypatch):
+    """Each waiting hand-off is a lookup in the shared tier; however many wait, a step
+    makes at most HANDOFF_LOOKS_PER_STEP of them (and none for one looked at in the last
+    RECHECK_S), so that a crowd cannot make every step wait on the network."""
+    from lmtier.connectors.vllm_scheduler import HANDOFF_LOOKS_PER_STEP
+
+    scheduler, config = producer(model, redis)
+    worker = worker_for(config)
+    monkeypatch.setattr(worker.store, "put_all", lambda chunks: False)  # fault injection: nothing lands
+    prompts = [tokens(300, seed=50 + i) for i in range(3 * HANDOFF_LOOKS_PER_STEP)]
+    handoffs = [prefill(scheduler, worker, p, f"p{i}", params=FORWARDED)[1] for i, p in enumerate(prompts)]
+    decode, _ = consumer(model, redis, handoff_timeout=30)
+    looks, lookup = [], decode.connector.store.lookup_tiers
+    monkeypatch.setattr(decode.connector.store, "lookup_tiers", lambda keys: looks.append(1) or lookup(keys))
+    for i, (p, params) in enumerate(zip(prompts, handoffs, strict=True)):
+        submit(decode, p, f"d{i}", params=params, max_tokens=4)
+    counts = []
+    for _ in range(4):
+        looks.clear()
+        assert decode.schedule().num_scheduled_tokens == {}
+        counts.append(len(looks))
+    assert counts[0] == HANDOFF_LOOKS_PER_STEP and max(counts) == HANDOFF_LOOKS_PER_STEP
+    assert all(decode.connector._requests[f"d{i}"].handoff is not None for i in range(len(prompts)))
