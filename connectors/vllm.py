@@ -135,8 +135,9 @@ class LMTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.config = settings(extra)
-        self.kv_role = role_of(getattr(self._kv_transfer_config, "kv_role", None), self.config)
+        kv_role = getattr(self._kv_transfer_config, "kv_role", None) or "kv_both"
+        self.config = settings(extra, kv_role)
+        self.kv_role = role_of(kv_role, self.config)
         if self.config.metrics_port and role == KVConnectorRole.SCHEDULER:
             metrics.export(self.config.metrics_port)
         self.block_size = vllm_config.cache_config.block_size

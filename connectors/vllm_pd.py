@@ -41,6 +41,7 @@ prompt (its last key differs) is ignored with a warning.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +108,14 @@ def handoff_params(namespace: bytes, key: bytes, tokens: int, chunk_tokens: int,
     }
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class Handoff:
     namespace: str
@@ -125,17 +134,13 @@ class Handoff:
         try:
             if mine.get("v") != VERSION:
                 raise ValueError(f"version {mine.get('v')!r}, not {VERSION}")
-            handoff = cls(
-                str(mine["namespace"]),
-                str(mine["key"]),
-                int(mine["tokens"]),
-                int(mine["chunk_tokens"]),
-                float(mine["deadline"]),
-            )
-            if handoff.tokens < 0 or handoff.chunk_tokens <= 0:
-                raise ValueError("tokens or chunk_tokens out of range")
-            return handoff
-        except (KeyError, TypeError, ValueError) as exc:
+            tokens, chunk_tokens, deadline = mine["tokens"], mine["chunk_tokens"], mine["deadline"]
+            if not all(_is_int(x) for x in (tokens, chunk_tokens)) or not _is_number(deadline):
+                raise ValueError("tokens and chunk_tokens must be integers, deadline a number")
+            if not (0 <= tokens < 2**53 and 0 < chunk_tokens < 2**31) or math.isnan(deadline):
+                raise ValueError("tokens, chunk_tokens or deadline out of range")
+            return cls(str(mine["namespace"]), str(mine["key"]), tokens, chunk_tokens, float(deadline))
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             log.warning("lmtier: a hand-off in kv_transfer_params that cannot be read (%s): ignored", exc)
             return None
 

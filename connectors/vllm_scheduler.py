@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from lmtier import metrics
 from lmtier.connectors import announce
 from lmtier.connectors.vllm_events import LMTierKVEvents
-from lmtier.connectors.vllm_pd import HANDOFF_KEYS, RECHECK_S, Handoff, forwarded, handoff_params
+from lmtier.connectors.vllm_pd import HANDOFF_KEYS, LOCAL_SCHEMES, RECHECK_S, Handoff, forwarded, handoff_params
 from lmtier.connectors.vllm_plans import LMTierMetadata, LMTierWorkerMeta, LoadPlan, SavePlan
 from lmtier.connectors.vllm_stats import hit_sources
 from lmtier.keys import chunk_keys
@@ -122,7 +122,13 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = self._new_request(request)
+            try:
+                state = self._new_request(request)
+            except Exception:  # never break the scheduler: the request is served as if lmtier were off
+                log.exception("lmtier: %s: its kv_transfer_params could not be read", request.request_id)
+                state = _Request(request, load=False, save=False, saved=[0] * len(self.lanes))
+                state.namespaces = self.lane_namespaces
+            self._requests[request.request_id] = state
         prompt_len = len(request.prompt_token_ids or [])
         # Whole blocks only, and never the whole prompt: the engine computes the last token.
         limit = (prompt_len - 1) // self.block_size * self.block_size
@@ -226,6 +232,15 @@ class SchedulerSide:
             log.exception("lmtier lookup failed for %s", state.request.request_id)
             return False
         if state.hit_chunks < wanted:
+            shared = [t for t in self.store.tiers if t.scheme not in LOCAL_SCHEMES]
+            if shared and not any(self.store.answering(t) for t in shared):
+                log.warning(
+                    "lmtier: %s: the shared tier does not answer; the engine recomputes the hand-off's chunks",
+                    state.request.request_id,
+                )
+                state.handoff = None
+                metrics.HANDOFFS.labels("down").inc()
+                return True
             return False
         state.handoff = None
         metrics.HANDOFFS.labels("ready").inc()

@@ -37,10 +37,16 @@ EXTRA_KEYS = engine_keys()
 NOTE_ENV = "_LMTIER_SETTINGS_NOTE"  # the first process's note, inherited by the engine's processes
 
 
-def settings(extra: Mapping[str, Any] | None) -> StoreConfig:
-    """The connector's settings from its extra config, every key and tier URL checked."""
+def settings(extra: Mapping[str, Any] | None, kv_role: str | None = None) -> StoreConfig:
+    """The connector's settings from its extra config, every key and tier URL checked, and
+    (given vLLM's ``kv_role``) that its tiers can serve the role."""
     try:
-        return engine_config(dict(extra or {}), EXTRA_KEYS, "kv_connector_extra_config")
+        config = engine_config(dict(extra or {}), EXTRA_KEYS, "kv_connector_extra_config")
+        if kv_role is not None:
+            from lmtier.connectors.vllm_pd import role_of
+
+            role_of(kv_role, config)
+        return config
     except (ConfigError, MissingDependency) as exc:
         note = os.environ.get(NOTE_ENV)
         if note and os.getpid() != _OWNER:  # an engine process: the first one tells it last

@@ -197,10 +197,10 @@ class StoreConfig:
             raise ConfigError("save_policy=min_tokens needs min_tokens (the shortest prompt stored), e.g. 2048")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must lie in [0, 65536), got {self.metrics_port}")
-        if self.load_deadline < 0:
-            raise ConfigError(f"load_deadline must not be negative, got {self.load_deadline}")
-        if self.handoff_timeout < 0:
-            raise ConfigError(f"handoff_timeout must not be negative, got {self.handoff_timeout}")
+        for name in ("load_deadline", "handoff_timeout"):  # seconds: NaN or infinity is no bound at all
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):
+                raise ConfigError(f"{name} must be a number of seconds, 0 or more, got {value}")
 
 
 WRITE_MODES = ("auto", "through", "back")

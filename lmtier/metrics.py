@@ -118,8 +118,8 @@ HANDOFF_WAIT = Histogram(
 HANDOFFS = Counter(
     "lmtier_handoffs_total",
     "Prefill/decode disaggregation on a decode instance: forwarded hand-offs by outcome "
-    "(ready: every chunk readable in time; late: the deadline passed first; ignored: of "
-    "another model, layout or prompt).",
+    "(ready: every chunk readable in time; late: the deadline passed first; down: the shared "
+    "tier stopped answering; ignored: of another model, layout or prompt).",
     ["result"],
     registry=REGISTRY,
 )

@@ -217,6 +217,13 @@ class TieredStore:
             found += best
         return runs
 
+    def answering(self, tier: Tier) -> bool:
+        """Whether ``tier`` answers now: its breaker is closed and, if it could not be
+        opened at start, it has opened since (a caller waiting on it can stop early)."""
+        if self._breakers[id(tier)].is_open:
+            return False
+        return getattr(tier, "opened", tier) is not None
+
     def read_counts(self) -> dict[str, tuple[int, int]]:
         """Chunks read per tier since the store opened, (hits, misses): cheap, for engines
         that report intervals."""

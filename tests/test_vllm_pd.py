@@ -6,6 +6,7 @@ tests/test_vllm_pd_engines.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -275,3 +276,89 @@ def test_a_crowd_of_waiting_handoffs_costs_a_step_a_bounded_number_of_lookups(mo
         counts.append(len(looks))
     assert counts[0] == HANDOFF_LOOKS_PER_STEP and max(counts) == HANDOFF_LOOKS_PER_STEP
     assert all(decode.connector._requests[f"d{i}"].handoff is not None for i in range(len(prompts)))
+
+
+# -- what outside review found ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"tokens": float("inf")},  # JSON 1e999: once an OverflowError that ended the engine core
+        {"chunk_tokens": float("inf")},
+        {"tokens": 512.0},
+        {"tokens": True},
+        {"deadline": "soon"},
+        {"deadline": float("nan")},
+        {"tokens": 2**80},
+    ],
+)
+def test_a_handoff_with_numbers_out_of_any_range_is_ignored(bad):
+    good = {"v": 1, "namespace": "ab", "key": "cd", "tokens": 512, "chunk_tokens": 128, "deadline": 1.0}
+    assert Handoff.of({"lmtier": good}) is not None
+    assert Handoff.of({"lmtier": {**good, **bad}}) is None
+
+
+def test_a_request_whose_handoff_cannot_be_read_is_served_and_the_scheduler_goes_on(model, redis):
+    decode, _ = consumer(model, redis)
+    junk = {"lmtier": {"v": 1, "namespace": "x", "key": "x", "tokens": float("inf"), "chunk_tokens": 1, "deadline": 0}}
+    submit(decode, tokens(300, seed=60), params=junk, max_tokens=4)
+    assert decode.schedule().num_scheduled_tokens["r"] == 300
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", float("nan"), -1])
+@pytest.mark.parametrize("name", ["handoff_timeout", "load_deadline"])
+def test_seconds_that_bound_nothing_are_refused_at_start(name, value):
+    with pytest.raises(ConfigError, match=f"{name} must be a number of seconds"):
+        StoreConfig(**{name: float(value)})
+
+
+def test_a_decoder_stops_waiting_at_once_when_its_shared_tier_does_not_answer(model, redis, monkeypatch):
+    """The producer answered with a hand-off, then the shared tier went away: the decode
+    instance recomputes at once instead of waiting out its deadline."""
+    from lmtier.testing.redis_server import free_port
+
+    scheduler, config = producer(model, redis)
+    _, params = prefill(scheduler, worker_for(config), tokens(600, seed=61), params=FORWARDED)
+    dead = f"redis://127.0.0.1:{free_port()}"  # nothing listens there
+    decode, _ = engine(model, "kv_consumer", [dead], handoff_timeout=30)
+    submit(decode, tokens(600, seed=61), params=params, max_tokens=4)
+    start = time.monotonic()
+    out = scheduled(decode, "r", 5.0)
+    assert out.num_scheduled_tokens["r"] == 600 and time.monotonic() - start < 5
+
+
+def test_a_role_its_tiers_cannot_serve_is_told_as_the_engines_last_line(tmp_path):
+    """In an engine process (one that inherited the first process's note), a role refused
+    at start is written to the note that the first process repeats as its last line."""
+    import subprocess
+    import sys
+
+    from lmtier.connectors.vllm_settings import NOTE_ENV
+
+    note = tmp_path / "note"
+    code = (
+        "from lmtier.connectors.vllm_settings import settings\n"
+        "try:\n    settings({'tiers': ['cpu://?size=1MiB']}, 'kv_consumer')\n"
+        "except Exception as e:\n    print(type(e).__name__)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, NOTE_ENV: str(note)}, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.stdout.strip() == "ConfigError"
+    assert note.read_text().startswith("ConfigError: lmtier: kv_role kv_consumer needs a tier the other side reads")
+
+
+def test_the_reference_proxy_keeps_the_clients_switches_and_refuses_bad_requests_cleanly():
+    import socket
+
+    from lmtier.demo.pd_proxy import PDProxy, decode_body, prefill_body
+
+    body = {"prompt": [1, 2], "max_tokens": 9, "kv_transfer_params": {"lmtier": {"load": False}}}
+    hand = {"lmtier": {"v": 1, "key": "k"}}
+    assert decode_body(body, hand)["kv_transfer_params"]["lmtier"] == {"v": 1, "key": "k", "load": False}
+    assert prefill_body({**body, "kv_transfer_params": [1]}, forward=True)["kv_transfer_params"]["do_remote_decode"]
+    with PDProxy("http://127.0.0.1:9", "http://127.0.0.1:9", forward=True) as proxy:
+        port = int(proxy.url.rsplit(":", 1)[1])
+        for length in ("abc", "-1"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode())
+                status = s.recv(200).split(b"\r\n")[0]
+                assert status.startswith(b"HTTP/1.1 400 "), status

@@ -1,6 +1,9 @@
 """The connector inside vLLM's real Scheduler (no model run): hits, misses, tails,
 whole-prompt hits, preemption, a worker whose load fails, and saves that copy blocks
-after the step (held blocks, reported copies, the fence after a preemption)."""
+after the step (held blocks, reported copies, the fence after a preemption).
+
+Longer than 400 lines: every behaviour of the scheduler half runs on one fixture (vLLM's
+real Scheduler), and its helpers serve the PD and hybrid-model tests too."""
 
 from __future__ import annotations
 
@@ -400,9 +403,8 @@ def test_fp8_caches_that_vllm_allocates_as_bytes_are_taken_as_fp8(dtype):
 
 
 def test_a_cache_salt_keeps_a_requests_kv_to_requests_with_the_same_salt(scheduler):
-    """vLLM's per-request ``cache_salt`` (a user's prefix cache kept apart): lmtier keys
-    the request's chunks with it, so that a salted request neither loads another's chunks
-    nor saves where an unsalted (or differently salted) request would find them."""
+    """vLLM's per-request ``cache_salt`` keeps a user's prefix cache apart: lmtier keys a
+    salted request's chunks with it (it neither loads nor saves where others look)."""
     prompt = tokens(450, seed=41)
     store_chunks(scheduler.connector, prompt, 3)  # stored without a salt
 
@@ -416,7 +418,6 @@ def test_a_cache_salt_keeps_a_requests_kv_to_requests_with_the_same_salt(schedul
     assert submit("plain", None)[0] == (384, False)
     hit, alice = submit("alice", "alice-secret")
     assert hit == (0, False)
-    keys = scheduler.connector._keys_for(alice, 384)
-    assert keys[0] != scheduler.connector.namespaces[0].keys(prompt)[:3]
+    assert scheduler.connector._keys_for(alice, 384)[0] != scheduler.connector.namespaces[0].keys(prompt)[:3]
     assert submit("alice-again", "alice-secret")[1].namespaces[0][0].digest == alice.namespaces[0][0].digest
     assert submit("bob", "bob-secret")[1].namespaces[0][0].digest != alice.namespaces[0][0].digest

@@ -44,6 +44,7 @@ NIXL_REQUEST = {  # what a router that forwards parameters asks the prefill inst
     "remote_port": None,
 }
 MAX_BODY = 64 << 20
+CLIENT_TIMEOUT_S = 60
 TIMEOUT_S = 600
 
 
@@ -57,15 +58,23 @@ def prefill_body(body: dict[str, Any], forward: bool) -> dict[str, Any]:
     for key in ("stream_options", "min_tokens", "min_completion_tokens"):
         first.pop(key, None)
     if forward:
-        first["kv_transfer_params"] = {**NIXL_REQUEST, **(body.get("kv_transfer_params") or {})}
+        own = body.get("kv_transfer_params")
+        first["kv_transfer_params"] = {**NIXL_REQUEST, **(own if isinstance(own, dict) else {})}
     return first
 
 
 def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
-    """The decode instance's request: the client's, with the prefill's parameters."""
+    """The decode instance's request: the client's, with the prefill's parameters (the
+    client's own lmtier switches, such as ``"load": false``, kept beside the hand-off)."""
     if not params:
         return body
-    return {**body, "kv_transfer_params": params}
+    own = body.get("kv_transfer_params")
+    own = own if isinstance(own, dict) else {}
+    merged = {**own, **params}
+    switches = own.get("lmtier")
+    if isinstance(switches, dict) and isinstance(params.get("lmtier"), dict):
+        merged["lmtier"] = {**params["lmtier"], **{k: v for k, v in switches.items() if k in ("load", "save")}}
+    return {**body, "kv_transfer_params": merged}
 
 
 class PDProxy:
@@ -77,6 +86,7 @@ class PDProxy:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = CLIENT_TIMEOUT_S  # a client that stops sending loses its connection
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug(fmt, *args)
@@ -85,7 +95,13 @@ class PDProxy:
                 proxy._relay(self, proxy.decode + self.path, None)
 
             def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    length = -1
+                if length < 0:
+                    self.send_error(400, "a Content-Length of 0 or more is required")
+                    return
                 if length > MAX_BODY:
                     self.send_error(413, "request body too large")
                     return
