@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 
 from lmtier.demo.pd_proxy import PDProxy
-from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.engine import LOGPROB_TOLERANCE, compare_answers
 from lmtier.testing.tinymodel import build
 from lmtier.testing.vllm_serve import BLOCK, VllmServer
@@ -68,6 +67,8 @@ def run_pd_demo(
         print("building a small random-weight Llama (8 layers, bf16) ...", flush=True)
         model = str(build(tmp / "model", layers=8, hidden=256))
         print("starting lmtier serve (the shared tier) ...", flush=True)
+        from lmtier.testing.cache_server import ServerProcess  # gRPC: loaded only for this demo
+
         server = ServerProcess(tmp, "--tier", "cpu://?size=2GiB")
         tier = f"grpc://{server.address}"
         engines = []
