@@ -177,25 +177,6 @@ def test_every_tier_is_timed_inside_the_engine_against_vllms_own_hit(suite):
     assert "| lmtier server |" in stdout and "(memory floor)" in stdout
 
 
-@pytest.mark.timeout(900)
-def test_the_pd_benchmark_times_producer_and_decode_instance_against_their_references(tmp_path):
-    """benchmarks/bench_vllm_pd.py at a small size: three real engines, the figures and
-    ratios it reports, the decode instance's answers checked."""
-    out = tmp_path / "pd.json"
-    run = subprocess.run(
-        [sys.executable, "bench_vllm_pd.py", "--lengths", "512", "--docs", "1", "--layers", "2",
-         "--json-out", str(out)],
-        capture_output=True, text=True, timeout=850, cwd=ROOT / "benchmarks",
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["tokens"] == 512 and row["decode_cached_tokens"] == 448  # whole chunks before the last block
-    assert row["hold_ratio"] == pytest.approx(row["producer_hold"] / row["producer_no_store"])
-    assert row["decode_ratio"] == pytest.approx(row["decode_lmtier"] / row["vllm_prefix_hit"])
-    assert row["write_s"] > 0 and row["answer_problems"] == [] and row["answers_exact"] == 1
-    assert "| 512 |" in run.stdout
-
-
 def test_the_readme_results_page_is_a_full_run_copied_unedited():
     """The README's table is docs/results/results.md's, from a full `lmtier bench` run,
     with every target of that run and the plots it made."""
