@@ -20,7 +20,6 @@ prefix-cache hits and full prefills, and writes a PNG plot (with matplotlib).
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
 import time
 import uuid
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from lmtier.demo.pd_proxy import PDProxy
+from lmtier.demo.vllm import _plot, print_ttft_table
 from lmtier.testing.engine import LOGPROB_TOLERANCE, compare_answers
 from lmtier.testing.tinymodel import build
 from lmtier.testing.vllm_serve import BLOCK, VllmServer
@@ -114,13 +114,7 @@ def _report(rows: dict[str, list[dict]], out: Path, doc_tokens: int) -> int:
     problems, exact = compare_answers(
         hits, rows["decode instance: vLLM's own prefix cache"], rows["decode instance: no cache (full prefill)"]
     )
-    print("\n| requests | median TTFT | cached tokens (median) |")
-    print("|---|---:|---:|")
-    medians = {}
-    for label, outs in rows.items():
-        medians[label] = statistics.median(o["seconds"] for o in outs)
-        cached = statistics.median(o["cached"] for o in outs)
-        print(f"| {label} | {medians[label] * 1000:.0f} ms | {cached:.0f} of {outs[0]['prompt_len']} |")
+    medians = print_ttft_table(rows)
     print(
         f"\nThe decode instance's answers: {exact} of {len(hits)} compared bit for bit with its own prefix-cache "
         f"hits, all with full prefills (greedy tokens, logprobs within {LOGPROB_TOLERANCE}): "
@@ -133,8 +127,6 @@ def _report(rows: dict[str, list[dict]], out: Path, doc_tokens: int) -> int:
     print(f"\nThe decode instance skipped the prefill: {full / loaded:.1f}x shorter than computing the prompt.")
     (out / "pd.json").write_text(json.dumps(medians, indent=2) + "\n")
     try:
-        from lmtier.demo.vllm import _plot
-
         _plot(medians, out / "pd.png", hits[0]["prompt_len"], len(hits))
         print(f"plot: {out / 'pd.png'}")
     except ImportError:

@@ -98,13 +98,7 @@ def run_vllm_demo(
     problems, exact = compare_answers(
         hits, rows["vLLM's own prefix cache (same engine)"], rows["no cache (full prefill)"]
     )
-    print("\n| requests | median TTFT | cached tokens (median) |")
-    print("|---|---:|---:|")
-    medians = {}
-    for label, outs in rows.items():
-        medians[label] = statistics.median(o["seconds"] for o in outs)
-        cached = statistics.median(o["cached"] for o in outs)
-        print(f"| {label} | {medians[label] * 1000:.0f} ms | {cached:.0f} of {outs[0]['prompt_len']} |")
+    medians = print_ttft_table(rows)
     print(
         f"\nB's answers: {exact} of {len(hits)} compared bit for bit with vLLM's own prefix-cache hits "
         f"(the others cached another number of tokens), all with full prefills (greedy tokens up to a near "
@@ -133,6 +127,18 @@ def run_vllm_demo(
     ok = not problems and b_cached
     print("\ndemo", "passed" if ok else "FAILED")
     return 0 if ok else 1
+
+
+def print_ttft_table(rows: dict[str, list[dict]]) -> dict[str, float]:
+    """Print each row's median TTFT and cached tokens as a Markdown table; the medians."""
+    print("\n| requests | median TTFT | cached tokens (median) |")
+    print("|---|---:|---:|")
+    medians = {}
+    for label, outs in rows.items():
+        medians[label] = statistics.median(o["seconds"] for o in outs)
+        cached = statistics.median(o["cached"] for o in outs)
+        print(f"| {label} | {medians[label] * 1000:.0f} ms | {cached:.0f} of {outs[0]['prompt_len']} |")
+    return medians
 
 
 def _plot(medians: dict[str, float], path: Path, prompt_tokens: int, docs: int) -> None:
