@@ -25,15 +25,16 @@ unit: venv system
 wheel: venv
 	@./scripts/check-wheel.sh
 
-# The unit tests, then lmtier installed into engines' own environments (tests/user_envs.py),
-# whose environments are made meanwhile (downloads, mostly; reused while their recipe holds).
+# The unit tests and, beside them at a lower priority, lmtier installed into engines' own
+# environments (tests/user_envs.py: the environments made or reused, then each cell); the
+# matrix's report is printed after the unit tests'.
 test: lint wheel system
 	@mkdir -p build/userenv; \
-	$(PY) tests/user_envs.py --envs-only >build/userenv/envs.log 2>&1 & envs=$$!; \
+	nice -n 10 $(PY) tests/user_envs.py >build/userenv/matrix.log 2>&1 & matrix=$$!; \
 	$(PY) -m pytest -q $(PYTEST_ARGS); unit=$$?; \
-	wait $$envs || { cat build/userenv/envs.log; exit 1; }; \
-	$(PY) tests/user_envs.py; matrix=$$?; \
-	exit $$(( unit || matrix ))
+	wait $$matrix; envs=$$?; \
+	cat build/userenv/matrix.log; \
+	exit $$(( unit || envs ))
 
 # lmtier in vLLM's and SGLang's own environments at their protobuf / grpcio versions
 # (the table in README's "Installing lmtier into an engine's environment").

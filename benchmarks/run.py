@@ -48,6 +48,7 @@ SUITE: dict[str, tuple[str, list[str], list[str]]] = {
     "grpc": ("bench_grpc_tier.py", ["--sizes-mib", "0.5", "--total-mib", "8", "--rounds", "1"], []),
     "trace": ("bench_trace.py", ["--quick"], []),
     "vllm_tiers": ("bench_vllm_tiers.py", ["--tokens", "256", "--docs", "1", "--layers", "2", "--kv-heads", "2"], []),
+    "vllm_pd": ("bench_vllm_pd.py", ["--lengths", "512", "--docs", "1", "--layers", "2"], []),
     "vllm": (
         "bench_vllm_ttft.py",
         ["--lengths", "512", "--docs", "1", "--layers", "2", "--hidden", "256", "--throughput-prompts", "2"],
@@ -65,6 +66,7 @@ NEEDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "grpc": (("grpc", "grpc_health"), ("redis-server",), "the server extra and redis-server"),
     "vllm": (("vllm", "transformers", "tokenizers", "matplotlib"), ("dd",), "the vllm extra and matplotlib"),
     "trace": ((), (), "the Mooncake trace in ../shared/traces"),
+    "vllm_pd": (("vllm", "transformers", "tokenizers", "redis"), ("redis-server",), "the vllm and redis extras"),
     "vllm_tiers": (
         ("vllm", "transformers", "tokenizers", "redis", "grpc"),
         ("dd", "redis-server"),
@@ -250,6 +252,15 @@ def targets(reports: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append(_row("vllm_tiers", f"TTFT of an lmtier {x['tier']} hit, {size} (s)", x["ttft"],
                              "vLLM resident prefix hit", v["vllm_prefix_hit"], x["ratio"], "<= 1.15x",
                              x["ratio"] <= 1.15))  # fmt: skip
+    if "vllm_pd" in reports:
+        for x in reports["vllm_pd"]["rows"]:
+            n = x["tokens"]
+            rows.append(_row("vllm_pd", f"producer prefill answered once its KV is in Redis, {n} tokens (s)",
+                             x["producer_hold"], "same engine, not storing", x["producer_no_store"],
+                             x["hold_ratio"], "<= 1.10x", x["hold_ratio"] <= 1.10))  # fmt: skip
+            rows.append(_row("vllm_pd", f"decode instance TTFT, the prompt's KV from Redis, {n} tokens (s)",
+                             x["decode_lmtier"], "vLLM resident prefix hit, same prompt", x["vllm_prefix_hit"],
+                             x["decode_ratio"], "<= 1.2x", x["decode_ratio"] <= 1.2))  # fmt: skip
     return rows
 
 

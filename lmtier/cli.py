@@ -214,6 +214,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from lmtier.demo.embedded import run_demo
 
         return run_demo(tiers=args.tier or None, directory=args.dir)
+    if args.questions < 2:
+        raise LmtierError(f"--questions {args.questions}: at least 2 (A's first question prefills, the next hit)")
     _require("vllm", "vllm", "torch", "transformers", "tokenizers")  # the engines, and the model they load
     if args.what == "pd":
         _require("grpc", "grpc")  # the shared tier is lmtier serve
@@ -222,7 +224,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return run_pd_demo(out_dir=args.out, docs=args.docs, doc_tokens=args.doc_tokens, directory=args.dir)
     from lmtier.demo.vllm import run_vllm_demo
 
-    return run_vllm_demo(out_dir=args.out, docs=args.docs, doc_tokens=args.doc_tokens, directory=args.dir)
+    return run_vllm_demo(
+        out_dir=args.out, docs=args.docs, doc_tokens=args.doc_tokens, questions=args.questions, directory=args.dir
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -552,6 +556,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="lmtier-demo", help="where the TTFT plot and JSON go (default ./lmtier-demo)")
     p.add_argument("--docs", type=int, default=3, help="documents (default 3)")
     p.add_argument("--doc-tokens", type=int, default=4096, help="tokens per document (default 4096)")
+    p.add_argument(
+        "--questions", type=int, default=3,
+        help="vllm: questions per document and instance (default 3; at least 2: A's first prefills, its next hit)",
+    )  # fmt: skip
     p.add_argument("--dir", help="where the demo's temporary files live (default: the system temp dir)")
     p.add_argument("--store-only", action="store_true", help="the embedded store alone, without an engine")
     p.add_argument("--tier", action="append", help="with --store-only: tier URL (repeatable)")

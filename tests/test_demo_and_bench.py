@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL = ("cpu", "disk", "redis", "grpc", "trace", "vllm_tiers", "vllm")  # every benchmark of benchmarks/run.py
+ALL = ("cpu", "disk", "redis", "grpc", "trace", "vllm_tiers", "vllm_pd", "vllm")  # every benchmark of benchmarks/run.py
 
 
 def test_demo_runs_and_checks_its_own_results():
@@ -68,7 +68,7 @@ def test_the_suite_writes_json_a_table_of_every_target_and_plots(suite):
     out, summary, stdout = suite
     assert summary["mode"] == "short" and set(summary["benchmarks"]) == set(ALL)
     benches = [t["benchmark"] for t in summary["targets"]]
-    counts = {"cpu": 1, "disk": 2, "redis": 6, "grpc": 4, "trace": 9, "vllm": 6, "vllm_tiers": 5}
+    counts = {"cpu": 1, "disk": 2, "redis": 6, "grpc": 4, "trace": 9, "vllm": 6, "vllm_tiers": 5, "vllm_pd": 2}
     assert {b: benches.count(b) for b in set(benches)} == counts
     for t in summary["targets"]:
         assert t["lmtier"] > 0 and t["reference_value"] > 0 and t["ratio"] > 0
@@ -138,6 +138,8 @@ def test_the_vllm_demo_runs_two_engines_and_checks_its_own_answers(tmp_path):
             "2",
             "--doc-tokens",
             "1024",
+            "--questions",
+            "2",
             "--out",
             str(tmp_path / "out"),
             "--dir",
@@ -175,6 +177,17 @@ def test_every_tier_is_timed_inside_the_engine_against_vllms_own_hit(suite):
     assert report["disk_floor"] > report["vllm_prefix_hit"]
     assert report["memory_floor"] == pytest.approx(report["vllm_prefix_hit"] + report["memcpy_seconds"])
     assert "| lmtier server |" in stdout and "(memory floor)" in stdout
+
+
+@SUITE_TIMEOUT
+def test_the_pd_benchmark_times_producer_and_decode_instance_against_their_references(suite):
+    report, stdout = report_of(suite, "vllm_pd")
+    (row,) = report["rows"]
+    assert row["tokens"] == 512 and row["decode_cached_tokens"] == 448  # whole chunks before the last block
+    assert row["hold_ratio"] == pytest.approx(row["producer_hold"] / row["producer_no_store"])
+    assert row["decode_ratio"] == pytest.approx(row["decode_lmtier"] / row["vllm_prefix_hit"])
+    assert row["answer_problems"] == [] and row["answers_exact"] == 1
+    assert "| 512 |" in stdout
 
 
 def test_the_readme_results_page_is_a_full_run_copied_unedited():

@@ -247,10 +247,13 @@ def test_damaged_chunk_files_are_recomputed_and_the_answers_do_not_change(single
     assert sum(o["cached"] for outs in c["results"].values() for o in outs) > 0  # the intact chunks still load
 
 
-def two_instances(tmp: Path, model: str, **spec) -> Path:
-    """A and B over one fresh directory, in the engine configuration ``spec``; returns it."""
+def two_instances(tmp: Path, model: str, ref: dict | None = None, **spec) -> Path:
+    """A and B over one fresh directory, in the engine configuration ``spec``, against
+    ``ref`` (by default vLLM's own answers in that configuration); returns the directory."""
     phases = SCENARIO[:2]
-    ref = reference(tmp, model, phases=phases, **spec)
+    if ref is None:
+        ref = reference(tmp, model, phases=phases, **spec)
+    ref = {tag: {p["name"]: runs[p["name"]] for p in phases} for tag, runs in ref.items()}
     disk = tmp / "disk"
     a = engine(tmp, model, "a", disk, phases=phases, **spec)
     b = engine(tmp, model, "b", disk, phases=phases, **spec)
@@ -260,8 +263,10 @@ def two_instances(tmp: Path, model: str, **spec) -> Path:
     return disk
 
 
-def test_the_default_multiprocess_mode(model, tmp_path):
-    two_instances(tmp_path, model, multiprocess=True)
+def test_the_default_multiprocess_mode(model, single_process, tmp_path):
+    """The engine core in a process of its own (vLLM's default) runs the same forward pass
+    as the single-process engines: its answers are checked against their reference."""
+    two_instances(tmp_path, model, ref=single_process["reference"], multiprocess=True)
 
 
 def assert_b_hit_what_a_stored(a, b, ref) -> None:

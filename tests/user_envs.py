@@ -14,8 +14,10 @@ pip resolving the engine's requirements again with them (``lowest`` the engine a
 ``reported`` by users, ``resolved`` as first made, ``newest``). In each, the wheel goes in
 with the ``grpc``, ``server`` and ``redis`` extras; green is: no package moved, ``pip
 check`` no new complaint, the connector imports from the wheel, two engine instances share
-a prefix through Redis and through a ``lmtier serve`` of the newest environment. Two wire
-cells set the oldest protobuf / grpcio the extras allow against the newest, each way.
+a prefix through Redis and through a ``lmtier serve`` of the newest environment (vLLM: real
+engines side by side in ``vllm/resolved``; in its other cells two processes of the
+installed connector and store, tests/vllm_light.py, which is what the versions can break).
+Two wire cells set the oldest protobuf / grpcio the extras allow against the newest, each way.
 
 Environments are kept in ``--out``, reused while their recipe holds; a cell restores its
 environment when it ends. Writes ``matrix.json`` and ``matrix.md``; exits 1 if a cell fails.
@@ -58,6 +60,7 @@ class Cell:
     engine: str  # "vllm" or "sglang"
     name: str
     pins: list[str] = field(default_factory=list)  # pip install arguments; "-U" ones for newest
+    engines: bool = False  # vLLM: real engines side by side (one cell), or the light check
     results: dict = field(default_factory=dict)
 
     @property
@@ -88,7 +91,7 @@ GRPC_FAMILY = {
     ),
 }
 CELLS = [
-    Cell("vllm", "resolved"),
+    Cell("vllm", "resolved", engines=True),
     Cell("vllm", "lowest", ["protobuf==5.29.6", "grpcio==1.63.2"]),
     Cell("vllm", "reported", ["protobuf==6.33.6", "grpcio==1.78.0"]),
     Cell("vllm", "newest", ["-U", *GRPC_FAMILY["vllm"]]),
@@ -184,6 +187,24 @@ def vllm_share(cell: Cell, env_dir: Path, model: Path, redis_url: str, server_ur
         cell.results[f"{tier}_detail"] = f"{got['cached']} tokens loaded, answer {'equal' if same else 'DIFFERENT'}"
 
 
+def vllm_light(cell: Cell, env_dir: Path, redis_url: str, server_url: str) -> None:
+    """What protobuf / grpcio versions can break, without an engine's minutes: the connector
+    imported as vLLM imports it (and in vLLM's connector registry), 1,024 tokens of KV
+    stored by one process through Redis and the cache server, read back by another from
+    each alone, byte for byte."""
+    env = {"LMTIER_TOKEN": SECRET}
+    worker, urls, seed = str(HERE / "vllm_light.py"), f"{redis_url},{server_url}", str(time.time_ns() % 10**6)
+    wrote = json.loads(in_env(env_dir, [worker, "set", urls, seed], env=env).splitlines()[-1])
+    read = json.loads(in_env(env_dir, [worker, "get", urls, seed], env=env).splitlines()[-1])
+    imported = installed(wrote["lmtier"], env_dir) and installed(read["lmtier"], env_dir)
+    cell.results["import"] = imported and wrote["registered"] is True
+    stored = wrote["tiers"][0]
+    for tier, got in zip(("redis", "server"), read["tiers"], strict=True):
+        same = got == stored and stored["sha256"] == wrote["want"]
+        cell.results[f"{tier}_hit"] = same
+        cell.results[f"{tier}_detail"] = f"{got['tokens']} tokens read, KV {'equal' if same else 'DIFFERENT'}"
+
+
 def sglang_share(cell: Cell, env_dir: Path, redis_url: str, server_url: str) -> None:
     """SGLang's backend factory over its real host pools: one process writes 8 pages to
     Redis and the cache server, another (another host layout) reads them from each alone;
@@ -235,9 +256,19 @@ class Server:
 
 
 def run_cell(cell: Cell, env_dir: Path, wheel: Path, model: Path, redis: str, server: str, work: Path, seen) -> None:
-    """One cell, start to end; what it found goes into ``cell.results`` (an error too)."""
+    """One cell, start to end; what it found goes into ``cell.results`` (an error too), and
+    the seconds of each step into ``cell.results["steps"]``."""
+    steps = cell.results.setdefault("steps", {})
+    t0 = time.monotonic()
+
+    def step(name: str) -> None:
+        nonlocal t0
+        steps[name] = round(time.monotonic() - t0, 1)
+        t0 = time.monotonic()
+
     try:
         set_versions(cell, env_dir)
+        step("versions")
         versions = freeze(env_dir)
         key = (versions.get("protobuf"), versions.get("grpcio"))
         if cell.name == "newest" and seen.get(cell.engine) == key:
@@ -245,15 +276,20 @@ def run_cell(cell: Cell, env_dir: Path, wheel: Path, model: Path, redis: str, se
             return
         seen.setdefault(cell.engine, key)
         install_wheel(cell, env_dir, wheel)
-        if cell.engine == "vllm":
+        step("wheel")
+        if cell.engine == "vllm" and cell.engines:
             vllm_share(cell, env_dir, model, redis, server, work)
+        elif cell.engine == "vllm":
+            vllm_light(cell, env_dir, redis, server)
         else:
             sglang_share(cell, env_dir, redis, server)
+        step("share")
     except Exception as exc:  # a failed cell is reported, the others still run
         cell.results["error"] = str(exc)[-3000:]
     finally:
         try:
             restore(cell, env_dir)
+            step("restore")
         except Exception as exc:
             cell.results.setdefault("error", f"restoring the environment: {exc}")
 
@@ -393,6 +429,7 @@ def _table(rows: list[dict], wires: list[dict], costs: dict[str, float]) -> str:
     lines += ["", "| wire | client | server | same KV |", "|---|---|---|---|"]
     lines += [f"| {w['cell']} | {w['client']} | {w['server']} | {mark(w['ok'])} |" for w in wires]
     lines += ["", "Seconds: " + ", ".join(f"{k} {v}" for k, v in costs.items())]
+    lines += [f"  {r['cell']}: " + ", ".join(f"{k} {v}" for k, v in r["steps"].items()) for r in rows if r.get("steps")]
     return "\n".join(lines) + "\n"
 
 
