@@ -655,7 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     elif rest:
         parser.parse_args(argv)  # the usual one-line error for what was not recognized
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # what is still buffered meets a closed pipe here, not at exit
+        return code
     except BrokenPipeError:  # `lmtier stats | head`: the reader has all it wanted
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
