@@ -7,6 +7,8 @@ and a ``redis-server``; then for each chunk size moves the same chunks through:
   (PUT), a server stream of N such messages (GET). Python gRPC at its best, no cache.
 - ``tcp``: the grpc:// tier with ``shm=off``: frames in gRPC messages.
 - ``memcpy``: ``np.copyto`` of each chunk into a preallocated buffer: the bytes moved once.
+- ``copyhash``: the same copy, then xxh3-64 of the copied bytes: the least a verified
+  load (or a checked save) can cost, the reference of the shared-memory paths.
 - ``shm``: the grpc:// tier through its shared-memory segment, gRPC for control only.
 - ``redis``: the redis:// tier on the same host.
 
@@ -43,6 +45,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import xxhash
 
 from lmtier import codec
 from lmtier.chunk import Chunk, release_all
@@ -216,13 +219,21 @@ def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: 
             for i, src in enumerate(sources[b]):
                 np.copyto(dst[i], src)
 
+    def copyhash() -> None:
+        for b in batches:
+            for i, src in enumerate(sources[b]):
+                np.copyto(dst[i], src)
+                xxhash.xxh3_64_intdigest(dst[i])
+
     samples: dict[str, list[float]] = {}
     try:
         for tier in tiers.values():  # steady state: the server holds the chunks once, untimed
             put(tier)()
         for _ in range(rounds):
             copy_rate = nbytes / timed(memcpy) / 1e9
+            hash_rate = nbytes / timed(copyhash) / 1e9
             rates = {
+                "copyhash": {"put": hash_rate, "get": hash_rate, "load": hash_rate},
                 "echo": {
                     "put": nbytes / timed(echo_put) / 1e9,
                     "get": nbytes / timed(echo_get) / 1e9,
@@ -256,9 +267,9 @@ def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: 
     rows = []
     for op in ("put", "get", "load", "put+get"):
         row = {"chunk_mib": size_mib, "op": op, "message_bytes": message}
-        for name in ("echo", "tcp", "memcpy", "shm", "redis"):
+        for name in ("echo", "tcp", "memcpy", "copyhash", "shm", "redis"):
             row[f"{name}_gbps"] = best(name, op)
-        for a, b in (("tcp", "echo"), ("shm", "memcpy"), ("tcp", "redis"), ("shm", "redis")):
+        for a, b in (("tcp", "echo"), ("shm", "memcpy"), ("shm", "copyhash"), ("tcp", "redis"), ("shm", "redis")):
             row[f"{a}_over_{b}"] = best(a, op) / best(b, op)
             row[f"paired_{a}_over_{b}"] = paired(a, b, op)
         row["samples"] = {k: v for k, v in samples.items() if k.endswith(f"_{op}")}
@@ -303,16 +314,18 @@ def run(sizes_mib: list[float], total_mib: int, rounds: int, batch: int) -> dict
 
 def table(report: dict) -> str:
     lines = [
-        "| chunk | op | echo GB/s | tcp GB/s | tcp / echo | memcpy GB/s | shm GB/s | shm / memcpy "
-        "| redis GB/s | tcp / redis | shm / redis | paired tcp / echo | paired shm / memcpy |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| chunk | op | echo GB/s | tcp GB/s | tcp / echo | memcpy GB/s | memcpy+xxh3 GB/s | shm GB/s "
+        "| shm / memcpy | shm / memcpy+xxh3 | redis GB/s | tcp / redis | shm / redis | paired tcp / echo "
+        "| paired shm / memcpy+xxh3 |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         lines.append(
             f"| {r['chunk_mib']:g} MiB | {r['op'].upper()} | {r['echo_gbps']:.2f} | {r['tcp_gbps']:.2f} "
-            f"| {r['tcp_over_echo']:.2f} | {r['memcpy_gbps']:.2f} | {r['shm_gbps']:.2f} | {r['shm_over_memcpy']:.2f} "
+            f"| {r['tcp_over_echo']:.2f} | {r['memcpy_gbps']:.2f} | {r['copyhash_gbps']:.2f} | {r['shm_gbps']:.2f} "
+            f"| {r['shm_over_memcpy']:.2f} | {r['shm_over_copyhash']:.2f} "
             f"| {r['redis_gbps']:.2f} | {r['tcp_over_redis']:.2f} | {r['shm_over_redis']:.2f} "
-            f"| {r['paired_tcp_over_echo']:.2f} | {r['paired_shm_over_memcpy']:.2f} |"
+            f"| {r['paired_tcp_over_echo']:.2f} | {r['paired_shm_over_copyhash']:.2f} |"
         )
     lines += [
         "",
@@ -332,7 +345,7 @@ def table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[0.25, 2])
-    parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per size, path and round")
+    parser.add_argument("--total-mib", type=int, default=64, help="bytes moved per size, path and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16, help="chunks per put / get call")
     parser.add_argument("--json-out", help="also write the JSON report here")

@@ -306,9 +306,10 @@ def _pieces(shape: tuple[int, ...]) -> Iterator[tuple]:
     """Index tuples cutting a ``[layers, kv_factor, tokens, row]`` array into pieces of at
     most ``_BLOCK`` bytes (one row at least), in canonical order."""
     layers, factor, tokens, row = shape
-    if factor * tokens * row <= _BLOCK:
-        for layer in range(layers):
-            yield (layer,)
+    if factor * tokens * row <= _BLOCK:  # whole layers, as many to a piece as fit
+        step = _BLOCK // (factor * tokens * row)
+        for layer in range(0, layers, step):
+            yield (slice(layer, layer + step),)
     elif tokens * row <= _BLOCK:
         for layer in range(layers):
             for f in range(factor):

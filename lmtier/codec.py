@@ -40,6 +40,7 @@ relaying stored frames unchanged).
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,16 +75,29 @@ class Header:
     payload_sum: int
 
 
-def _header_bytes(chunk: Chunk, align: int = 0) -> bytes:
-    fields = {
+def _fields(key: bytes, namespace: bytes, layout: KVLayout, num_tokens: int, nbytes: int) -> dict:
+    return {
         "v": FRAME_VERSION,
-        "ns": chunk.namespace,
-        "key": chunk.key,
-        "layout": chunk.layout.to_dict(),
-        "tokens": chunk.num_tokens,
+        "ns": namespace,
+        "key": key,
+        "layout": layout.to_dict(),
+        "tokens": num_tokens,
         "codec": CODEC,
-        "raw_len": chunk.nbytes,
+        "raw_len": nbytes,
     }
+
+
+def frame_head(key: bytes, namespace: bytes, layout: KVLayout, num_tokens: int, payload_sum: int) -> bytes:
+    """The preamble and header of a chunk's frame, for a payload that lies apart (a
+    reader passes it to ``decode`` as ``frame`` with the payload as ``payload``)."""
+    header = msgpack.packb(
+        _fields(key, namespace, layout, num_tokens, layout.chunk_bytes(num_tokens)), use_bin_type=True
+    )
+    return _preamble(header, layout.chunk_bytes(num_tokens), payload_sum) + header
+
+
+def _header_bytes(chunk: Chunk, align: int = 0) -> bytes:
+    fields = _fields(chunk.key, chunk.namespace, chunk.layout, chunk.num_tokens, chunk.nbytes)
     header = msgpack.packb(fields, use_bin_type=True)
     if not align:
         return header
@@ -164,6 +178,23 @@ def header_length(frame) -> int:
     return int.from_bytes(bytes(frame[8:12]), "little")
 
 
+_LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "mla")
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(num_layers, num_kv_heads, head_dim, dtype, mla) -> KVLayout:
+    """A header's layout, built once per distinct one (a reader decodes thousands of
+    headers of one model's layout; building and checking it each time cost ~20 us)."""
+    return KVLayout.from_dict(
+        {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": dtype, "mla": mla}
+    )
+
+
+def payload_length(frame) -> int:
+    """The payload length a frame's preamble states (unchecked, as ``header_length``)."""
+    return int.from_bytes(bytes(frame[12:20]), "little")
+
+
 def read_header(frame, payload=None) -> tuple[Header, memoryview]:
     """Check a frame's preamble and header; returns the header and the payload view.
 
@@ -194,7 +225,7 @@ def read_header(frame, payload=None) -> tuple[Header, memoryview]:
         header = Header(
             namespace=bytes(raw["ns"]),
             key=bytes(raw["key"]),
-            layout=KVLayout.from_dict(raw["layout"]),
+            layout=_layout(*map(raw["layout"].get, _LAYOUT_FIELDS)),
             num_tokens=int(raw["tokens"]),
             payload_sum=payload_sum,
         )

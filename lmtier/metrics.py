@@ -132,6 +132,11 @@ SERVER_RPCS = Counter(
     ["method", "code"],
     registry=SERVER_REGISTRY,
 )
+SERVER_DIRECTORY_READS = Counter(
+    "lmtier_server_directory_reads_total",
+    "Chunks same-host clients read through the published directory, with no Get (as they report them).",
+    registry=SERVER_REGISTRY,
+)
 SERVER_BYTES = Counter(
     "lmtier_server_bytes_total",
     "Frame bytes the cache server received (put) and sent (get), per transport (grpc, shm).",

@@ -677,7 +677,7 @@ def test_the_layout_travels_with_the_chunk(server):
 
 def test_a_single_tenant_server_lends_its_memory_until_the_client_lets_go(tmp_path):
     srv, port = start(tiers=("cpu://?size=16MiB&slot=64KiB",), shm_dir=str(tmp_path))
-    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}")
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}&directory=off")
     try:
         assert srv.zero_copy and srv.service.shared is not None
         prompt = make_prompt(4, seed=54)
@@ -707,7 +707,7 @@ def test_a_write_follows_the_releases_sent_before_it(tmp_path, monkeypatch):
     slower here), so it may evict them in recency order, never around chunks it would
     still count as lent (whose successors would be stranded)."""
     srv, port = start(tiers=("cpu://?size=16MiB&slot=64KiB",), shm_dir=str(tmp_path))
-    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}")
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}&directory=off")
     release, put, lent_at_put = srv.service.leases.release, srv.store.put, []
 
     def slow_release(*args):

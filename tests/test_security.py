@@ -84,6 +84,7 @@ REQUESTS = {
     "List": lambda: cache_pb2.ListRequest(limit=10),
     "Release": lambda: cache_pb2.ReleaseRequest(lease=1),
     "Stats": lambda: cache_pb2.StatsRequest(),
+    "Directory": lambda: cache_pb2.DirectoryRequest(read=PROMPT.keys),
     "Match": lambda: cache_pb2.MatchRequest(
         token_ids=PROMPT.tokens.tolist(),
         namespaces=[PROMPT.namespace.digest],
@@ -201,7 +202,16 @@ def _bob_match(server):
     assert call(server.channel, "Match", REQUESTS["Match"](), token="alice-secret").tokens == len(PROMPT.tokens)
 
 
+def _bob_directory(server):
+    """A server with several tenants publishes no directory; Bob's reports of reads
+    (Alice's keys among them) change nothing of hers."""
+    for token in ("bob-secret", "alice-secret"):
+        answer = call(server.channel, "Directory", REQUESTS["Directory"](), token=token)
+        assert answer.segment == "" and server.service.published is None
+
+
 ISOLATION = {
+    "Directory": _bob_directory,
     "Lookup": _bob_lookup,
     "Get": _bob_get,
     "Put": _bob_put,

@@ -66,6 +66,9 @@ class CacheServer:
         try:
             self._build(config)
         except BaseException:
+            service = getattr(self, "service", None)
+            if service is not None and service.published is not None:
+                service.published.close()
             if store is None:  # what this server made (a shared-memory slab) must not outlive it
                 self.store.close()
             raise
@@ -173,6 +176,8 @@ class CacheServer:
             self._http.shutdown()
             self._http.server_close()
         self.service.leases.reap(everything=True)
+        if self.service.published is not None:
+            self.service.published.close()
         self.store.close(timeout=max(grace, 1.0))
         if self.service.maps is not None:
             self.service.maps.clear()
@@ -216,6 +221,8 @@ class CacheServer:
             clock += self.config.probe_interval
             try:
                 self.service.leases.reap()
+                if self.service.published is not None:
+                    self.service.published.beat()
                 self._set_ready(self.probe())
                 for stats in self.store.stats()["tiers"]:
                     if "used_bytes" in stats:

@@ -62,6 +62,13 @@ class Authenticator:
             return False  # a tenant per certificate name: not known in advance
         return len({tenant for _, tenant in self._tokens}) <= 1
 
+    @property
+    def only_tenant(self) -> str | None:
+        """The one tenant every call is, where there is one (``single_tenant``)."""
+        if not self.single_tenant:
+            return None
+        return self._tokens[0][1] if self._tokens else "default"
+
     def tag(self, context: grpc.ServicerContext) -> bytes:
         """The key prefix of the calling tenant."""
         tenant = self.tenant(context)

@@ -4,6 +4,8 @@
     Put     frames in, stored when whole        Delete, List, Stats
     Match   for routers: the leading tokens of a prompt held, from token ids and the
             engine's namespace digests (the server computes the keys)
+    Directory  one tenant, same host: where the memory tier's chunks are published, for
+            reads with no call (``published``); the chunks read so are counted as used
 
 Every call first parses its request, resolves the caller's tenant (``auth``) and is
 admitted (``max_calls_per_tenant``; ``calls``); it scopes its keys to the tenant,
@@ -48,6 +50,7 @@ from lmtier.server.budget import RECEIVING_CHUNKS, ReceiveBudget
 from lmtier.server.calls import Abort, Calls, refusal
 from lmtier.server.leases import Leases
 from lmtier.server.match import match
+from lmtier.server.published import Published
 from lmtier.server.watchdog import Watchdog
 from lmtier.shm import SegmentFiles, SegmentUnavailable
 from lmtier.store import TieredStore
@@ -93,6 +96,12 @@ class CacheService:
         first = store.tiers[0]
         self.shared = first if first.capabilities.shared_memory else None  # zero-copy reads
         self.leases = Leases(first.capacity // 4, config.shm_dir, ttl=config.call_timeout)
+        # One tenant, clients on this host: what the memory tier holds, published for reads
+        # with no call (lmtier.directory).
+        self.published: Published | None = None
+        tenant = auth.only_tenant
+        if self.maps is not None and self.shared is not None and tenant is not None and hasattr(first, "set_publisher"):
+            self.published = Published(first, config.shm_dir, tenant_tag(tenant), KEY_LENGTHS, config.probe_interval)
         limit = config.calls_per_tenant(auth.single_tenant)
         self.watchdog = Watchdog(config.stall_timeout, config.call_timeout)
         self.calls = Calls(auth, limit, config.workers, self.watchdog, rate=config.max_call_rate_per_tenant)
@@ -125,6 +134,7 @@ class CacheService:
                 "Release": unary(self.Release, cache_pb2.ReleaseResponse, cache_pb2.ReleaseRequest, admit=False),
                 "Stats": unary(self.Stats, cache_pb2.StatsResponse, cache_pb2.StatsRequest),
                 "Match": unary(self.Match, cache_pb2.MatchResponse, cache_pb2.MatchRequest),
+                "Directory": unary(self.Directory, cache_pb2.DirectoryResponse, cache_pb2.DirectoryRequest),
             },
         )
         return Gate(methods, self.auth)
@@ -360,6 +370,20 @@ class CacheService:
     ) -> cache_pb2.ReleaseResponse:
         self.leases.release(request.lease, tag)
         return cache_pb2.ReleaseResponse()
+
+    def Directory(
+        self, request: cache_pb2.DirectoryRequest, context: grpc.ServicerContext, tag: bytes
+    ) -> cache_pb2.DirectoryResponse:
+        """Where this tenant's chunks are published, if they are; the chunks it read
+        through the directory become the most recently used, as a ``Get`` makes them."""
+        published = self.published
+        if published is None or tag != published.tag:
+            return cache_pb2.DirectoryResponse()
+        keys = self._scoped(tag, request.read)
+        if keys:
+            self.shared.touch(keys)  # type: ignore[union-attr]
+            metrics.SERVER_DIRECTORY_READS.inc(len(keys))
+        return cache_pb2.DirectoryResponse(segment=published.name)
 
     def Delete(
         self, request: cache_pb2.DeleteRequest, context: grpc.ServicerContext, tag: bytes

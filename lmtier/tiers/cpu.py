@@ -42,7 +42,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -109,6 +109,10 @@ class CpuTier(Tier):
         # chunk (a copy of its bytes; None when the lower tiers hold it already); returns
         # whether it took the chunk. Set by a TieredStore in write-back mode.
         self.evict_hook: Callable[[bytes, int, Chunk | None], bool] | None = None
+        # Told, under the tier's lock, each chunk that becomes readable in one slot and each
+        # that stops being (before its slot is reused): a cache server's published
+        # directory (``lmtier.server.published``).
+        self.publisher: Publisher | None = None
         self._demote_buffers = BufferPool(max_free=8)
         self._reset()
         metrics.TIER_CAPACITY_BYTES.labels(name).set(self.capacity)
@@ -245,6 +249,10 @@ class CpuTier(Tier):
                     self._unwritten[chunk.key] = now
             for key in bad:
                 self._drop(key, announce=False)
+            if self.publisher is not None:
+                for chunk, entry in plan:
+                    if not entry.dead and chunk.key not in bad:
+                        self._publish(chunk.key, entry)
             self._counts["stored"] += len(plan) - len(bad)
             self._announce("stored", [c.key for c, _ in plan if c.key not in bad])  # in order with evictions
         if plan:
@@ -336,6 +344,8 @@ class CpuTier(Tier):
                 entry.reads += 1
                 self._counts["stored"] += 1
                 self._announce("stored", [key])
+                if self.publisher is not None:
+                    self._publish(key, entry)
         if mine:
             metrics.TIER_OPS.labels(self.name, "put", "stored").inc()
             metrics.TIER_BYTES.labels(self.name, "put").inc(entry.nbytes)
@@ -550,11 +560,28 @@ class CpuTier(Tier):
                 mine.pop(key, None)
                 if not mine:
                     del self._tenant_keys[tenant]
+        if entry.ready and self.publisher is not None:
+            self.publisher.withdraw(key)  # before its slots can go to another chunk
         if announce and entry.ready:
             self._announce("removed", [key])
         entry.dead = True
         if entry.leases == 0:
             self._free.extend(entry.slots)
+
+    def set_publisher(self, publisher: Publisher | None) -> None:
+        """Tell ``publisher`` of every chunk that becomes readable in one slot, and of each
+        one that stops being, from now on (chunks held now are published at once)."""
+        with self._state():
+            self.publisher = publisher
+            if publisher is not None:
+                for key, entry in self._index.items():
+                    if entry.ready and not entry.dead:
+                        self._publish(key, entry)
+
+    def _publish(self, key: bytes, entry: _Entry) -> None:  # with the lock held
+        if len(entry.slots) == 1 and entry.layout is not None and entry.checksum is not None:
+            tokens = entry.nbytes // entry.layout.bytes_per_token
+            self.publisher.publish(key, entry.slots[0], entry.namespace, entry.layout, tokens, entry.checksum)  # type: ignore[union-attr]
 
     def _unlease(self, entry: _Entry) -> None:
         entry.leases -= 1
@@ -612,6 +639,13 @@ class CpuTier(Tier):
                 self._drop(key)
             self._counts["corrupt"] += 1
         metrics.INTEGRITY_FAILURES.labels(self.name).inc()
+
+
+class Publisher(Protocol):
+    def publish(self, key: bytes, slot: int, namespace: bytes, layout: KVLayout, num_tokens: int,
+                checksum: int) -> None: ...  # fmt: skip
+
+    def withdraw(self, key: bytes) -> None: ...
 
 
 class _Placement:

@@ -165,3 +165,15 @@ class MatchRun(_message.Message):
     tier: str
     chunks: int
     def __init__(self, tier: _Optional[str] = ..., chunks: _Optional[int] = ...) -> None: ...
+
+class DirectoryRequest(_message.Message):
+    __slots__ = ("read",)
+    READ_FIELD_NUMBER: _ClassVar[int]
+    read: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, read: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DirectoryResponse(_message.Message):
+    __slots__ = ("segment",)
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    def __init__(self, segment: _Optional[str] = ...) -> None: ...

@@ -79,6 +79,11 @@ class CacheServiceStub(object):
                 request_serializer=lmtier_dot_v1_dot_cache__pb2.MatchRequest.SerializeToString,
                 response_deserializer=lmtier_dot_v1_dot_cache__pb2.MatchResponse.FromString,
                 _registered_method=True)
+        self.Directory = channel.unary_unary(
+                '/lmtier.v1.CacheService/Directory',
+                request_serializer=lmtier_dot_v1_dot_cache__pb2.DirectoryRequest.SerializeToString,
+                response_deserializer=lmtier_dot_v1_dot_cache__pb2.DirectoryResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer(object):
@@ -146,6 +151,16 @@ class CacheServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Directory(self, request, context):
+        """Same host, one tenant: the shared-memory segment where the server publishes which
+        chunks its memory tier holds and where (lmtier/directory.py), so that the client
+        reads them with no call; "" when it publishes none. `read` names the chunks the
+        client read through it since its last call: the server counts them as used.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +203,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Match,
                     request_deserializer=lmtier_dot_v1_dot_cache__pb2.MatchRequest.FromString,
                     response_serializer=lmtier_dot_v1_dot_cache__pb2.MatchResponse.SerializeToString,
+            ),
+            'Directory': grpc.unary_unary_rpc_method_handler(
+                    servicer.Directory,
+                    request_deserializer=lmtier_dot_v1_dot_cache__pb2.DirectoryRequest.FromString,
+                    response_serializer=lmtier_dot_v1_dot_cache__pb2.DirectoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -405,6 +425,33 @@ class CacheService(object):
             '/lmtier.v1.CacheService/Match',
             lmtier_dot_v1_dot_cache__pb2.MatchRequest.SerializeToString,
             lmtier_dot_v1_dot_cache__pb2.MatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Directory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmtier.v1.CacheService/Directory',
+            lmtier_dot_v1_dot_cache__pb2.DirectoryRequest.SerializeToString,
+            lmtier_dot_v1_dot_cache__pb2.DirectoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

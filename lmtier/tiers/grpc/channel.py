@@ -2,7 +2,7 @@
 
     Channel(target, credentials, server_name)   one process's channel and its method
                                                 callables: lookup, get, put, delete, list,
-                                                stats, release; close()
+                                                stats, release, directory; close()
     credentials(tls, tier) -> credentials|None  TLS (or mutual TLS) from the URL's files
     failure(exc) -> TierError                   a failed call as lmtier's typed error:
                                                 ``RetryableError`` when trying again may work
@@ -63,6 +63,7 @@ class Channel:
         self.stats = self._unary("Stats", cache_pb2.StatsRequest, cache_pb2.StatsResponse)
         self.release = self._unary("Release", cache_pb2.ReleaseRequest, cache_pb2.ReleaseResponse)
         self.match = self._unary("Match", cache_pb2.MatchRequest, cache_pb2.MatchResponse)
+        self.directory = self._unary("Directory", cache_pb2.DirectoryRequest, cache_pb2.DirectoryResponse)
 
     def _unary(self, method: str, request: type, response: type) -> grpc.UnaryUnaryMultiCallable:
         return self.channel.unary_unary(SERVICE + method, request.SerializeToString, response.FromString)

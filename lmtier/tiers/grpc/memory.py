@@ -10,6 +10,9 @@ memory that it reads chunks from where they lie.
         server_region(region) -> memoryview   a payload in the server's memory, read-only,
                                               its pages mapped in
         in_use -> str | None                  the segment's name while it is used (stats)
+        published -> DirectoryReader | None   the server's published directory, while its
+                                              server beats (``lmtier.directory``)
+        attach(name) / detach()               map the directory the server named / forget it
         forget(), close()                     after ``fork`` / at the end
     NoShm                                     a call's shared memory was refused: make the
                                               call again without it
@@ -27,6 +30,7 @@ import threading
 import time
 
 from lmtier.buffers import populate_read
+from lmtier.directory import DirectoryReader
 from lmtier.errors import LmtierError
 from lmtier.pieces import Region
 from lmtier.shm import Segment, SegmentMaps, SegmentUnavailable
@@ -48,6 +52,7 @@ class SharedMemory:
         self._off_until = 0.0
         self._segment: Segment | None = None
         self._server_maps: SegmentMaps | None = None
+        self._directory: DirectoryReader | None = None
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
@@ -87,6 +92,27 @@ class SharedMemory:
         return view
 
     @property
+    def published(self) -> DirectoryReader | None:
+        reader = self._directory
+        return reader if reader is not None and reader.fresh else None
+
+    def attach(self, name: str) -> None:
+        """Map the directory ``name`` (its server's word), or none for ``""``; a directory
+        that cannot be mapped here (another host) is none."""
+        reader = None
+        if name and self.wanted:
+            if self._directory is not None and self._directory.name == name:
+                return
+            try:
+                reader = DirectoryReader(self.directory, name)
+            except (OSError, LmtierError) as exc:
+                log.info("grpc tier %s: the server's directory %s is not readable here: %s", self.tier, name, exc)
+        self._directory = reader
+
+    def detach(self) -> None:
+        self._directory = None
+
+    @property
     def in_use(self) -> str | None:
         segment = self._segment
         return segment.name if segment is not None and time.monotonic() >= self._off_until else None
@@ -98,6 +124,7 @@ class SharedMemory:
         self._pid = os.getpid()
         self._segment = None
         self._server_maps = None
+        self._directory = None
         self._lock = threading.Lock()  # a thread of the parent's may have held it at fork
 
     def close(self) -> None:

@@ -2,6 +2,11 @@
 
     contains(keys) -> int              Lookup
     get(keys) -> list[Chunk | None]    Get (one server stream; ``stream.GetStream``)
+
+Same host, one tenant: the chunks the server's memory tier holds are read through its
+published directory with no call (``published.DirectoryReads``); ``contains`` and ``get``
+call the server only for the keys past the directory's leading run (its lower tiers may
+hold them).
     put(chunks) -> None                Put (one client stream; ``stream.put_messages``)
     delete(keys), keys(prefix, limit)  Delete, List
     server_stats(timeout) -> dict      Stats: the server's tiers, this tenant's chunks, settings
@@ -35,6 +40,7 @@ from lmtier.pieces import PIECE_BYTES
 from lmtier.tiers.base import DEFAULT_PORTS, Capabilities, Tier, TierContext, TierURL, parse_bool
 from lmtier.tiers.grpc.channel import MAX_MESSAGE, Channel, credentials, failure, is_local
 from lmtier.tiers.grpc.memory import NoShm, SharedMemory
+from lmtier.tiers.grpc.published import DirectoryReads
 from lmtier.tiers.grpc.stream import GetStream, finish_slots, put_messages
 from lmtier.tiers.options import TLS_OPTIONS, TlsFiles, positive_seconds
 from lmtier.units import parse_size
@@ -69,6 +75,7 @@ class GrpcTier(Tier):
         "shm": _shm_mode,
         "shm_size": parse_size,
         "shm_dir": str,
+        "directory": parse_bool,
         "piece": parse_size,
         "name": str,
     }
@@ -89,6 +96,7 @@ class GrpcTier(Tier):
         shm: str = "auto",
         shm_size: int = 256 * 1024**2,
         shm_dir: str = "/dev/shm",
+        directory: bool = True,
         piece: int = PIECE_BYTES,
         name: str = "grpc",
         context: TierContext | None = None,
@@ -116,7 +124,9 @@ class GrpcTier(Tier):
         # A slot holds one frame: the chunk plus its header, rounded up to 64 KiB.
         slot_bytes = -(-(chunk_bytes + 4096) // 65536) * 65536 if chunk_bytes else 4 * 1024**2
         self.memory = SharedMemory(shm == "on", shm_dir, shm_size, slot_bytes, name)
-        self._counts = {"errors": 0, "corrupt": 0, "shm_fallbacks": 0}
+        self.directory = DirectoryReads(self.memory, directory, self._ask_directory, self._report_reads,
+                                        self._drop_corrupt, self._count)  # fmt: skip
+        self._counts = {"errors": 0, "corrupt": 0, "shm_fallbacks": 0, "directory_reads": 0, "directory_races": 0}
         self._lock = threading.Lock()
         self._pid = -1
         self._conn: Channel | None = None
@@ -171,11 +181,26 @@ class GrpcTier(Tier):
     def contains(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
+        if self.directory.contains(keys) == len(keys):
+            return len(keys)
         request = cache_pb2.LookupRequest(keys=list(keys))
         return self._rpc(lambda: self._channel().lookup(request, timeout=self.timeout, metadata=self._metadata).hits)
 
     def get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
-        return self._rpc(lambda: self._get(keys)) if keys else []
+        if not keys:
+            return []
+        found = self.directory.get(keys) if not self._closed else []
+        if not found:
+            return self._rpc(lambda: self._get(keys))
+        if len(found) == len(keys):
+            return found
+        rest = keys[len(found) :]
+        try:
+            more = self._rpc(lambda: self._get(rest))
+        except TierError as exc:  # counted; what the directory gave is still good
+            log.info("grpc tier %s: %d chunks past the directory's: %s", self.name, len(rest), exc)
+            more = [None] * len(rest)
+        return found + more
 
     def _get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
         channel = self._channel()
@@ -197,6 +222,21 @@ class GrpcTier(Tier):
             if call is not None and not done:
                 call.cancel()
             stream.close(done)
+
+    def _ask_directory(self) -> str:
+        request = cache_pb2.DirectoryRequest()
+        return self._channel().directory(request, timeout=self.timeout, metadata=self._metadata).segment
+
+    def _report_reads(self, keys: list[bytes], on_answer: Callable[[str], None]) -> None:
+        """Send ``keys`` (read through the directory) without waiting; a write waits for it
+        as for a release (``_settle_releases``)."""
+        if self._closed:
+            return
+        request = cache_pb2.DirectoryRequest(read=keys)
+        future = self._channel().directory.future(request, timeout=self.timeout, metadata=self._metadata)
+        future.add_done_callback(lambda f: f.exception() is None and on_answer(f.result().segment))
+        with self._lock:
+            self._releases.append(future)
 
     def _release(self, lease: int) -> None:
         """Tell the server that a lease on its memory ended, without waiting for its answer
@@ -237,6 +277,7 @@ class GrpcTier(Tier):
 
     def _put(self, chunks: Sequence[Chunk]) -> None:
         channel = self._channel()
+        self.directory.report()  # before the write: the server then knows what was read
         self._settle_releases()
         segment = self.memory.segment()
         slots: list[int] = []

@@ -1,0 +1,228 @@
+"""The published directory (lmtier.directory): a one-tenant server's memory tier read by
+same-host clients with no call. Real servers on port 0, real shared memory in tmp_path."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import grpc
+import pytest
+from test_grpc_tier import SERVICE, code_of, flip_a_stored_byte, start
+
+from lmtier import codec, directory, metrics
+from lmtier.chunk import release_all
+from lmtier.config import ServerConfig
+from lmtier.directory import DirectoryReader, DirectoryWriter
+from lmtier.errors import ChecksumError
+from lmtier.server import create_server
+from lmtier.server.auth import PROBE_TAG, tenant_tag
+from lmtier.shm import SegmentUnavailable
+from lmtier.tiers.base import open_tier
+from lmtier.v1 import cache_pb2
+
+from conftest import eventually, make_prompt
+
+SLOT = 8192  # one chunk of make_prompt's layout per slot
+
+
+def directory_reads() -> float:
+    return metrics.SERVER_REGISTRY.get_sample_value("lmtier_server_directory_reads_total") or 0
+
+
+@pytest.fixture
+def one_tenant(tmp_path):
+    srv, port = start(tiers=(f"cpu://?size={16 * SLOT}&slot={SLOT}",), shm_dir=str(tmp_path))
+    srv.url = f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}"
+    srv.address = f"127.0.0.1:{port}"
+    yield srv
+    srv.stop(0)
+
+
+def test_a_same_host_client_reads_the_memory_tier_with_no_get(one_tenant, monkeypatch):
+    tier = open_tier(one_tenant.url)
+    prompt = make_prompt(4, seed=71)
+    tier.put(prompt.chunks())
+    gets = []
+    real_get = one_tenant.service.Get
+    monkeypatch.setattr(one_tenant.service, "Get", lambda *a: gets.append(1) or real_get(*a))
+    before = directory_reads()
+    try:
+        assert tier.contains(prompt.keys) == 4
+        got = tier.get(prompt.keys)
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(4)]  # verified as read
+        assert not got[0].data.flags.writeable  # the server's memory, read-only
+        release_all(got)
+        assert tier.counts["directory_reads"] == 4 and not gets
+        assert one_tenant.service.leases.held == 0  # nothing lent: nothing to release
+        assert eventually(lambda: directory_reads() == before + 4)  # reported, as used (the first read is due)
+    finally:
+        tier.close()
+
+
+def test_what_the_directory_lacks_comes_through_a_get(one_tenant):
+    tier = open_tier(one_tenant.url)
+    prompt = make_prompt(4, seed=72)
+    tier.put(prompt.chunks())
+    one_tenant.service.published.writer.withdraw(prompt.keys[2])  # as for a set that was full
+    try:
+        got = tier.get(prompt.keys)
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(4)]
+        assert tier.counts["directory_reads"] == 2
+        release_all(got)
+        assert tier.contains(prompt.keys) == 4  # the directory's two, then a Lookup
+    finally:
+        tier.close()
+
+
+def test_reads_make_chunks_recent_so_the_server_evicts_the_unread(one_tenant):
+    tier = open_tier(one_tenant.url)
+    old, other = make_prompt(6, seed=73), make_prompt(6, seed=74)
+    try:
+        tier.put(old.chunks())
+        tier.put(other.chunks())
+        before = directory_reads()
+        release_all(tier.get(old.keys))  # through the directory: the server hears of it by the next write
+        tier.put(make_prompt(6, seed=75).chunks())  # 18 chunks in 16 slots: two must go
+        assert directory_reads() == before + 6
+        assert tier.contains(old.keys) == 6
+        assert tier.contains(other.keys) < 6
+    finally:
+        tier.close()
+
+
+def test_a_chunk_evicted_while_it_is_read_is_a_miss_not_damage(one_tenant):
+    tier = open_tier(one_tenant.url)
+    prompt = make_prompt(4, seed=76)
+    tier.put(prompt.chunks())
+    try:
+        got = tier.get(prompt.keys)
+        tier.delete(prompt.keys[1:])  # the slots go to other chunks before the engine copies
+        tier.put(make_prompt(16, seed=77).chunks())
+        good = [c.verify() for c in got]
+        assert not any(good[1:])  # their slots hold other chunks now: caught by the checksum
+        assert all(got[i].tobytes() == prompt.chunk_bytes(i) for i in range(4) if good[i])  # never wrong
+        assert tier.counts["directory_races"] == good.count(False)
+        assert tier.counts["corrupt"] == 0  # a race, not damage: nothing deleted for it
+        release_all(got)
+    finally:
+        tier.close()
+
+
+def test_damage_in_the_servers_memory_is_a_miss_and_is_deleted(one_tenant):
+    tier = open_tier(one_tenant.url)
+    prompt = make_prompt(4, seed=78)
+    tier.put(prompt.chunks())
+    flip_a_stored_byte(one_tenant, "default", prompt.keys[1])
+    try:
+        got = tier.get(prompt.keys)
+        assert got[0].tobytes() == prompt.chunk_bytes(0)
+        with pytest.raises(ChecksumError):
+            got[1].tobytes()  # found by the reader before the engine sees a byte
+        release_all(got)
+        assert tier.counts["corrupt"] == 1
+        assert tier.contains(prompt.keys) == 1  # the server's copy is gone, and unpublished
+    finally:
+        tier.close()
+
+
+def test_a_restarted_server_is_followed_to_its_new_directory(tmp_path):
+    srv, port = start(tiers=(f"cpu://?size={16 * SLOT}&slot={SLOT}",), shm_dir=str(tmp_path))
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}&timeout=2")
+    prompt = make_prompt(3, seed=79)
+    try:
+        tier.put(prompt.chunks())
+        release_all(tier.get(prompt.keys))
+        first = tier.memory.published.name
+        srv.stop(0)  # its directory says so: no server stands behind it
+        assert tier.memory.published is None
+        assert not os.path.exists(tmp_path / first)
+        srv, _ = create_server(
+            ServerConfig(port=port, tiers=(f"cpu://?size={16 * SLOT}&slot={SLOT}",), shm_dir=str(tmp_path))
+        )
+        tier.directory._ask_after = 0.0
+        assert not any(tier.get(prompt.keys))  # the new server holds nothing
+        tier.put(prompt.chunks())
+        got = tier.get(prompt.keys)
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(3)]
+        release_all(got)
+        assert tier.memory.published.name not in ("", first)
+    finally:
+        tier.close()
+        srv.stop(0)
+
+
+def test_a_server_with_several_tenants_publishes_nothing(tmp_path):
+    srv, port = start(shm_dir=str(tmp_path), tokens=(("a-secret", "a"), ("b-secret", "b")))
+    try:
+        assert srv.service.published is None
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        call = channel.unary_unary(
+            SERVICE + "Directory",
+            cache_pb2.DirectoryRequest.SerializeToString,
+            cache_pb2.DirectoryResponse.FromString,
+        )
+        answer = call(cache_pb2.DirectoryRequest(), metadata=(("authorization", "Bearer a-secret"),), timeout=5)
+        assert answer.segment == ""
+        assert code_of(lambda: call(cache_pb2.DirectoryRequest(), timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+        channel.close()
+        assert not [n for n in os.listdir(tmp_path) if n.startswith("lmtier-")]
+    finally:
+        srv.stop(0)
+
+
+def test_the_directory_names_only_the_tenants_chunks_under_its_own_keys(one_tenant, tmp_path):
+    """Not the readiness probe's chunks; keys without the tenant's tag; bad keys refused."""
+    tier = open_tier(one_tenant.url)
+    prompt = make_prompt(2, seed=80)
+    tier.put(prompt.chunks())
+    try:
+        reader = DirectoryReader(str(tmp_path), one_tenant.service.published.name)
+        entry = reader.find(prompt.keys[0])
+        assert entry is not None
+        assert (
+            codec.read_header(entry.head, reader.payload(entry, codec.payload_length(entry.head)))[0].key
+            == (prompt.keys[0])
+        )
+        assert reader.find(tenant_tag("default") + prompt.keys[0]) is None
+        assert one_tenant.probe()  # the readiness probe stores and reads its own chunk
+        assert len(one_tenant.service.published.writer) == 2
+        assert not any(k.startswith(PROBE_TAG) for k in one_tenant.service.published.writer._where)
+        channel = grpc.insecure_channel(one_tenant.address)
+        call = channel.unary_unary(SERVICE + "Directory", None, cache_pb2.DirectoryResponse.FromString)
+        bad = cache_pb2.DirectoryRequest(read=[b"short"]).SerializeToString()
+        assert code_of(lambda: call(bad, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert code_of(lambda: call(b"\xff\xff", timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+        channel.close()
+    finally:
+        tier.close()
+
+
+def test_a_reader_keeps_no_entry_being_written_or_rewritten(tmp_path):
+    writer = DirectoryWriter(str(tmp_path), "lmtier-" + "0" * 32, 8, SLOT, 5.0)
+    try:
+        with pytest.raises(SegmentUnavailable):  # the slab it names is not there: nothing to read
+            DirectoryReader(str(tmp_path), writer.name)
+    finally:
+        writer.close()
+    # A writer mid-way: an odd seq hides the way; a changed seq marks what was found.
+    owner = DirectoryWriter(str(tmp_path), "lmtier-" + "1" * 32, 4, 4096, 5.0)
+    slab = tmp_path / ("lmtier-" + "1" * 32)
+    slab.write_bytes(bytes(4 * 4096))
+    try:
+        key = os.urandom(16)
+        assert owner.publish(key, 2, b"head")
+        reader = DirectoryReader(str(tmp_path), owner.name)
+        entry = reader.find(key)
+        assert entry is not None and entry.slot == 2 and entry.head == b"head" and reader.fresh
+        way = owner._where[key]
+        struct.pack_into("<Q", owner._map, way, entry.seq + 1)  # odd: being written
+        assert reader.find(key) is None and reader.moved(entry)
+        struct.pack_into("<Q", owner._map, way, entry.seq)
+        owner.withdraw(key)
+        assert reader.find(key) is None and reader.moved(entry)
+        assert not owner.publish(key, 9, b"head")  # no such slot
+        assert not owner.publish(key, 1, bytes(directory.HEAD_BYTES + 1))
+    finally:
+        owner.close()
+    assert not reader.fresh  # closed: no server stands behind it
