@@ -63,7 +63,7 @@ LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 
 
 # -- the echo service (its own process) -----------------------------------------------------
-def echo_server(port: int) -> None:
+def echo_server(port: int, host: str = "127.0.0.1") -> None:
     cache: dict[int, bytes] = {}
 
     def get(request: bytes, context):
@@ -86,7 +86,7 @@ def echo_server(port: int) -> None:
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     server = grpc.server(futures.ThreadPoolExecutor(16), options=options)
     server.add_generic_rpc_handlers((handler,))
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.add_insecure_port(f"{host}:{port}")
     server.start()
     print("ready", flush=True)
     server.wait_for_termination()
@@ -350,9 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="chunks per put / get call")
     parser.add_argument("--json-out", help="also write the JSON report here")
     parser.add_argument("--echo-server", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--echo-host", default="127.0.0.1", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.echo_server:
-        echo_server(args.echo_server)
+        echo_server(args.echo_server, args.echo_host)
         return 0
     report = run(args.sizes_mib, args.total_mib, args.rounds, args.batch)
     emit(report, table(report), args.json_out)

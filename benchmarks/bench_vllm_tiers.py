@@ -55,7 +55,7 @@ def ids(n: int, seed: int) -> list[int]:
     return [int(x) for x in np.random.default_rng(seed).integers(5, 500, n)]
 
 
-def run(tokens: int, docs: int, layers: int, hidden: int, kv_heads: int, out_json: Path | None) -> dict:
+def run(tokens: int, docs: int, layers: int, hidden: int, kv_heads: int, out_json: Path | None, tiers=TIERS) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="lmtier-tiers-"))
     atexit.register(shutil.rmtree, tmp, True)  # models, disks and logs of this run: gone with it
     model = str(build(tmp / "model", layers=layers, hidden=hidden, kv_heads=kv_heads))
@@ -92,11 +92,11 @@ def run(tokens: int, docs: int, layers: int, hidden: int, kv_heads: int, out_jso
         results = {
             "prefix": engine("prefix", warm + ask(1) + ask(2), None, prefix_caching=True),
             "a": engine("a", warm + ask(1, settle=True) + ask(2), every),
-            "b_disk": engine("b_disk", warm + ask(3, **hit_only), [shared["disk"]]),
-            "b_redis": engine("b_redis", warm + ask(3, **hit_only), [shared["redis"]]),
-            "b_server": engine("b_server", warm + ask(3, **hit_only), [shared["server"]]),
-            "b_memory_disk": engine("b_memory_disk", warm + ask(3, **hit_only), ["cpu://?size=2GiB", shared["disk"]]),
         }
+        instances = {"disk": [shared["disk"]], "redis": [shared["redis"]], "server": [shared["server"]],
+                     "memory_disk": ["cpu://?size=2GiB", shared["disk"]]}  # fmt: skip
+        for tier in (t for t in tiers if t in instances):
+            results[f"b_{tier}"] = engine(f"b_{tier}", warm + ask(3, **hit_only), instances[tier])
     finally:
         server.stop()
         redis.stop()
@@ -110,12 +110,12 @@ def run(tokens: int, docs: int, layers: int, hidden: int, kv_heads: int, out_jso
     floor = ttft("prefix", 2)
     from bench_vllm_ttft import dd_read_seconds
 
-    dd = dd_read_seconds(tmp / "dd", cached("b_disk", 3) * layout.chunk_bytes(1))
+    dd = dd_read_seconds(tmp / "dd", cached("a", 2) * layout.chunk_bytes(1))
     copy = memcpy_seconds(cached("a", 2) * layout.chunk_bytes(1))
     where = {"memory": ("a", 2), "disk": ("b_disk", 3), "redis": ("b_redis", 3), "server": ("b_server", 3),
              "memory_disk": ("b_memory_disk", 3)}  # fmt: skip
     rows = []
-    for tier in TIERS:
+    for tier in (t for t in TIERS if t in tiers):
         config, q = where[tier]
         t = ttft(config, q)
         rows.append(
@@ -173,10 +173,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument(
+        "--tiers",
+        nargs="+",
+        choices=TIERS,
+        default=list(TIERS),
+        help="the hits to time (memory: the first engine's own; the rest: a new instance each)",
+    )
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    run(args.tokens, args.docs, args.layers, args.hidden, args.kv_heads, args.json_out)
+    run(args.tokens, args.docs, args.layers, args.hidden, args.kv_heads, args.json_out, tuple(args.tiers))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 """Sustained mixed load on one ``lmtier serve``: many client processes, bounded server.
 
-    python benchmarks/load_server.py [--clients 8] [--duration 60]
+    python benchmarks/load_server.py [--clients 8] [--duration 60] [--tenants 1 2] [--json-out FILE]
 
 Starts a server with small tiers (so it evicts all the time), then ``--clients`` client
 processes that for ``--duration`` seconds put prompts (sharing a few common prefixes, as
 system prompts do), read them back, look them up, delete some, and now and then send a
 request the server must refuse (a key of the wrong length, a frame over the size limit).
 Half the clients use the shared-memory data plane, half plain gRPC. Every chunk read is
-checked against the bytes its key implies.
+checked against the bytes its key implies. With two tenants (the default) the server is
+a fleet's, and its shared memory is refused; with one (``--tenants 1``) it is a sidecar's,
+and the shared-memory clients read its memory tier through its published directory.
+Each client times its loads that found chunks (lookup, get, every chunk verified): p50
+and p99 per client, the spread a server shared by many engines must keep small.
 
 Meanwhile the parent samples the server's resident memory and its disk tier's accounted
 bytes (through ``Stats``); once the clients are done it adds up the chunk files on disk,
@@ -65,11 +69,11 @@ def kv_of(key: bytes, shape) -> np.ndarray:
 
 
 # -- one client process -----------------------------------------------------------------------
-def client(address: str, index: int, duration: float, shm: bool) -> dict:
+def client(address: str, index: int, duration: float, shm: bool, tenants: int = 2) -> dict:
     import grpc
 
     from lmtier.chunk import Chunk, release_all
-    from lmtier.errors import TierError
+    from lmtier.errors import IntegrityError, TierError
     from lmtier.pieces import pack, piece
     from lmtier.tiers.base import open_tier
     from lmtier.v1 import cache_pb2
@@ -77,7 +81,8 @@ def client(address: str, index: int, duration: float, shm: bool) -> dict:
     ns = namespace()
     shape = ns.layout.byte_shape(ns.chunk_tokens)
     rng = random.Random(index)
-    tier = open_tier(f"grpc://{address}?retries=0&timeout=30&shm={'on' if shm else 'off'}&token={TOKENS[index % 2]}")
+    token = TOKENS[index % tenants]
+    tier = open_tier(f"grpc://{address}?retries=0&timeout=30&shm={'on' if shm else 'off'}&token={token}")
     channel = grpc.insecure_channel(address)
     lookup = channel.unary_unary(
         "/lmtier.v1.CacheService/Lookup",
@@ -85,12 +90,14 @@ def client(address: str, index: int, duration: float, shm: bool) -> dict:
         cache_pb2.LookupResponse.FromString,
     )
     put = channel.stream_unary("/lmtier.v1.CacheService/Put", None, cache_pb2.PutResponse.FromString)
-    auth = (("authorization", f"Bearer {TOKENS[index % 2]}"),)
+    auth = (("authorization", f"Bearer {token}"),)
     prefixes = [[7000 + p] * (4 * ns.chunk_tokens) for p in range(4)]  # shared "system prompts"
     mine: deque[list[int]] = deque(maxlen=64)
-    counts = {"put": 0, "get": 0, "lookup": 0, "delete": 0, "rejected": 0, "chunks_read": 0, "hits": 0}
+    counts = {"put": 0, "get": 0, "lookup": 0, "delete": 0, "rejected": 0, "chunks_read": 0, "hits": 0,
+              "misses_on_copy": 0}  # fmt: skip
     failures: list[str] = []
     moved = 0
+    latencies: list[float] = []  # seconds per load that found chunks: lookup, get, every chunk verified
 
     def chunks_of(tokens: list[int]) -> list[Chunk]:
         keys = ns.keys(tokens)
@@ -112,18 +119,27 @@ def client(address: str, index: int, duration: float, shm: bool) -> dict:
             elif roll < 0.80:
                 tokens = rng.choice([*prefixes, *mine])
                 keys = ns.keys(tokens)
+                started = time.perf_counter()
                 got = tier.get(keys[: tier.contains(keys)])
-                for key, chunk in zip(keys, got, strict=False):
+                copies = []
+                for chunk in got:  # as an engine loads: a verified copy into its own memory
                     if chunk is None:
-                        continue
-                    counts["hits"] += 1
-                    moved += chunk.nbytes
+                        break
+                    out = np.empty(shape, dtype=np.uint8)
                     try:
-                        if not np.array_equal(chunk.data, kv_of(key, shape)):
-                            failures.append(f"wrong bytes for {key.hex()[:12]}")
-                    except Exception as exc:  # a chunk that fails verification is a failure here
-                        failures.append(f"unreadable chunk: {exc}")
+                        chunk.copy_to(out)
+                    except IntegrityError:  # a miss (the server evicted it under a lock-free read)
+                        counts["misses_on_copy"] += 1
+                        break
+                    copies.append(out)
+                if copies:
+                    latencies.append(time.perf_counter() - started)
                 release_all(got)
+                for key, out in zip(keys, copies, strict=False):
+                    counts["hits"] += 1
+                    moved += out.nbytes
+                    if not np.array_equal(out, kv_of(key, shape)):  # what passed its check is the truth
+                        failures.append(f"wrong bytes for {key.hex()[:12]}")
                 counts["get"] += 1
                 counts["chunks_read"] += len(got)
             elif roll < 0.90:
@@ -147,11 +163,18 @@ def client(address: str, index: int, duration: float, shm: bool) -> dict:
                 counts["rejected"] += 1
         except TierError as exc:
             failures.append(f"a tier call failed: {exc}")
-    if tier.counts["corrupt"]:
+    if tier.counts["corrupt"]:  # damage, as opposed to a race with an eviction (directory_races)
         failures.append(f"{tier.counts['corrupt']} chunks failed their check")
     tier.close()
     channel.close()
-    return {"counts": counts, "bytes": moved, "failures": failures[:20], "failed": len(failures)}
+    latencies.sort()
+
+    def quantile(q: float) -> float:
+        return round(latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3, 3) if latencies else 0.0
+
+    load = {"loads": len(latencies), "p50_ms": quantile(0.50), "p99_ms": quantile(0.99), "shm": shm}
+    load["p99_over_p50"] = round(load["p99_ms"] / load["p50_ms"], 2) if load["p50_ms"] else 0.0
+    return {"counts": counts, "bytes": moved, "failures": failures[:20], "failed": len(failures), "load": load}
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -173,14 +196,14 @@ def disk_bytes(path: Path) -> int:
     return total
 
 
-def run_load(clients: int = 8, duration: float = 60.0, workdir: Path | None = None) -> dict:
+def run_load(clients: int = 8, duration: float = 60.0, workdir: Path | None = None, tenants: int = 2) -> dict:
     from lmtier.testing.cache_server import ServerProcess
     from lmtier.tiers.base import open_tier
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="lmtier-load-"))
     disk = tmp / "disk"
     tokens = tmp / "tokens"
-    tokens.write_text(f"{TOKENS[0]}=tenant-a\n{TOKENS[1]}=tenant-b\n")
+    tokens.write_text("".join(f"{TOKENS[i]}=tenant-{'ab'[i]}\n" for i in range(tenants)))
     tokens.chmod(0o600)
     server = ServerProcess(
         tmp,
@@ -205,7 +228,7 @@ def run_load(clients: int = 8, duration: float = 60.0, workdir: Path | None = No
         procs = [
             subprocess.Popen(
                 [sys.executable, __file__, "--client", str(i), "--address", server.address]
-                + ["--duration", str(duration)]
+                + ["--duration", str(duration), "--tenants", str(tenants)]
                 + (["--shm"] if i % 2 else []),
                 stdout=subprocess.PIPE,
                 text=True,
@@ -245,9 +268,13 @@ def run_load(clients: int = 8, duration: float = 60.0, workdir: Path | None = No
     calls = sum(v for k, v in counts.items() if k in ("put", "get", "lookup", "delete", "rejected"))
     moved = sum(r["bytes"] for r in done)
     bound = idle + CPU_BYTES + POOLS + IN_FLIGHT
+    per_client = [dict(r["load"], client=i) for i, r in enumerate(results) if r is not None]
     return {
         "clients": clients,
+        "tenants": tenants,
         "duration_s": duration,
+        "load_latency": per_client,
+        "worst_p99_over_p50": max((c["p99_over_p50"] for c in per_client), default=0.0),
         "calls": calls,
         "calls_per_s": round(calls / duration, 1),
         "counts": counts,
@@ -280,7 +307,14 @@ def table(result: dict) -> str:
         ("chunk files at the end", f"{result['disk_files_mib']} MiB (match: {result['disk_files_match']})"),
     ]
     width = max(len(r[0]) for r in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    lines += ["", "| client | data plane | loads | p50 (ms) | p99 (ms) | p99 / p50 |", "|---:|---|---:|---:|---:|---:|"]
+    for c in result["load_latency"]:
+        plane = "shared memory" if c["shm"] else "gRPC"
+        lines.append(
+            f"| {c['client']} | {plane} | {c['loads']} | {c['p50_ms']} | {c['p99_ms']} | {c['p99_over_p50']} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -289,15 +323,28 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--client", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--tenants",
+        type=int,
+        nargs="+",
+        default=[2],
+        choices=(1, 2),
+        help="tenants sharing the server, one run per value (one: the same-host directory)",
+    )
+    parser.add_argument("--json-out", help="also write the JSON report here")
     parser.add_argument("--shm", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client is not None:
-        print(json.dumps(client(args.address, args.client, args.duration, args.shm)))
+        print(json.dumps(client(args.address, args.client, args.duration, args.shm, args.tenants[0])))
         return 0
-    result = run_load(args.clients, args.duration)
-    print(json.dumps(result, indent=2))
-    print(table(result))
-    return 0 if result["failed_calls"] == 0 else 1
+    runs = [run_load(args.clients, args.duration, tenants=t) for t in args.tenants]
+    report = {"benchmark": "server_load", "runs": runs}
+    print(json.dumps(report, indent=2))
+    for result in runs:
+        print(f"\n{result['tenants']} tenant(s)\n" + table(result))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if all(r["failed_calls"] == 0 for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -18,6 +18,14 @@ that carries the checksum recorded when it was stored; ``copy_to``, ``tobytes``,
 after copying it, while it is still in cache, so checking costs little beyond the copy).
 A mismatch raises ``IntegrityError`` and tells the tier to drop its bad copy; callers
 treat it as a miss. ``data`` itself is the raw, possibly unverified view.
+
+A *volatile* chunk (``volatile``: a check that its memory still holds the bytes it was
+found with) views memory that its owner may reuse at any moment, with no lease: a cache
+server's memory read through its published directory. What is checked must then be what
+is used: ``copy_to`` hashes the bytes it copied, a ``layer_check`` passes only if the
+memory did not move until the last layer was copied, and ``verify`` (which the readers
+of ``data`` call first) copies the bytes into memory of the chunk's own, checked, and
+serves those from then on.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ class Chunk:
         "_finalizer",
         "_lease",
         "_on_corrupt",
+        "_volatile",
         "checksum",
         "data",
         "key",
@@ -59,6 +68,7 @@ class Chunk:
         verified: bool = True,
         on_release: Callable[[], None] | None = None,
         on_corrupt: Callable[[], None] | None = None,
+        volatile: Callable[[], bool] | None = None,
     ) -> None:
         if data.dtype != np.uint8 or data.ndim != 4:
             raise LayoutError(f"chunk data must be a 4-d uint8 view, got {data.dtype} {data.shape}")
@@ -75,7 +85,10 @@ class Chunk:
         self.checksum = checksum  # xxh3-64 of the canonical bytes, when known
         if not verified and checksum is None:
             raise ValueError("an unverified chunk needs the checksum to verify it against")
+        if volatile is not None and verified:
+            raise ValueError("a volatile chunk is verified as it is read, not before")
         self.verified = verified
+        self._volatile = volatile  # None: the memory stays as it is while the chunk is held
         self._on_corrupt = on_corrupt
         self._lease = Lease(on_release) if on_release else None
         self._finalizer = weakref.finalize(self, self._lease.drop) if self._lease else None
@@ -92,6 +105,7 @@ class Chunk:
             checksum=self.checksum,
             verified=self.verified,
             on_corrupt=self._on_corrupt,
+            volatile=self._volatile,
         )
         if self._lease is not None:
             if self._finalizer is None or not self._finalizer.alive:
@@ -115,6 +129,7 @@ class Chunk:
             verified=self.verified,
             on_release=self.release if owning else None,
             on_corrupt=self._corrupt,
+            volatile=self._volatile,
         )
 
     @classmethod
@@ -142,7 +157,16 @@ class Chunk:
         return checksum(self.data)
 
     def verify(self) -> bool:
-        """Check an unverified chunk against its checksum; a failure drops the tier's copy."""
+        """Check an unverified chunk against its checksum; a failure drops the tier's copy.
+        A volatile chunk is copied into memory of its own first, and checked there."""
+        if self._volatile is not None:
+            own = np.empty(self.data.shape, dtype=np.uint8)
+            try:
+                self.copy_to(own)  # hashes what it copied: the bytes kept are the bytes checked
+            except ChecksumError:
+                return False
+            self.data, self._volatile, self.verified = own, None, True
+            return True
         if not self.verified:
             if self.compute_checksum() != self.checksum:
                 self._corrupt()
@@ -182,8 +206,8 @@ class Chunk:
             self.checksum = h.intdigest()
         elif h.intdigest() != self.checksum:
             self._corrupt()
-            self._check()
-        else:
+            raise ChecksumError(f"chunk {self.key.hex()[:16]} failed its checksum")
+        elif self._volatile is None:  # a volatile chunk's memory may change after this copy
             self.verified = True
 
     def _check(self) -> None:
@@ -238,10 +262,13 @@ class LayerCheck:
             raise ValueError(f"{self._next} of {chunk.layout.num_layers} layers checked")
         if self._hash is None:
             return True
-        if self._hash.intdigest() != chunk.checksum:
+        # A volatile chunk's memory must not have moved before the last layer was copied:
+        # each layer was hashed before its copy, so only then were the copied bytes hashed.
+        if self._hash.intdigest() != chunk.checksum or (chunk._volatile is not None and not chunk._volatile()):
             chunk._corrupt()
             return False
-        chunk.verified = True
+        if chunk._volatile is None:
+            chunk.verified = True
         return True
 
 

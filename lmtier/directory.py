@@ -176,6 +176,7 @@ class DirectoryReader:
             raise FormatError(f"slab {self.slab_name} is shorter than its directory says")
         self._slots = slots
         self._mapped = bytearray(slots)  # slots whose pages this process has mapped
+        self._barrier = threading.Lock()
 
     @property
     def fresh(self) -> bool:
@@ -200,13 +201,20 @@ class DirectoryReader:
         return None if self.moved(entry) else entry
 
     def moved(self, entry: Entry) -> bool:
+        """Whether ``entry``'s way changed since it was found. Asked after a copy of its
+        bytes: the lock is a barrier, so that this read of ``seq`` comes after the copy's
+        reads on any processor (the writer changes ``seq`` before the slot is reused)."""
+        with self._barrier:
+            pass
         return struct.unpack_from("<Q", self._map, entry.way)[0] != entry.seq
 
     def payload(self, entry: Entry, length: int) -> memoryview:
-        """``length`` bytes at the start of ``entry``'s slot (at most a slot)."""
+        """``length`` bytes from the start of ``entry``'s slot (a chunk larger than a slot
+        lies in consecutive slots; never past the slab's end)."""
         start = entry.slot * self.slot_bytes
-        view = self._slab[start : start + min(length, self.slot_bytes)]
-        if not self._mapped[entry.slot]:
-            populate_read(self._slab[start : start + self.slot_bytes])  # once per slot and process
-            self._mapped[entry.slot] = 1
+        view = self._slab[start : min(start + length, self._slots * self.slot_bytes)]
+        last = min(self._slots, entry.slot + -(-len(view) // self.slot_bytes))
+        if not all(self._mapped[entry.slot : last]):  # once per slot and process
+            populate_read(self._slab[start : last * self.slot_bytes])
+            self._mapped[entry.slot : last] = b"\x01" * (last - entry.slot)
         return view

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # System packages the tests need: redis-server, redis-cli and redis-benchmark (Debian's
-# redis-server and redis-tools). Idempotent: nothing happens when they are present.
+# redis-server and redis-tools), and, where root can install it, iproute2 (the cross-host
+# tests' network namespaces; they say why they cannot run without it). Idempotent:
+# nothing happens when they are present.
 set -euo pipefail
 
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v redis-cli >/dev/null && command -v redis-benchmark >/dev/null || need+=(redis-tools)
+if ! command -v ip >/dev/null && ! [[ -x /usr/sbin/ip ]] && [[ $(id -u) -eq 0 ]]; then
+    need+=(iproute2)
+fi
 ((${#need[@]})) || exit 0
 
 if [[ $(id -u) -eq 0 ]]; then

@@ -7,6 +7,7 @@ import os
 import struct
 
 import grpc
+import numpy as np
 import pytest
 from test_grpc_tier import SERVICE, code_of, flip_a_stored_byte, start
 
@@ -50,8 +51,8 @@ def test_a_same_host_client_reads_the_memory_tier_with_no_get(one_tenant, monkey
     try:
         assert tier.contains(prompt.keys) == 4
         got = tier.get(prompt.keys)
-        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(4)]  # verified as read
         assert not got[0].data.flags.writeable  # the server's memory, read-only
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(4)]  # verified as read
         release_all(got)
         assert tier.counts["directory_reads"] == 4 and not gets
         assert one_tenant.service.leases.held == 0  # nothing lent: nothing to release
@@ -226,3 +227,46 @@ def test_a_reader_keeps_no_entry_being_written_or_rewritten(tmp_path):
     finally:
         owner.close()
     assert not reader.fresh  # closed: no server stands behind it
+
+
+def test_a_chunk_larger_than_a_slot_lies_in_one_run_and_is_published(tmp_path):
+    srv, port = start(tiers=(f"cpu://?size={16 * SLOT}&slot={SLOT // 2}",), shm_dir=str(tmp_path))
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}")
+    prompt = make_prompt(4, seed=81)  # chunks of two slots each
+    try:
+        tier.put(prompt.chunks())
+        got = tier.get(prompt.keys)
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(4)]
+        assert tier.counts["directory_reads"] == 4  # each in consecutive slots: published
+        release_all(got)
+    finally:
+        tier.close()
+        srv.stop(0)
+
+
+def test_what_is_checked_is_what_is_used_when_the_server_may_reuse_the_memory(one_tenant):
+    """A chunk read through the directory holds no lease: a layer-by-layer check passes
+    only if the entry did not move before the last layer was copied (here it moves after
+    every layer hashed fine: the copy may have read other bytes); ``verify`` keeps a copy
+    of its own; a verified copy-out leaves the chunk unverified for the next reader."""
+    tier = open_tier(one_tenant.url)
+    prompt = make_prompt(3, seed=82)
+    tier.put(prompt.chunks())
+    try:
+        first, second, third = tier.get(prompt.keys)
+        check = first.layer_check()
+        for layer in range(first.layout.num_layers):
+            check(layer)
+        one_tenant.service.published.writer.withdraw(prompt.keys[0])  # as an eviction does, before reuse
+        assert not check.passed()
+        assert tier.counts["directory_races"] == 1 and tier.counts["corrupt"] == 0
+
+        assert second.verify() and second.data.flags.writeable  # its own memory now
+        assert second.tobytes() == prompt.chunk_bytes(1)
+
+        out = np.empty(third.data.shape, dtype=np.uint8)
+        third.copy_to(out)
+        assert out.tobytes() == prompt.chunk_bytes(2) and not third.verified
+        release_all([first, second, third])
+    finally:
+        tier.close()

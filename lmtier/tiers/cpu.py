@@ -468,7 +468,10 @@ class CpuTier(Tier):
             self._drop(victim)
             self._counts["evictions"] += 1
             metrics.EVICTIONS.labels(self.name).inc()
-        slots = [self._free.pop() for _ in range(count)]
+        # Consecutive slots where the free list's top holds them (always in a fresh slab,
+        # and after chunks of one size come and go): a chunk larger than a slot then lies
+        # in one run of the slab, served as one view (and published) rather than copied.
+        slots = sorted(self._free.pop() for _ in range(count))
         if self._prefault is not None:
             self._prefault.need((max(slots) + 1) * self.slot_bytes)
         return slots
@@ -579,7 +582,7 @@ class CpuTier(Tier):
                         self._publish(key, entry)
 
     def _publish(self, key: bytes, entry: _Entry) -> None:  # with the lock held
-        if len(entry.slots) == 1 and entry.layout is not None and entry.checksum is not None:
+        if _run(entry.slots) and entry.layout is not None and entry.checksum is not None:
             tokens = entry.nbytes // entry.layout.bytes_per_token
             self.publisher.publish(key, entry.slots[0], entry.namespace, entry.layout, tokens, entry.checksum)  # type: ignore[union-attr]
 
@@ -597,6 +600,9 @@ class CpuTier(Tier):
                 self._unlease(entry)
 
     def _slot_views(self, slab: np.ndarray, entry: _Entry) -> list[np.ndarray]:
+        if _run(entry.slots):
+            start = entry.slots[0] * self.slot_bytes
+            return [slab[start : start + entry.nbytes]]
         views, left = [], entry.nbytes
         for slot in entry.slots:
             start = slot * self.slot_bytes
@@ -672,6 +678,11 @@ class _Placement:
         if not self._done:
             self._done = True
             self._tier._placed(self.key, self._entry, self.view, None)
+
+
+def _run(slots: list[int]) -> bool:
+    """Whether an entry's ``slots`` (distinct, in order: ``_allocate``) are one run of the slab."""
+    return slots[-1] - slots[0] == len(slots) - 1
 
 
 def _allocate(nbytes: int, pin: bool | None) -> tuple[np.ndarray, mmap.mmap | None]:

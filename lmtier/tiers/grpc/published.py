@@ -9,10 +9,12 @@
 A server with one tenant publishes where its memory tier's chunks lie; the client asks it
 once for the directory's name (``ask``: the ``Directory`` call), maps it read-only with the
 slab it names (``SharedMemory.attach``) and from then on finds chunks there. A chunk read
-so is a view of the server's memory, like one lent by a ``Get``, but holds no lease: if the
-server evicts it before the engine copies it, the copy fails its checksum and is a miss
-(counted in ``directory_races``); a failed check of an entry that did not move is damage,
-and the server's copy is deleted (``on_damage``). The reads are reported to the server
+so is a view of the server's memory, like one lent by a ``Get``, but holds no lease: it is
+*volatile* (``lmtier.chunk``), checked where it is copied and only as it was copied. If
+the server evicts it before the engine copies it, the copy fails its checksum, or the
+entry's move is seen after the copy, and it is a miss (counted in ``directory_races``);
+a failed check of an entry that did not move is damage, and the server's copy is deleted
+(``on_damage``). The reads are reported to the server
 (``send``, without waiting) every ``REPORT_EVERY_S`` or ``REPORT_KEYS`` chunks and before a
 write, so that it keeps what is read, as a ``Get`` would make it. A directory whose server
 stops beating is dropped and asked for again, as is one the server's answer no longer
@@ -125,6 +127,7 @@ class DirectoryReads:
             checksum=header.payload_sum,
             verified=False,  # checked as the engine copies it out
             on_corrupt=lambda: self._damaged(reader, entry),
+            volatile=lambda: not reader.moved(entry),  # no lease: the server may reuse the slot
         )
 
     def _damaged(self, reader: DirectoryReader, entry: Entry) -> None:

@@ -153,6 +153,13 @@ class GrpcTier(Tier):
                     self._pid = os.getpid()
         return self._conn  # type: ignore[return-value]
 
+    def warm(self) -> None:
+        """Connect, and map the server's published directory where there is one, now
+        rather than on the first load's path (an engine calls it once it is up)."""
+        if not self._closed:
+            self._channel()
+            self.directory.reader()
+
     # -- calls ------------------------------------------------------------------------------
     def _rpc(self, fn: Callable[[], T]) -> T:
         """One call to the server; a failure raises a typed error (counted in ``errors``)."""
