@@ -162,13 +162,13 @@ def run(sizes_mib: list[float], total_mib: int, rounds: int, batch: int, rate: s
     reason = unavailable()
     if reason:
         raise SystemExit(f"bench_netns: {reason}")
-    largest = max(sizes_mib)
-    memory = 2 * total_mib + 64 + int(largest * batch)
+    memory = len(sizes_mib) * total_mib + 64  # every size's chunks held at once, in slots of the smallest
+    slot = int(min(sizes_mib) * MiB)
     with HostPair(rate=rate) as net:
         py = sys.executable
         ip = net.server_ip
         lmtier = [py, "-m", "lmtier", "serve", "--host", ip, "--port", str(PORTS["lmtier"]), "--tier",
-                  f"cpu://?size={memory}MiB", "--max-chunk", "64MiB", "--no-shm", "--log-level", "warning"]  # fmt: skip
+                  f"cpu://?size={memory}MiB&slot={slot}", "--max-chunk", "64MiB", "--no-shm", "--log-level", "warning"]  # fmt: skip
         net.run("server", lmtier, stdout=sys.stderr, stderr=sys.stderr)
         for what, argv in (("echo", [str(HERE / "bench_grpc_tier.py"), "--echo-server", str(PORTS["echo"]),
                                      "--echo-host", ip]),
