@@ -167,8 +167,9 @@ def run(sizes_mib: list[float], total_mib: int, rounds: int, batch: int, rate: s
     with HostPair(rate=rate) as net:
         py = sys.executable
         ip = net.server_ip
-        lmtier = [py, "-m", "lmtier", "serve", "--host", ip, "--port", str(PORTS["lmtier"]), "--tier",
-                  f"cpu://?size={memory}MiB&slot={slot}", "--max-chunk", "64MiB", "--no-shm", "--log-level", "warning"]  # fmt: skip
+        tier = f"cpu://?size={memory}MiB&slot={slot}"
+        lmtier = [py, "-m", "lmtier", "serve", "--host", ip, "--port", str(PORTS["lmtier"]), "--tier", tier,
+                  "--max-chunk", "64MiB", "--no-shm", "--log-level", "warning"]  # fmt: skip
         net.run("server", lmtier, stdout=sys.stderr, stderr=sys.stderr)
         for what, argv in (("echo", [str(HERE / "bench_grpc_tier.py"), "--echo-server", str(PORTS["echo"]),
                                      "--echo-host", ip]),
