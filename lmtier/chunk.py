@@ -160,7 +160,7 @@ class Chunk:
         """Check an unverified chunk against its checksum; a failure drops the tier's copy.
         A volatile chunk is copied into memory of its own first, and checked there."""
         if self._volatile is not None:
-            own = np.empty(self.data.shape, dtype=np.uint8)
+            own = _page_aligned(self.data.shape)  # as the memory it leaves was: O_DIRECT may write it
             try:
                 self.copy_to(own)  # hashes what it copied: the bytes kept are the bytes checked
             except ChecksumError:
@@ -294,6 +294,14 @@ class Lease:
             last = self._count == 0
         if last:
             self._callback()
+
+
+def _page_aligned(shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialized ``uint8`` array of ``shape`` starting on a 4 KiB boundary."""
+    n = int(np.prod(shape))
+    raw = np.empty(n + 4096, dtype=np.uint8)
+    start = -raw.ctypes.data % 4096
+    return raw[start : start + n].reshape(shape)
 
 
 def iter_segments(arr: np.ndarray) -> Iterator[np.ndarray]:

@@ -9,7 +9,7 @@ import struct
 import grpc
 import numpy as np
 import pytest
-from test_grpc_tier import SERVICE, code_of, flip_a_stored_byte, start
+from test_grpc_tier import SERVICE, code_of, flip_a_stored_byte, read_back, start
 
 from lmtier import codec, directory, metrics
 from lmtier.chunk import release_all
@@ -227,6 +227,29 @@ def test_a_reader_keeps_no_entry_being_written_or_rewritten(tmp_path):
     finally:
         owner.close()
     assert not reader.fresh  # closed: no server stands behind it
+
+
+def test_a_stopped_servers_memory_is_let_go_and_a_disk_tier_writes_what_was_read(tmp_path):
+    """A directory read's verified copy stays page-aligned (O_DIRECT writes it where it
+    lies); once the server stops, the client maps none of its memory any more."""
+    (tmp_path / "shm").mkdir()
+    srv, port = start(tiers=(f"cpu://?size={16 * SLOT}&slot={SLOT}",), shm_dir=str(tmp_path / "shm"))
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path / 'shm'}&timeout=2")
+    disk = open_tier(f"file://{tmp_path / 'disk'}?size=16MiB&o_direct=true")
+    prompt = make_prompt(3, seed=83)
+    try:
+        tier.put(prompt.chunks())
+        got = tier.get(prompt.keys)
+        assert tier.counts["directory_reads"] == 3
+        disk.put(got)
+        assert read_back(disk, prompt.keys) == [prompt.chunk_bytes(i) for i in range(3)]
+        release_all(got)
+        srv.stop(0)
+        assert tier.memory.published is None and tier.memory._directory is None
+    finally:
+        tier.close()
+        disk.close()
+        srv.stop(0)
 
 
 def test_a_chunk_larger_than_a_slot_lies_in_one_run_and_is_published(tmp_path):

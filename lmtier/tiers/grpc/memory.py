@@ -94,7 +94,9 @@ class SharedMemory:
     @property
     def published(self) -> DirectoryReader | None:
         reader = self._directory
-        return reader if reader is not None and reader.fresh else None
+        if reader is not None and not reader.fresh:  # its server stopped: let its memory go
+            self._directory = reader = None
+        return reader
 
     def attach(self, name: str) -> None:
         """Map the directory ``name`` (its server's word), or none for ``""``; a directory
@@ -128,5 +130,6 @@ class SharedMemory:
         self._lock = threading.Lock()  # a thread of the parent's may have held it at fork
 
     def close(self) -> None:
+        self._directory = None  # the server's memory stays mapped only while chunks view it
         if self._segment is not None:
             self._segment.close()
