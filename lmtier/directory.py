@@ -30,11 +30,12 @@ reader whose copy failed can tell a race (``moved``) from damage.
         find(key) -> Entry | None          where a published chunk lies, and its head
         payload(entry) -> memoryview       its bytes in the slab (pages mapped once per slot)
         moved(entry) -> bool               its way changed since it was found
-        fresh -> bool                      the server beat within three intervals
+        fresh -> bool                      the server beat within three intervals and lives
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import time
@@ -44,7 +45,7 @@ import xxhash
 
 from lmtier.buffers import populate_read
 from lmtier.errors import FormatError
-from lmtier.shm import Segment, SegmentMaps
+from lmtier.shm import Segment, SegmentMaps, locked
 
 MAGIC = b"LMTDIR01"
 # magic, version, sets, ways, head bytes, slots, slot bytes, interval, heartbeat, slab name
@@ -157,6 +158,7 @@ class DirectoryReader:
     def __init__(self, shm_dir: str, name: str) -> None:
         maps = SegmentMaps(shm_dir, limit=2)
         self.name = name
+        self._path = os.path.join(shm_dir, name)
         self._map = maps.region(name, 0, None)
         if len(self._map) < HEADER_BYTES:
             raise FormatError(f"directory {name} is too short")
@@ -180,8 +182,11 @@ class DirectoryReader:
 
     @property
     def fresh(self) -> bool:
+        """The server stands behind it: it beat within three intervals, and its process
+        lives (it holds the lock on the file: a killed server is seen at once)."""
         beat = struct.unpack_from("<Q", self._map, BEAT_AT)[0]
-        return beat > 0 and time.monotonic_ns() - beat <= 3 * self._interval + 1_000_000_000
+        recent = beat > 0 and time.monotonic_ns() - beat <= 3 * self._interval + 1_000_000_000
+        return recent and locked(self._path)
 
     def find(self, key: bytes) -> Entry | None:
         base = self._ways_at + xxhash.xxh3_64_intdigest(key) % self.sets * WAYS * WAY

@@ -136,6 +136,8 @@ class CacheServer:
             except OSError as exc:
                 self.grpc.stop(None)
                 self.service.watchdog.stop()
+                if self.service.published is not None:
+                    self.service.published.close()
                 self.store.close()
                 where = f"{self.metrics_host}:{self.config.metrics_port}"
                 raise OSError(f"cannot serve metrics on {where}: {exc}") from exc
