@@ -317,7 +317,8 @@ def test_two_instances_share_through_the_cache_server_alone(model, single_proces
         server.stop()
     assert_b_hit_what_a_stored(a, b, single_process["reference"])
     remote = b["stats"]["tiers"][1]
-    assert remote["errors"] == 0 and remote["shm"] is not None  # same host: bytes through shared memory
+    # same host, one tenant: B read the server's memory through its published directory
+    assert remote["errors"] == 0 and remote["directory_reads"] > 0
 
 
 def test_tensor_parallel_ranks_open_a_fresh_directory_and_share_their_own_slices(model, tmp_path):
