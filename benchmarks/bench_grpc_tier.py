@@ -18,7 +18,9 @@ instead of copies) and by the generated protobuf classes (``cache_pb2``,
 ``SerializeToString`` after joining the frame into the ``data`` field, ``FromString`` and
 reading ``data``), on the same bytes: the hand-written codec must earn its place.
 
-Calls carry ``--batch`` chunks each. Rows: PUT; GET, which ends with each chunk
+Calls carry ``--batch`` chunks each. Rows: PUT, a save of chunks new to the server (the
+same bytes under new keys, deleted after each timing: a save of chunks it holds reads
+nothing); GET, which ends with each chunk
 delivered and verified against its checksum, ready for the engine to copy; LOAD, which
 ends with the bytes in the engine's buffer (a tier's reader verifies as it copies; the
 echo client copies each message it receives; ``memcpy`` is the bytes moved once); and
@@ -185,8 +187,16 @@ def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: 
         "redis": open_tier(servers["redis"].url, context),
     }
 
-    def put(tier):
-        return lambda: [tier.put(chunks[b]) for b in batches]
+    rng = np.random.default_rng(size)
+
+    def timed_save(tier) -> float:
+        """A batched save of chunks new to the server (a save of chunks it holds reads
+        nothing): the same bytes under new keys, deleted again after the timing so that
+        the server's memory is as it was (the GETs read the chunks it held before)."""
+        fresh = [Chunk(rng.bytes(16), c.layout, c.data) for c in chunks]
+        seconds = timed(lambda: [tier.put(fresh[b]) for b in batches])
+        tier.delete([c.key for c in fresh])
+        return seconds
 
     def get(name, into_engine: bool = False):
         def run() -> None:
@@ -228,7 +238,8 @@ def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: 
     samples: dict[str, list[float]] = {}
     try:
         for tier in tiers.values():  # steady state: the server holds the chunks once, untimed
-            put(tier)()
+            for b in batches:
+                tier.put(chunks[b])
         for _ in range(rounds):
             copy_rate = nbytes / timed(memcpy) / 1e9
             hash_rate = nbytes / timed(copyhash) / 1e9
@@ -243,7 +254,7 @@ def measure(servers: dict, size_mib: float, total_mib: int, rounds: int, batch: 
             }
             for name, tier in tiers.items():
                 rates[name] = {
-                    "put": nbytes / timed(put(tier)) / 1e9,
+                    "put": nbytes / timed_save(tier) / 1e9,
                     "get": nbytes / timed(get(name)) / 1e9,
                     "load": nbytes / timed(get(name, True)) / 1e9,
                 }

@@ -203,6 +203,24 @@ def read_header(frame, payload=None) -> tuple[Header, memoryview]:
     ``FormatError`` or ``ChecksumError``. Nothing is copied.
     """
     view = memoryview(frame).cast("B")
+    if payload is not None:
+        payload = memoryview(payload).cast("B")
+        header = _head(view, len(payload))
+        return header, payload
+    header = _head(view, None)
+    return header, view[len(view) - header.layout.chunk_bytes(header.num_tokens) :]
+
+
+def read_head(head, payload_len: int) -> Header:
+    """Check a frame's preamble and header, ``head`` holding only them, for a reader that
+    lands the payload (``payload_len`` bytes, which the preamble must state) elsewhere
+    afterwards and verifies it there against ``Header.payload_sum``."""
+    return _head(memoryview(head).cast("B"), payload_len)
+
+
+def _head(view: memoryview, apart: int | None) -> Header:
+    """The checks of ``read_header``: ``apart`` is the length of a payload that lies apart
+    (``view`` is then the preamble and the header only), None for a whole frame."""
     if len(view) < PREAMBLE.size:
         raise FormatError(f"frame of {len(view)} bytes is shorter than its preamble")
     magic, version, flags, header_len, payload_len, payload_sum, header_sum = PREAMBLE.unpack_from(view)
@@ -210,10 +228,9 @@ def read_header(frame, payload=None) -> tuple[Header, memoryview]:
         raise FormatError("bad magic: not an lmtier chunk")
     if version != FRAME_VERSION or flags != 0 or any(view[36:40]):
         raise FormatError(f"unsupported frame version {version} / flags {flags}")
-    if payload is not None:
-        payload = memoryview(payload).cast("B")
-        if header_len > MAX_HEADER or len(view) != PREAMBLE.size + header_len or len(payload) != payload_len:
-            raise FormatError(f"frame parts of {len(view)} + {len(payload)} bytes disagree with their preamble")
+    if apart is not None:
+        if header_len > MAX_HEADER or len(view) != PREAMBLE.size + header_len or apart != payload_len:
+            raise FormatError(f"frame parts of {len(view)} + {apart} bytes disagree with their preamble")
     elif header_len > MAX_HEADER or len(view) != PREAMBLE.size + header_len + payload_len:
         raise FormatError(f"frame length {len(view)} disagrees with its preamble")
     h = xxhash.xxh3_64(view[:CHECKED])
@@ -240,7 +257,7 @@ def read_header(frame, payload=None) -> tuple[Header, memoryview]:
         raise FormatError("header length disagrees with its layout")
     if payload_len != raw_len:
         raise FormatError("payload length disagrees with its layout")
-    return header, payload if payload is not None else view[PREAMBLE.size + header_len :]
+    return header
 
 
 class PayloadHash:

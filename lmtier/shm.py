@@ -42,6 +42,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from lmtier.errors import ConfigError, FormatError, LmtierError
@@ -204,6 +205,27 @@ class SegmentFiles:
         if got != length:
             raise SegmentUnavailable(f"region [{offset}, {offset + length}) lies outside segment {name}")
         return out
+
+    def read_split(self, name: str, offset: int, length: int, head, rest: Callable[[memoryview], tuple]) -> tuple:
+        """The frame of ``length`` bytes at ``offset`` of segment ``name`` read in two parts
+        through one descriptor: its first bytes into ``head`` (as many as fit), then
+        ``rest(those bytes)`` says where the remainder goes, as ``(skip, buffer, result)``:
+        the bytes from ``skip`` (within the frame) to its end are read into ``buffer``, and
+        ``result`` is returned; a ``buffer`` of None reads nothing more. A region shorter
+        than asked is ``SegmentUnavailable``."""
+        _check_span(name, offset, length)
+        first = memoryview(head).cast("B")[: min(len(head), length)]
+        with self._use(name) as fd:
+            if os.preadv(fd, [first], offset) != len(first):
+                raise SegmentUnavailable(f"region [{offset}, {offset + length}) lies outside segment {name}")
+            skip, buffer, result = rest(first)
+            if buffer is not None:
+                out = memoryview(buffer).cast("B")
+                if skip + len(out) != length:
+                    raise ValueError("the rest of a frame read into a buffer of another length")
+                if os.preadv(fd, [out], offset + skip) != len(out):
+                    raise SegmentUnavailable(f"region [{offset}, {offset + length}) lies outside segment {name}")
+        return result
 
     def write(self, name: str, offset: int, parts: list) -> int:
         """Write ``parts`` (buffers, in order) at ``offset`` of segment ``name``, which must

@@ -118,7 +118,7 @@ def test_a_placement_is_invisible_until_committed_and_never_leaks_its_slot():
     a = hot.place(p.keys[0], CHUNK_BYTES)
     assert a is not None and a.view.ctypes.data % ALIGN == 0
     assert hot.place(p.keys[0], CHUNK_BYTES) is None  # being written
-    assert hot.place(p.keys[1], 2 * CHUNK_BYTES) is None  # would span slots
+    assert hot.place(p.keys[1], 2 * CHUNK_BYTES) is None  # two slots: the other one is being written
     assert hot.contains(p.keys[:1]) == 0 and hot.get(p.keys[:1]) == [None]
     a.abort()
     a.abort()  # once is enough; twice is harmless
@@ -209,3 +209,33 @@ def test_closing_the_store_during_a_load_ends_it_without_an_error(tmp_path):
     release_all(first + rest)
     closer.join(30)
     assert not closer.is_alive() and [c.key for c in first] == p.keys[:1]
+
+
+def test_a_save_placed_in_a_run_of_slots_is_not_yet_written_and_goes_down_when_evicted(tmp_path):
+    """``place(written=False)``: a cache server's save read into memory in place. It spans
+    a run of slots, counts as no read, and write-back writes it down when it is evicted
+    (a promotion, ``written=True``, is known to be below already)."""
+    hot = CpuTier(size=4 * CHUNK_BYTES, slot=CHUNK_BYTES // 2)
+    disk = DiskTier(tmp_path, size=ROOM)
+    store = TieredStore([hot, disk], write_mode="back", writeback_after=0)  # eviction and close only
+    p = make_prompt(3, seed=12)
+    try:
+        placed = [hot.place(k, CHUNK_BYTES, written=False) for k in p.keys[:2]]
+        assert all(x is not None and x.view.size == CHUNK_BYTES for x in placed)
+        assert hot.contains(p.keys[:1]) == 0  # invisible until committed
+        for i, x in enumerate(placed):
+            x.view[:] = np.frombuffer(p.chunk_bytes(i), dtype=np.uint8)
+            got = x.commit(p.chunks()[i])
+            assert got.tobytes() == p.chunk_bytes(i)
+            got.release()
+        assert hot.contains(p.keys[:2]) == 2 and hot.stats()["hits"] == 0
+        assert [k for k, _ in hot.unwritten(older_than=0, limit=8)] == p.keys[:2]
+        store.put(p.chunks()[2:])  # another chunk: the least recent of the two goes down
+        assert store.put(make_prompt(2, seed=13).chunks()) == 2  # five chunks in room for four
+        assert store.flush()
+        assert disk.contains(p.keys[:1]) == 1 and hot.contains(p.keys[:1]) == 0
+        got = disk.get(p.keys[:1])
+        assert got[0].tobytes() == p.chunk_bytes(0)
+        release_all(got)
+    finally:
+        store.close()

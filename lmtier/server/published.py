@@ -12,7 +12,7 @@ Chunks of the readiness probe, and keys of any other shape, are never published.
 from __future__ import annotations
 
 from lmtier import codec
-from lmtier.directory import DirectoryWriter
+from lmtier.directory import HEAD_BYTES, DirectoryWriter
 from lmtier.layout import KVLayout
 from lmtier.tiers.cpu import CpuTier
 
@@ -29,10 +29,12 @@ class Published:
         tier.set_publisher(self)
 
     def publish(self, key: bytes, slot: int, namespace: bytes, layout: KVLayout, num_tokens: int,
-                checksum: int) -> None:  # fmt: skip
+                checksum: int, head: bytes = b"") -> None:  # fmt: skip
         own = self._own(key)
         if own is not None:
-            self.writer.publish(own, slot, codec.frame_head(own, namespace, layout, num_tokens, checksum))
+            if not head or len(head) > HEAD_BYTES:  # none came with it, or one padded past a head's room
+                head = codec.frame_head(own, namespace, layout, num_tokens, checksum)
+            self.writer.publish(own, slot, head)
 
     def withdraw(self, key: bytes) -> None:
         own = self._own(key)

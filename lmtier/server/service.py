@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import grpc
+import xxhash
 
 from lmtier import codec, metrics
 from lmtier.buffers import BufferPool
@@ -54,6 +55,7 @@ from lmtier.server.published import Published
 from lmtier.server.watchdog import Watchdog
 from lmtier.shm import SegmentFiles, SegmentUnavailable
 from lmtier.store import TieredStore
+from lmtier.tiers.cpu import CpuTier
 from lmtier.v1 import cache_pb2
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ SERVICE = "lmtier.v1.CacheService"
 KEY_LENGTHS = (16, 32)  # xxh3-128 and sha256 chunk keys
 PUT_BATCH = 16
 PUT_BATCH_BYTES = 16 * 1024 * 1024
+HEAD_READ = 4096  # a save's first read of a client's slot: the frame's preamble and header
 GET_BATCH = 8
 STATS_COUNT_LIMIT = 100_000  # Stats counts a tenant's chunks up to this many (a bounded listing)
 STATS_REFRESH_S = 1.0  # a tenant's Stats answer is reused this long
@@ -95,6 +98,8 @@ class CacheService:
         self.receiving = ReceiveBudget(receiving, receiving if auth.single_tenant else receiving // 2)
         first = store.tiers[0]
         self.shared = first if first.capabilities.shared_memory else None  # zero-copy reads
+        # Saves through shared memory are read straight into the memory tier's slots.
+        self.landing = first if isinstance(first, CpuTier) and self.maps is not None else None
         self.leases = Leases(first.capacity // 4, config.shm_dir, ttl=config.call_timeout)
         # One tenant, clients on this host: what the memory tier holds, published for reads
         # with no call (lmtier.directory).
@@ -262,6 +267,7 @@ class CacheService:
     def Put(self, messages: Iterator[bytes], context: grpc.ServicerContext, tag: bytes) -> cache_pb2.PutResponse:
         assembler = FrameAssembler(self.buffers, self.config.max_chunk_bytes, self.receiving.for_call(tag))
         batch: list[tuple[Chunk, Callable[[], None]]] = []
+        landed: list[bytes] = []  # the batch's chunks read into the memory tier in place
         damaged: list[bytes] = []
         totals = {"stored": 0, "dropped": 0}
 
@@ -273,6 +279,7 @@ class CacheService:
                 for _, release in batch:
                     release()
                 batch.clear()
+                landed.clear()
             if damaged:  # found by the first tier as it hashed the payload in
                 raise Abort(grpc.StatusCode.DATA_LOSS, f"chunk {damaged[0].hex()} failed its payload checksum")
             totals["stored"] += held
@@ -285,6 +292,17 @@ class CacheService:
                 except LmtierError as exc:
                     raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {exc}") from exc
                 for one in pieces:
+                    if one.region is not None and self.landing is not None:
+                        handled, chunk, placed = self._land(tag, one, assembler, damaged)
+                        if handled:
+                            if chunk is not None:
+                                metrics.SERVER_BYTES.labels("put", "shm").inc(one.region.length)
+                                batch.append((chunk, chunk.release))
+                                if placed:
+                                    landed.append(chunk.key)
+                                if len(batch) >= PUT_BATCH or sum(c.nbytes for c, _ in batch) >= PUT_BATCH_BYTES:
+                                    store()
+                            continue
                     frame = self._receive(one, assembler)
                     if frame is None:
                         continue
@@ -308,22 +326,96 @@ class CacheService:
             store()
         finally:
             assembler.abandon()
+            if landed:  # a call that failed stores nothing of its last batch
+                self.landing.delete(landed)
             for _, release in batch:
                 release()
         return cache_pb2.PutResponse(stored=totals["stored"], dropped=totals["dropped"])
+
+    def _check_region(self, one, assembler: FrameAssembler) -> None:
+        if assembler.pending or one.offset != 0 or one.region.length != one.frame_size:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a shared-memory piece must hold a whole frame")
+        if not one.key:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a piece without its chunk's key")
+        if one.frame_size > self.config.max_chunk_bytes:
+            raise FrameTooLarge(f"frame of {one.frame_size} bytes exceeds the limit of {self.config.max_chunk_bytes}")
+
+    def _land(
+        self, tag: bytes, one, assembler: FrameAssembler, damaged: list[bytes]
+    ) -> tuple[bool, Chunk | None, bool]:
+        """A save through shared memory, its payload read from the client's slot straight
+        into the memory tier's slots and hashed there: one copy by the kernel and one pass
+        of the hash, where the usual way (``_receive``) reads the frame into a buffer and the
+        tier copies and hashes it again. Returns (handled, chunk, landed): not handled, the caller
+        goes the usual way, which also answers whatever is wrong with the frame (a header
+        that does not check, a key or a namespace that does not match), so each error has
+        one wording; handled, the chunk to store, leased (the one held already when the
+        tier has the key), or None when there is nothing to store (a damaged payload,
+        counted in ``damaged``; a tier that closed meanwhile); landed, whether it was read
+        in now (the tier holds it from then on: a call that fails before its batch is
+        stored takes it back out)."""
+        try:
+            self._check_region(one, assembler)
+        except FrameTooLarge as exc:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+        region, tier = one.region, self.landing
+        key, placed = tag + one.key, []
+
+        def rest(view: memoryview) -> tuple:
+            """Where the payload goes, once the preamble and the header are read."""
+            if len(view) < codec.PREAMBLE.size:
+                return 0, None, None
+            start = codec.PREAMBLE.size + codec.header_length(view)
+            if start > len(view):  # a header longer than the first read (padded): the usual way
+                return 0, None, None
+            try:
+                header = codec.read_head(view[:start], region.length - start)
+            except LmtierError:
+                return 0, None, None
+            if header.key != one.key or (header.namespace and len(header.namespace) != len(one.key)):
+                return 0, None, None
+            _check_key(one.key, "the chunk key")
+            placement = tier.place(key, region.length - start, written=False)
+            if placement is None:  # held already (nothing to read), or no run of slots free
+                return 0, None, tier.hold([key])[0]
+            placed.append(placement)
+            return start, placement.view, (header, bytes(view[:start]))
+
+        try:
+            got = self._segment_io(
+                lambda files: files.read_split(
+                    region.segment, region.offset, region.length, bytearray(HEAD_READ), rest
+                ),
+                region.segment,
+            )
+            if not placed:
+                return got is not None, got, False
+            placement, (header, head) = placed[0], got
+            if xxhash.xxh3_64_intdigest(placement.view) != header.payload_sum:
+                placement.abort()
+                damaged.append(one.key)
+                return True, None, False
+            chunk = Chunk.from_buffer(
+                header.key,
+                header.layout,
+                header.num_tokens,
+                placement.view,
+                namespace=header.namespace,
+                checksum=header.payload_sum,
+                verified=True,
+            )
+        except BaseException:
+            for placement in placed:
+                placement.abort()
+            raise
+        out = placement.commit(chunk, head)  # the head the client made (checked) is the one published
+        return True, out, out is not None
 
     def _receive(self, one, assembler: FrameAssembler):
         """A whole frame from this piece (with what came before), or None for now."""
         try:
             if one.region is not None:
-                if assembler.pending or one.offset != 0 or one.region.length != one.frame_size:
-                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a shared-memory piece must hold a whole frame")
-                if not one.key:
-                    raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "a piece without its chunk's key")
-                if one.frame_size > self.config.max_chunk_bytes:
-                    raise FrameTooLarge(
-                        f"frame of {one.frame_size} bytes exceeds the limit of {self.config.max_chunk_bytes}"
-                    )
+                self._check_region(one, assembler)
                 region, buffer = one.region, self.buffers.acquire(one.region.length)
                 try:  # read, never mapped: the client may shrink its segment at any moment
                     view = self._segment_io(

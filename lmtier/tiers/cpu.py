@@ -301,32 +301,41 @@ class CpuTier(Tier):
             out[i] = self._chunk(keys[i], entry, self._slot_views(slab, entry))
         return out
 
-    def place(self, key: bytes, nbytes: int) -> _Placement | None:
-        """One slot, page-aligned, for a lower tier to read ``key``'s payload into: the
-        read is the promotion (no copy). None when the key is here (or being written),
-        when the payload would span slots, or when nothing can be evicted to make room.
-        The slot is invisible to readers until the placement commits."""
-        if self._closed or not 0 < nbytes <= self.slot_bytes or self.slot_bytes % PAGE:
+    def place(self, key: bytes, nbytes: int, written: bool = True) -> _Placement | None:
+        """Page-aligned memory in the slab for a reader to land ``key``'s payload in, one
+        slot or a run of consecutive ones: a lower tier's read into it is the promotion
+        (``written``: the lower tiers hold it already), a cache server's read of a client's
+        save is the save (``written=False``: write-back writes it down later); no copy
+        either way. None when the key is here (or being written), when no run of slots is
+        free, or when nothing can be evicted to make room. The slots are invisible to
+        readers until the placement commits."""
+        if self._closed or nbytes <= 0 or self.slot_bytes % PAGE:
             return None
+        count = -(-nbytes // self.slot_bytes)
         with self._state():
             if key in self._index:
                 return None
             slab = self._ensure_slab()
             if slab.ctypes.data % PAGE:
                 return None
-            slots = self._allocate(1, key)
+            slots = self._allocate(count, key)
             if slots is None:
+                return None
+            if not _run(slots):  # scattered: the caller reads into memory of its own instead
+                self._free.extend(slots)
                 return None
             entry = _Entry(slots, nbytes)
             self._insert(key, entry)
         start = slots[0] * self.slot_bytes
-        return _Placement(self, key, entry, slab[start : start + nbytes])
+        return _Placement(self, key, entry, slab[start : start + nbytes], written)
 
-    def _placed(self, key: bytes, entry: _Entry, view: np.ndarray, chunk: Chunk | None) -> Chunk | None:
-        """A placement ends: committed with ``chunk`` (the bytes read into the slot, already
-        verified or carrying the checksum to verify them by), or aborted (None). A slot
-        whose key was deleted meanwhile (or whose tier closed) still serves this reader:
-        the bytes are good; it is freed when the reader lets go."""
+    def _placed(
+        self, key: bytes, entry: _Entry, view: np.ndarray, chunk: Chunk | None, written: bool = True, head: bytes = b""
+    ) -> Chunk | None:
+        """A placement ends: committed with ``chunk`` (the bytes read into the slots,
+        already verified or carrying the checksum to verify them by), or aborted (None).
+        Slots whose key was deleted meanwhile (or whose tier closed) still serve this
+        reader: the bytes are good; they are freed when the reader lets go."""
         digest = None
         if chunk is not None and chunk.nbytes == entry.nbytes:
             digest = chunk.checksum if chunk.checksum is not None else checksum(chunk.data)
@@ -340,12 +349,14 @@ class CpuTier(Tier):
             entry.layout, entry.namespace, entry.checksum = chunk.layout, chunk.namespace, digest  # type: ignore[union-attr]
             if mine:
                 entry.ready = True
-                entry.written = True  # read from a lower tier: it is there already
-                entry.reads += 1
+                entry.written = written
+                entry.reads += written  # a promotion is a read; a save is not
+                if not written and self.evict_hook is not None:
+                    self._unwritten[key] = time.monotonic()
                 self._counts["stored"] += 1
                 self._announce("stored", [key])
                 if self.publisher is not None:
-                    self._publish(key, entry)
+                    self._publish(key, entry, head)
         if mine:
             metrics.TIER_OPS.labels(self.name, "put", "stored").inc()
             metrics.TIER_BYTES.labels(self.name, "put").inc(entry.nbytes)
@@ -581,10 +592,10 @@ class CpuTier(Tier):
                     if entry.ready and not entry.dead:
                         self._publish(key, entry)
 
-    def _publish(self, key: bytes, entry: _Entry) -> None:  # with the lock held
+    def _publish(self, key: bytes, entry: _Entry, head: bytes = b"") -> None:  # with the lock held
         if _run(entry.slots) and entry.layout is not None and entry.checksum is not None:
             tokens = entry.nbytes // entry.layout.bytes_per_token
-            self.publisher.publish(key, entry.slots[0], entry.namespace, entry.layout, tokens, entry.checksum)  # type: ignore[union-attr]
+            self.publisher.publish(key, entry.slots[0], entry.namespace, entry.layout, tokens, entry.checksum, head)  # type: ignore[union-attr]
 
     def _unlease(self, entry: _Entry) -> None:
         entry.leases -= 1
@@ -648,29 +659,33 @@ class CpuTier(Tier):
 
 
 class Publisher(Protocol):
+    """``head``, where given: the chunk's frame head as it came (checked, and agreeing with
+    the other arguments), which the publisher may use instead of making one."""
+
     def publish(self, key: bytes, slot: int, namespace: bytes, layout: KVLayout, num_tokens: int,
-                checksum: int) -> None: ...  # fmt: skip
+                checksum: int, head: bytes = b"") -> None: ...  # fmt: skip
 
     def withdraw(self, key: bytes) -> None: ...
 
 
 class _Placement:
-    """A slot set aside by ``CpuTier.place`` (see ``lmtier.tiers.base.Placement``)."""
+    """Slots set aside by ``CpuTier.place`` (see ``lmtier.tiers.base.Placement``)."""
 
-    __slots__ = ("_done", "_entry", "_tier", "committed", "key", "view")
+    __slots__ = ("_done", "_entry", "_tier", "_written", "committed", "key", "view")
 
-    def __init__(self, tier: CpuTier, key: bytes, entry: _Entry, view: np.ndarray) -> None:
-        self._tier, self.key, self._entry, self.view = tier, key, entry, view
+    def __init__(self, tier: CpuTier, key: bytes, entry: _Entry, view: np.ndarray, written: bool) -> None:
+        self._tier, self.key, self._entry, self.view, self._written = tier, key, entry, view, written
         self._done = self.committed = False
 
-    def commit(self, chunk: Chunk) -> Chunk | None:
-        """``chunk``: the payload read into ``view`` (its header's layout and checksum);
-        returns the tier's chunk over the slot, leased to the caller (None if the tier
-        closed or dropped the slot meanwhile)."""
+    def commit(self, chunk: Chunk, head: bytes = b"") -> Chunk | None:
+        """``chunk``: the payload read into ``view`` (its header's layout and checksum;
+        ``head``: that frame head's bytes, checked, where the reader has them); returns the
+        tier's chunk over the slots, leased to the caller (None if the tier closed or
+        dropped them meanwhile)."""
         if self._done:
             raise RuntimeError("placement already ended")
         self._done = True
-        out = self._tier._placed(self.key, self._entry, self.view, chunk)
+        out = self._tier._placed(self.key, self._entry, self.view, chunk, self._written, head)
         self.committed = out is not None
         return out
 

@@ -1,0 +1,204 @@
+"""Saves through shared memory: a one-tenant server reads a client's frame from the
+client's segment straight into its memory tier's slots and checks it there. Real servers
+on port 0, real segments in tmp_path; raw calls where a test needs a frame no well-behaved
+client would send."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from test_grpc_tier import SERVICE, code_of, read_back, start
+
+from lmtier import codec
+from lmtier.chunk import release_all
+from lmtier.pieces import Region, pack, piece
+from lmtier.server.auth import tenant_tag
+from lmtier.shm import Segment
+from lmtier.tiers.base import open_tier
+from lmtier.v1 import cache_pb2
+
+from conftest import eventually, make_prompt
+
+SLOT = 8192  # one chunk of make_prompt's layout per slot
+TAG = tenant_tag("default")
+
+
+@pytest.fixture
+def one_tenant(tmp_path):
+    srv, port = start(tiers=(f"cpu://?size={16 * SLOT}&slot={SLOT}",), shm_dir=str(tmp_path))
+    srv.url = f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}"
+    srv.address = f"127.0.0.1:{port}"
+    srv.shm_dir = str(tmp_path)
+    yield srv
+    srv.stop(0)
+
+
+def buffers_taken(srv, monkeypatch) -> list[int]:
+    """Every pooled receive buffer the server takes from now on (the usual way's copy)."""
+    taken: list[int] = []
+    real = srv.service.buffers.acquire
+    monkeypatch.setattr(srv.service.buffers, "acquire", lambda n: taken.append(n) or real(n))
+    return taken
+
+
+def put_raw(srv, messages) -> cache_pb2.PutResponse:
+    with grpc.insecure_channel(srv.address) as channel:
+        call = channel.stream_unary(SERVICE + "Put", None, cache_pb2.PutResponse.FromString)
+        return call(iter(messages), timeout=10)
+
+
+def landed_in_segment(segment: Segment, chunk, slot: int = 0, align: int = 0) -> bytes:
+    """The chunk's frame written into the client's ``slot``; its piece, as a client sends it."""
+    n = codec.encode_into(chunk, segment.view(slot), align=align)
+    return pack(piece(chunk.key, n, region=Region(segment.name, segment.offset(slot), n)))
+
+
+def test_a_save_is_read_into_the_memory_tier_where_it_stays(one_tenant, monkeypatch):
+    taken = buffers_taken(one_tenant, monkeypatch)
+    tier = open_tier(one_tenant.url)
+    plain = open_tier(one_tenant.url.replace("shm=on", "shm=off"))
+    prompt = make_prompt(6, seed=91)
+    try:
+        tier.put(prompt.chunks())
+        assert taken == []  # no receive buffer: straight into the tier's slots
+        cpu = one_tenant.store.tiers[0]
+        assert cpu.contains([TAG + k for k in prompt.keys]) == 6
+        assert cpu.stats()["stored"] == 6
+        # the same bytes through every path: the directory, and a Get over TCP
+        assert read_back(tier, prompt.keys) == [prompt.chunk_bytes(i) for i in range(6)]
+        assert tier.counts["directory_reads"] == 6
+        assert read_back(plain, prompt.keys) == [prompt.chunk_bytes(i) for i in range(6)]
+    finally:
+        tier.close()
+        plain.close()
+
+
+def test_a_batch_keeps_its_first_chunk_the_most_recent(one_tenant):
+    tier = open_tier(one_tenant.url)
+    first, second, third = make_prompt(8, seed=92), make_prompt(8, seed=93), make_prompt(4, seed=90)
+    try:
+        tier.put(first.chunks())
+        tier.put(second.chunks())
+        tier.put(third.chunks())  # the tier holds 16: four of `first` must go
+        cpu = one_tenant.store.tiers[0]
+        kept = [cpu.contains([TAG + k]) for k in first.keys]
+        assert kept == [1] * 4 + [0] * 4  # the prefix's head stays, its tail goes first
+    finally:
+        tier.close()
+
+
+def test_a_damaged_save_is_refused_and_leaves_no_slot_taken(one_tenant, tmp_path):
+    segment = Segment(str(tmp_path), 1 << 20, 64 << 10)
+    chunk, good = make_prompt(2, seed=94).chunks()
+    message = landed_in_segment(segment, chunk)
+    segment.view(0)[codec.encoded_size(chunk) - 7] ^= 0x10  # a payload byte, after the client's hash
+    cpu = one_tenant.store.tiers[0]
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            put_raw(one_tenant, [message, landed_in_segment(segment, good, slot=1)])
+        assert failed.value.code() == grpc.StatusCode.DATA_LOSS
+        assert cpu.contains([TAG + chunk.key]) == 0 and cpu.used_bytes == SLOT  # only the good one
+        assert cpu.stats()["corrupt"] == 0  # refused before it was ever readable
+    finally:
+        segment.close()
+
+
+def test_a_save_of_a_chunk_held_already_reads_nothing_and_keeps_the_good_bytes(one_tenant, tmp_path, monkeypatch):
+    tier = open_tier(one_tenant.url)
+    prompt = make_prompt(1, seed=95)
+    tier.put(prompt.chunks())
+    segment = Segment(str(tmp_path), 1 << 20, 64 << 10)
+    message = landed_in_segment(segment, prompt.chunks()[0])
+    segment.view(0)[codec.encoded_size(prompt.chunks()[0]) - 7] ^= 0x10
+    taken = buffers_taken(one_tenant, monkeypatch)
+    try:
+        assert put_raw(one_tenant, [message]).stored == 1  # the server holds it: nothing to read
+        assert taken == []
+        assert read_back(tier, prompt.keys) == [prompt.chunk_bytes(0)]
+    finally:
+        tier.close()
+        segment.close()
+
+
+def test_a_call_that_fails_stores_nothing_of_its_last_batch(one_tenant, tmp_path):
+    segment = Segment(str(tmp_path), 1 << 20, 64 << 10)
+    prompt = make_prompt(3, seed=96)
+    messages = [landed_in_segment(segment, c, slot=i) for i, c in enumerate(prompt.chunks())]
+    messages.append(pack(piece(b"\x01" * 16, 10, region=Region(segment.name, 0, 4))))  # not a whole frame
+    cpu = one_tenant.store.tiers[0]
+    try:
+        assert code_of(lambda: put_raw(one_tenant, messages)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert cpu.contains([TAG + k for k in prompt.keys[:1]]) == 0 and cpu.used_bytes == 0
+        assert one_tenant.service.tenant_keys(TAG) == []
+        assert put_raw(one_tenant, messages[:3]).stored == 3  # the same frames, in a call that ends well
+    finally:
+        segment.close()
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    ["key", "header", "padded"],
+)
+def test_frames_the_landing_cannot_take_go_the_usual_way_with_its_answers(one_tenant, tmp_path, spoil):
+    """A frame whose header does not check or names another key is refused in the usual
+    way's words; one whose header is longer than the first read is stored the usual way."""
+    segment = Segment(str(tmp_path), 1 << 20, 64 << 10)
+    chunk = make_prompt(1, seed=97).chunks()[0]
+    try:
+        if spoil == "padded":  # a header padded past the first read: stored all the same
+            message = landed_in_segment(segment, chunk, align=16384)
+            assert codec.header_length(segment.view(0)) > 4096
+            assert put_raw(one_tenant, [message]).stored == 1
+            tier = open_tier(one_tenant.url)
+            assert read_back(tier, [chunk.key]) == [chunk.tobytes()]
+            tier.close()
+            return
+        message = landed_in_segment(segment, chunk)
+        if spoil == "key":
+            n = codec.encoded_size(chunk)
+            message = pack(piece(b"\x02" * 16, n, region=Region(segment.name, 0, n)))
+        else:
+            segment.view(0)[codec.PREAMBLE.size + 3] ^= 0x01
+        failed = code_of(lambda: put_raw(one_tenant, [message]))
+        assert failed in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS)
+        assert one_tenant.store.tiers[0].used_bytes == 0
+    finally:
+        segment.close()
+
+
+def test_a_chunk_larger_than_a_slot_lands_in_a_run_of_slots(tmp_path, monkeypatch):
+    srv, port = start(tiers=(f"cpu://?size={16 * SLOT}&slot={SLOT // 2}",), shm_dir=str(tmp_path))
+    srv.address = f"127.0.0.1:{port}"
+    taken = buffers_taken(srv, monkeypatch)
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}")
+    prompt = make_prompt(3, seed=98)  # chunks of two slots each
+    try:
+        tier.put(prompt.chunks())
+        assert taken == []
+        got = tier.get(prompt.keys)
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(3)]
+        assert tier.counts["directory_reads"] == 3
+        release_all(got)
+    finally:
+        tier.close()
+        srv.stop(0)
+
+
+def test_a_landed_save_reaches_the_disk_tier_below(tmp_path):
+    (tmp_path / "shm").mkdir()
+    srv, port = start(
+        tiers=(f"cpu://?size={4 * SLOT}&slot={SLOT}", f"file://{tmp_path / 'disk'}?size=4MiB"),
+        shm_dir=str(tmp_path / "shm"),
+    )
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path / 'shm'}")
+    prompt = make_prompt(8, seed=99)  # twice what memory holds
+    disk = srv.store.tiers[1]
+    try:
+        tier.put(prompt.chunks()[:4])
+        assert eventually(lambda: disk.contains([TAG + k for k in prompt.keys[:4]]) == 4)
+        tier.put(prompt.chunks()[4:])  # memory lets the first four go: the disk has them
+        assert eventually(lambda: disk.contains([TAG + k for k in prompt.keys]) == 8)
+        assert read_back(tier, prompt.keys) == [prompt.chunk_bytes(i) for i in range(8)]
+    finally:
+        tier.close()
+        srv.stop(0)
