@@ -101,8 +101,12 @@ def run(
     *,
     short: bool = False,
     only: Iterable[str] | None = None,
+    keep: bool = False,
     progress: Callable[[Iterable[str]], Iterable[str]] = lambda names: names,
 ) -> dict[str, Any]:
+    """Run the suite (or ``only`` some of it) and write the reports, the summary and the
+    page into ``out``. ``keep``: the page keeps the other benchmarks' reports of the
+    earlier run in ``out`` (of the same mode), each marked with the day it ran."""
     names = list(only or SUITE)
     unknown = sorted(set(names) - set(SUITE))
     if unknown:
@@ -114,6 +118,16 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     reports: dict[str, Any] = {}
     seconds: dict[str, float] = {}
+    ran: dict[str, str] = {}
+    mode = "short" if short else "full"
+    stamp = time.strftime("on %Y-%m-%d at %H:%M:%S UTC", time.gmtime())  # when this run began
+    if keep:
+        earlier = _earlier(out, mode)
+        for name, report in earlier.get("benchmarks", {}).items():
+            if name not in names:
+                reports[name] = report
+                seconds[name] = earlier.get("seconds", {}).get(name, 0.0)
+                ran[name] = earlier.get("ran", {}).get(name, "in the earlier full run")
     for name in progress(names):
         script, short_args, full_args = SUITE[name]
         args = short_args if short else full_args
@@ -133,8 +147,10 @@ def run(
             shutil.copyfile(target / "ttft.json", out / "vllm.json")
             shutil.copyfile(target / "ttft.png", out / "ttft.png")
         reports[name] = json.loads((out / f"{name}.json").read_text())
+        ran[name] = stamp
     summary = {
-        "mode": "short" if short else "full",
+        "mode": mode,
+        "ran": ran,
         "machine": {"python": platform.python_version(), "processor": platform.machine(), "cpus": _cpus()},
         "seconds": seconds,
         "skipped": skipped,
@@ -148,6 +164,17 @@ def run(
     except ImportError:
         summary["skipped"]["plots"] = "plots: need matplotlib (pip install matplotlib)"
     return summary
+
+
+def _earlier(out: Path, mode: str) -> dict[str, Any]:
+    """The summary of the earlier run in ``out``, if it was of ``mode``."""
+    try:
+        earlier = json.loads((out / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if earlier.get("mode") != mode:
+        raise LmtierError(f"--keep: the reports in {out} are of a {earlier.get('mode')} run, not a {mode} one")
+    return earlier
 
 
 def _cpus() -> int:
@@ -317,6 +344,10 @@ def markdown(summary: dict[str, Any], out: Path) -> str:
             f"| {r['benchmark']} | {r['what']} | {r['lmtier']:.3g} | {r['reference']} | {r['reference_value']:.3g} "
             f"| {r['ratio']:.2f}x | {r['target']} | {'yes' if r['met'] else '**no**'} |"
         )
+    days = sorted(set(summary.get("ran", {}).values()))
+    if len(days) > 1:  # a page kept from more than one run (--keep)
+        runs = [f"{', '.join(sorted(n for n, d in summary['ran'].items() if d == day))} ran {day}" for day in days]
+        lines += ["", "Reports of more than one run: " + "; ".join(runs) + "."]
     lines += ["", "![throughput](throughput.png)"]
     if (out / "ttft.png").exists():
         lines += ["", "![TTFT](ttft.png)"]
@@ -377,13 +408,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/run.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--short", action="store_true", help="small sizes: a few minutes in all")
     parser.add_argument("--only", action="append", help=f"one benchmark, repeatable ({', '.join(SUITE)})")
+    parser.add_argument(
+        "--keep", action="store_true", help="with --only: keep the other reports of the earlier run in --out"
+    )
     parser.add_argument("--out", default="benchmarks/results", help="where the reports go (default benchmarks/results)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     out = Path(args.out)
     try:
-        summary = run(out, short=args.short, only=args.only, progress=lambda names: _progress(names, not args.quiet))
+        summary = run(
+            out, short=args.short, only=args.only, keep=args.keep, progress=lambda n: _progress(n, not args.quiet)
+        )
     except LmtierError as exc:
         print(f"benchmarks: error: {exc}", file=sys.stderr)
         return 2

@@ -244,3 +244,37 @@ def test_the_readme_results_page_is_a_full_run_copied_unedited():
     assert "\n".join(table) in readme
     for png in ("throughput.png", "ttft.png"):
         assert (results / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"docs/results/{png}" in readme
+
+
+def test_a_benchmark_rerun_keeps_the_other_reports_of_the_earlier_run_and_says_so(tmp_path):
+    """``--only NAME --keep``: one benchmark again, the others' reports as the earlier run
+    left them, the page saying which ran when; a run of the other mode is not mixed in."""
+
+    def bench(*args):
+        return subprocess.run(
+            [sys.executable, "benchmarks/run.py", "--short", "--quiet", "--out", str(tmp_path), *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+        )
+
+    assert bench("--only", "cpu").returncode == 0
+    first = json.loads((tmp_path / "results.json").read_text())
+    again = bench("--only", "trace", "--keep")
+    assert again.returncode == 0, again.stderr[-2000:]
+    summary = json.loads((tmp_path / "results.json").read_text())
+    assert set(summary["benchmarks"]) == {"cpu", "trace"}
+    assert summary["benchmarks"]["cpu"] == first["benchmarks"]["cpu"]  # kept as it was
+    assert summary["ran"]["cpu"] == first["ran"]["cpu"] != summary["ran"]["trace"]
+    assert {t["benchmark"] for t in summary["targets"]} == {"cpu", "trace"}
+    page = (tmp_path / "results.md").read_text()
+    assert f"cpu ran {first['ran']['cpu']}" in page and f"trace ran {summary['ran']['trace']}" in page
+    other_mode = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quiet", "--out", str(tmp_path), "--only", "cpu", "--keep"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert other_mode.returncode == 2 and "short run, not a full one" in other_mode.stderr
