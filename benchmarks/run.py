@@ -1,19 +1,24 @@
 """The benchmark runner: every benchmark of ``benchmarks/`` in one run, each against its
 same-run reference, summarized in one table of every ratio target (met or not) and two plots.
 
-    python benchmarks/run.py [--short] [--only NAME ...] [--out DIR] [--json] [--quiet]
+    python benchmarks/run.py [--short] [--only NAME ... [--keep]] [--out DIR] [--json] [--quiet]
     (``make bench`` runs it at full size)
 
-    run(out, short=False, only=None)  -> summary dict; writes into ``out``:
+    run(out, short=False, only=None, keep=False)  -> summary dict; writes into ``out``:
         NAME.json, NAME.txt     each benchmark's own report and printed tables
-        results.json            {"benchmarks": {NAME: report}, "targets": [rows]}
+        results.json            {"benchmarks": {NAME: report}, "targets": [rows],
+                                 "ran": {NAME: when}}
         results.md              the targets table, then each benchmark's own tables (and
                                 the peer comparison's, when peer-lmcache.md lies in ``out``)
         throughput.png          lmtier against its reference, per tier and operation
         ttft.png                TTFT against prompt length, with and without lmtier
 
 ``short`` runs small sizes (a few minutes in all: what CI runs); the full mode is what
-the README's results page comes from. The runner and the benchmark scripts live in the
+the README's results page comes from. ``keep`` reruns only the benchmarks named and keeps
+the others' reports of the earlier run in ``out``: the page says which ran when.
+
+Longer than 400 lines: the suite, every benchmark's ratio targets and the page they make
+share one vocabulary (the reports' fields), read in one place. The runner and the benchmark scripts live in the
 source checkout's ``benchmarks/`` directory, not in the installed package (the
 ``lmtier bench`` command of earlier releases forwards here).
 """

@@ -1,26 +1,35 @@
 """Saves through shared memory: a one-tenant server reads a client's frame from the
 client's segment straight into its memory tier's slots and checks it there. Real servers
 on port 0, real segments in tmp_path; raw calls where a test needs a frame no well-behaved
-client would send."""
+client would send, and a fuzzing target (hypothesis) for whatever bytes the segment holds."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from test_grpc_tier import SERVICE, code_of, read_back, start
 
 from lmtier import codec
 from lmtier.chunk import release_all
+from lmtier.config import ServerConfig
 from lmtier.pieces import Region, pack, piece
+from lmtier.server import create_server
 from lmtier.server.auth import tenant_tag
 from lmtier.shm import Segment
 from lmtier.tiers.base import open_tier
 from lmtier.v1 import cache_pb2
 
-from conftest import eventually, make_prompt
+from conftest import eventually, fuzz, make_prompt
 
 SLOT = 8192  # one chunk of make_prompt's layout per slot
 TAG = tenant_tag("default")
+FUZZ = fuzz()
+ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.RESOURCE_EXHAUSTED}
+PROMPT = make_prompt(4, seed=901)
+KNOWN = {key: PROMPT.chunk_bytes(i) for i, key in enumerate(PROMPT.keys)}
+FRAMES = [codec.encode(c) for c in PROMPT.chunks()]
 
 
 @pytest.fixture
@@ -202,3 +211,57 @@ def test_a_landed_save_reaches_the_disk_tier_below(tmp_path):
     finally:
         tier.close()
         srv.stop(0)
+
+
+def test_a_one_tenant_server_lands_only_whole_good_frames_whatever_the_segment_holds(tmp_path):
+    """A one-tenant server reads a save's frame from the client's segment straight into its
+    memory tier: any bytes there (a frame with bytes flipped anywhere, cut short, named by
+    another key) are refused with a status or stored only when whole and good, and no slot
+    is ever left taken."""
+    (tmp_path / "shm").mkdir()
+    config = ServerConfig(port=0, tiers=("cpu://?size=1MiB&slot=8KiB",), shm_dir=str(tmp_path / "shm"))
+    server, port = create_server(config)
+    cpu, tag = server.store.tiers[0], TAG
+    segment = Segment(str(tmp_path / "shm"), 1 << 20, 64 << 10)
+    view = memoryview(segment.map)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    put = channel.stream_unary(SERVICE + "Put", None, cache_pb2.PutResponse.FromString)
+    flips = st.lists(st.tuples(st.integers(0, len(FRAMES[0]) - 1), st.integers(1, 255)), max_size=3)
+
+    @FUZZ
+    @given(
+        which=st.integers(0, len(FRAMES) - 1),
+        flipped=flips,
+        cut=st.sampled_from([0, 0, 1, 100, len(FRAMES[0]) - 40]),
+        named=st.sampled_from(["own", "other", "random"]),
+        random_key=st.binary(min_size=16, max_size=16),
+    )
+    def run(which, flipped, cut, named, random_key):
+        frame = bytearray(FRAMES[which])
+        for at, bits in flipped:
+            frame[at] ^= bits
+        view[: len(frame)] = frame
+        key = {"own": PROMPT.keys[which], "other": PROMPT.keys[(which + 1) % 4], "random": random_key}[named]
+        n = len(frame) - cut
+        try:
+            stored = put(iter([pack(piece(key, n, region=Region(segment.name, 0, n)))]), timeout=30).stored
+        except grpc.RpcError as exc:
+            assert exc.code() in ALLOWED, exc
+            stored = 0
+        good = bytes(frame) == FRAMES[which] and not cut and named == "own"  # two flips may cancel out
+        assert stored == int(good)
+        for k, truth in KNOWN.items():
+            (got,) = cpu.get([tag + k])
+            if got is not None:
+                assert got.verify() and got.tobytes() == truth
+                got.release()
+        assert not cpu.contains([tag + random_key])  # nothing is stored under a key its frame does not name
+        cpu.delete(list(cpu.keys()))
+        assert cpu.used_bytes == 0 and not cpu.keys()  # no slot left taken
+
+    try:
+        run()
+    finally:
+        channel.close()
+        segment.close()
+        server.stop(0)
