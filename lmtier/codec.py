@@ -181,10 +181,12 @@ def header_length(frame) -> int:
 _LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "mla")
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64, typed=True)
 def _layout(num_layers, num_kv_heads, head_dim, dtype, mla) -> KVLayout:
     """A header's layout, built once per distinct one (a reader decodes thousands of
-    headers of one model's layout; building and checking it each time cost ~20 us)."""
+    headers of one model's layout; building and checking it each time cost ~20 us).
+    ``typed``: a field of another type (``2.0`` for ``2``, ``True`` for ``1``) is another
+    key, checked anew, never the layout cached for the value it equals."""
     return KVLayout.from_dict(
         {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": dtype, "mla": mla}
     )

@@ -216,7 +216,8 @@ class SegmentFiles:
         _check_span(name, offset, length)
         first = memoryview(head).cast("B")[: min(len(head), length)]
         with self._use(name) as fd:
-            if os.preadv(fd, [first], offset) != len(first):
+            # the whole region first: ``rest`` may set memory aside (evicting) for it
+            if os.fstat(fd).st_size < offset + length or os.preadv(fd, [first], offset) != len(first):
                 raise SegmentUnavailable(f"region [{offset}, {offset + length}) lies outside segment {name}")
             skip, buffer, result = rest(first)
             if buffer is not None:

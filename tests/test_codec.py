@@ -143,6 +143,23 @@ def test_a_frame_claiming_a_codec_this_version_cannot_read_is_a_miss(claimed):
     assert codec.decode(frame("raw")).tobytes() == chunk.tobytes()
 
 
+@pytest.mark.parametrize("field,value", [("num_layers", 2.0), ("num_kv_heads", 2.0), ("head_dim", 16.0)])
+def test_a_layout_field_of_the_wrong_type_is_refused_whatever_was_read_before(field, value):
+    """A layout is built once per distinct header (a cache), and ``2.0`` equals ``2``: a
+    field of another type must still be checked, not served the layout of the value it
+    equals (a reader with a cold cache would refuse what a warm one let through)."""
+    import msgpack
+
+    chunk = kv_chunk(LAYOUTS[1])
+    fields = {"v": 1, "ns": NS, "key": chunk.key, "tokens": 8, "codec": "raw", "raw_len": chunk.nbytes}
+    good = _frame(msgpack.packb({**fields, "layout": chunk.layout.to_dict()}), chunk.tobytes())
+    assert codec.decode(good).tobytes() == chunk.tobytes()  # the cache now holds this layout
+    layout = {**chunk.layout.to_dict(), field: value}
+    assert layout[field] == chunk.layout.to_dict()[field]  # equal, of another type
+    with pytest.raises(FormatError):
+        codec.decode(_frame(msgpack.packb({**fields, "layout": layout}), chunk.tobytes()))
+
+
 def _frame(header: bytes, payload: bytes) -> bytes:
     """A frame with valid checksums around whatever header and payload it is given."""
     return codec._preamble(header, len(payload), xxhash.xxh3_64_intdigest(payload)) + header + payload

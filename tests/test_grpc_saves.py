@@ -5,14 +5,17 @@ client would send, and a fuzzing target (hypothesis) for whatever bytes the segm
 
 from __future__ import annotations
 
+import threading
+
 import grpc
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from test_grpc_tier import SERVICE, code_of, read_back, start
 
 from lmtier import codec
-from lmtier.chunk import release_all
+from lmtier.chunk import Chunk, release_all
 from lmtier.config import ServerConfig
 from lmtier.pieces import Region, pack, piece
 from lmtier.server import create_server
@@ -129,19 +132,66 @@ def test_a_save_of_a_chunk_held_already_reads_nothing_and_keeps_the_good_bytes(o
         segment.close()
 
 
-def test_a_call_that_fails_stores_nothing_of_its_last_batch(one_tenant, tmp_path):
-    segment = Segment(str(tmp_path), 1 << 20, 64 << 10)
+def test_a_call_that_fails_keeps_the_whole_chunks_it_landed_and_loses_no_one_elses(one_tenant, tmp_path):
+    """A call that breaks after some chunks landed: those, whole and checked, are stored as
+    any other (taking them back out would delete a chunk another call was told is stored,
+    which found it held meanwhile); the broken piece leaves nothing."""
+    segment, other = Segment(str(tmp_path), 1 << 20, 64 << 10), Segment(str(tmp_path), 1 << 20, 64 << 10)
     prompt = make_prompt(3, seed=96)
     messages = [landed_in_segment(segment, c, slot=i) for i, c in enumerate(prompt.chunks())]
-    messages.append(pack(piece(b"\x01" * 16, 10, region=Region(segment.name, 0, 4))))  # not a whole frame
     cpu = one_tenant.store.tiers[0]
+    landed, go = threading.Event(), threading.Event()
+
+    def first_call():
+        yield from messages
+        landed.wait(10)  # held here: another client saves the same first chunk
+        go.wait(10)
+        yield pack(piece(b"\x01" * 16, 10, region=Region(segment.name, 0, 4)))  # not a whole frame
+
+    failed: list = []
+    thread = threading.Thread(target=lambda: failed.append(code_of(lambda: put_raw(one_tenant, first_call()))))
+    thread.start()
     try:
-        assert code_of(lambda: put_raw(one_tenant, messages)) == grpc.StatusCode.INVALID_ARGUMENT
-        assert cpu.contains([TAG + k for k in prompt.keys[:1]]) == 0 and cpu.used_bytes == 0
-        assert one_tenant.service.tenant_keys(TAG) == []
-        assert put_raw(one_tenant, messages[:3]).stored == 3  # the same frames, in a call that ends well
+        assert eventually(lambda: cpu.contains([TAG + prompt.keys[0]]) == 1)
+        landed.set()
+        assert put_raw(one_tenant, [landed_in_segment(other, prompt.chunks()[0])]).stored == 1  # told: stored
+        go.set()
+        thread.join(20)
+        assert failed == [grpc.StatusCode.INVALID_ARGUMENT]
+        assert cpu.contains([TAG + k for k in prompt.keys]) == 3  # kept, the other caller's among them
+        assert cpu.used_bytes == 3 * SLOT and cpu.stats()["stored"] == 3
+        tier = open_tier(one_tenant.url)
+        assert read_back(tier, prompt.keys) == [prompt.chunk_bytes(i) for i in range(3)]
+        tier.close()
     finally:
+        landed.set()
+        go.set()
         segment.close()
+        other.close()
+
+
+def test_a_save_whose_region_runs_past_the_segment_evicts_nothing(tmp_path, monkeypatch):
+    """Memory is set aside (evicting) only for a region that lies in the client's segment."""
+    srv, port = start(tiers=(f"cpu://?size={4 * SLOT}&slot={SLOT}",), shm_dir=str(tmp_path))
+    srv.address = f"127.0.0.1:{port}"
+    cpu = srv.store.tiers[0]
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}")
+    held = make_prompt(4, seed=88)
+    layout = held.namespace.layout
+    tokens = 3 * held.namespace.chunk_tokens  # three slots' worth
+    big = Chunk(b"\x07" * 16, layout, np.random.default_rng(3).integers(0, 256, layout.byte_shape(tokens), np.uint8))
+    frame = codec.encode(big)
+    segment = Segment(str(tmp_path), 8192, 8192)  # room for the frame's head, not for its payload
+    try:
+        tier.put(held.chunks())  # the tier is full
+        segment.view(0)[:4096] = np.frombuffer(frame[:4096], dtype=np.uint8)
+        message = pack(piece(big.key, len(frame), region=Region(segment.name, 0, len(frame))))
+        assert code_of(lambda: put_raw(srv, [message])) == grpc.StatusCode.FAILED_PRECONDITION
+        assert cpu.contains([TAG + k for k in held.keys]) == 4 and cpu.stats()["evictions"] == 0
+    finally:
+        tier.close()
+        segment.close()
+        srv.stop(0)
 
 
 @pytest.mark.parametrize(

@@ -326,11 +326,20 @@ class CacheService:
             store()
         finally:
             assembler.abandon()
-            if landed:  # a call that failed stores nothing of its last batch
-                self.landing.delete(landed)
+            if landed:  # the call failed: what it landed is in memory already, whole and checked
+                self._keep_landed([c for c, _ in batch if c.key in set(landed)])
             for _, release in batch:
                 release()
         return cache_pb2.PutResponse(stored=totals["stored"], dropped=totals["dropped"])
+
+    def _keep_landed(self, chunks: list[Chunk]) -> None:
+        """A failed call's chunks landed in the memory tier: stored as any other (the lower
+        tiers get them, they count once). Taking them back out instead would delete a chunk
+        another call was told is stored meanwhile (it found it held)."""
+        try:
+            self.store.put(chunks)
+        except Exception:  # the call's own failure is what its caller hears
+            log.exception("storing the chunks a failed Put had landed")
 
     def _check_region(self, one, assembler: FrameAssembler) -> None:
         if assembler.pending or one.offset != 0 or one.region.length != one.frame_size:
@@ -353,7 +362,7 @@ class CacheService:
         tier has the key), or None when there is nothing to store (a damaged payload,
         counted in ``damaged``; a tier that closed meanwhile); landed, whether it was read
         in now (the tier holds it from then on: a call that fails before its batch is
-        stored takes it back out)."""
+        stored still stores it, ``_keep_landed``)."""
         try:
             self._check_region(one, assembler)
         except FrameTooLarge as exc:
