@@ -270,6 +270,7 @@ class CacheService:
         landed: list[bytes] = []  # the batch's chunks read into the memory tier in place
         damaged: list[bytes] = []
         totals = {"stored": 0, "dropped": 0}
+        head = bytearray(HEAD_READ)  # each landing's first read, copied out of it at once
 
         def store() -> None:
             chunks = [c for c, _ in batch]
@@ -285,6 +286,11 @@ class CacheService:
             totals["stored"] += held
             totals["dropped"] += len(chunks) - held
 
+        def add(chunk: Chunk, release: Callable[[], None]) -> None:
+            batch.append((chunk, release))
+            if len(batch) >= PUT_BATCH or sum(c.nbytes for c, _ in batch) >= PUT_BATCH_BYTES:
+                store()
+
         try:
             for message in messages:
                 try:
@@ -293,15 +299,13 @@ class CacheService:
                     raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {exc}") from exc
                 for one in pieces:
                     if one.region is not None and self.landing is not None:
-                        handled, chunk, placed = self._land(tag, one, assembler, damaged)
+                        handled, chunk, placed = self._land(tag, one, assembler, head, damaged)
                         if handled:
                             if chunk is not None:
                                 metrics.SERVER_BYTES.labels("put", "shm").inc(one.region.length)
-                                batch.append((chunk, chunk.release))
                                 if placed:
                                     landed.append(chunk.key)
-                                if len(batch) >= PUT_BATCH or sum(c.nbytes for c, _ in batch) >= PUT_BATCH_BYTES:
-                                    store()
+                                add(chunk, chunk.release)
                             continue
                     frame = self._receive(one, assembler)
                     if frame is None:
@@ -313,9 +317,7 @@ class CacheService:
                         release()
                         raise
                     metrics.SERVER_BYTES.labels("put", transport).inc(len(view))
-                    batch.append((chunk, release))
-                    if len(batch) >= PUT_BATCH or sum(c.nbytes for c, _ in batch) >= PUT_BATCH_BYTES:
-                        store()
+                    add(chunk, release)
             if assembler.pending:
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream ended in the middle of a chunk")
             # The call failed under us (a message over the limit, a cancel): its stream only
@@ -327,7 +329,8 @@ class CacheService:
         finally:
             assembler.abandon()
             if landed:  # the call failed: what it landed is in memory already, whole and checked
-                self._keep_landed([c for c, _ in batch if c.key in set(landed)])
+                kept = set(landed)
+                self._keep_landed([c for c, _ in batch if c.key in kept])
             for _, release in batch:
                 release()
         return cache_pb2.PutResponse(stored=totals["stored"], dropped=totals["dropped"])
@@ -350,19 +353,19 @@ class CacheService:
             raise FrameTooLarge(f"frame of {one.frame_size} bytes exceeds the limit of {self.config.max_chunk_bytes}")
 
     def _land(
-        self, tag: bytes, one, assembler: FrameAssembler, damaged: list[bytes]
+        self, tag: bytes, one, assembler: FrameAssembler, head: bytearray, damaged: list[bytes]
     ) -> tuple[bool, Chunk | None, bool]:
         """A save through shared memory, its payload read from the client's slot straight
-        into the memory tier's slots and hashed there: one copy by the kernel and one pass
-        of the hash, where the usual way (``_receive``) reads the frame into a buffer and the
-        tier copies and hashes it again. Returns (handled, chunk, landed): not handled, the caller
-        goes the usual way, which also answers whatever is wrong with the frame (a header
-        that does not check, a key or a namespace that does not match), so each error has
-        one wording; handled, the chunk to store, leased (the one held already when the
-        tier has the key), or None when there is nothing to store (a damaged payload,
-        counted in ``damaged``; a tier that closed meanwhile); landed, whether it was read
-        in now (the tier holds it from then on: a call that fails before its batch is
-        stored still stores it, ``_keep_landed``)."""
+        into the memory tier's slots and hashed there (``head``: room for the first read):
+        one copy by the kernel and one pass of the hash, where the usual way (``_receive``)
+        reads the frame into a buffer and the tier copies and hashes it again. Returns
+        (handled, chunk, landed): not handled, the caller goes the usual way, which also
+        answers whatever is wrong with the frame (a header that does not check, a key or a
+        namespace that does not match), so each error has one wording; handled, the chunk
+        to store, leased (the one held already when the tier has the key), or None when
+        there is nothing to store (a damaged payload, counted in ``damaged``; a tier that
+        closed meanwhile); landed, whether it was read in now (the tier holds it from then
+        on: a call that fails before its batch is stored still stores it, ``_keep_landed``)."""
         try:
             self._check_region(one, assembler)
         except FrameTooLarge as exc:
@@ -392,14 +395,12 @@ class CacheService:
 
         try:
             got = self._segment_io(
-                lambda files: files.read_split(
-                    region.segment, region.offset, region.length, bytearray(HEAD_READ), rest
-                ),
+                lambda files: files.read_split(region.segment, region.offset, region.length, head, rest),
                 region.segment,
             )
             if not placed:
                 return got is not None, got, False
-            placement, (header, head) = placed[0], got
+            placement, (header, own_head) = placed[0], got
             if xxhash.xxh3_64_intdigest(placement.view) != header.payload_sum:
                 placement.abort()
                 damaged.append(one.key)
@@ -417,7 +418,7 @@ class CacheService:
             for placement in placed:
                 placement.abort()
             raise
-        out = placement.commit(chunk, head)  # the head the client made (checked) is the one published
+        out = placement.commit(chunk, own_head)  # the head the client made (checked) is the one published
         return True, out, out is not None
 
     def _receive(self, one, assembler: FrameAssembler):
