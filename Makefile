@@ -59,7 +59,7 @@ gpu-check:
 # The fuzzing targets with a longer budget than CI's (FUZZ_EXAMPLES examples per target).
 FUZZ_EXAMPLES ?= 5000
 fuzz: venv system
-	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/test_fuzz.py tests/test_codec.py
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/test_fuzz.py tests/test_codec.py tests/test_data_channel_input.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -41,7 +41,8 @@ from common import chunks_of, emit, timed
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
-PORTS = {"lmtier": 50551, "echo": 50552, "sink": 50553}  # inside the namespaces: free by construction
+# inside the namespaces: free by construction (the server's data channel: 50552)
+PORTS = {"lmtier": 50551, "echo": 50555, "sink": 50556}
 
 
 # -- the raw TCP endpoint (server's namespace) ------------------------------------------------

@@ -266,6 +266,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
         "shm_dir": "" if args.no_shm else args.shm_dir,
+        "data_channel": False if args.no_data_channel else None,
+        "data_port": args.data_port,
         "grace": args.grace,
     }
     config = load_server_config(args.config, **flags)
@@ -609,6 +611,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--shm-dir", help="where same-host clients' segments live (default /dev/shm)")
     p.add_argument("--no-shm", action="store_true", help="refuse the shared-memory data plane")
+    p.add_argument(
+        "--data-port", type=int, help="the bulk data channel's port, for other hosts' loads (default: --port + 1)"
+    )
+    p.add_argument("--no-data-channel", action="store_true", help="serve other hosts' loads through gRPC alone")
     p.add_argument("--grace", type=float, help="seconds in-flight calls get on shutdown (default 10)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

@@ -308,6 +308,13 @@ class ServerConfig:
     metrics_token: str = setting("", STRING)
     # Same-host shared-memory data plane: the directory segments live in ("" turns it off).
     shm_dir: str = setting("/dev/shm", STRING)
+    # Other hosts' loads: a bulk data channel beside gRPC (lmtier/datachannel.py), on
+    # data_port (None: the gRPC port + 1, or any free port where that is 0; if it is
+    # taken, the server runs without one, saying so). Same address and TLS as gRPC.
+    data_channel: bool = setting(True, BOOL)
+    data_port: int | None = setting(None, OPTIONAL_INTEGER)
+    # Data connections open at once, every tenant's together (a tenant: its share).
+    max_data_connections: int = setting(32, INTEGER)
     # Seconds between readiness probes of the tiers.
     probe_interval: float = setting(5.0, NUMBER)
     # Seconds in-flight calls get to finish on shutdown.
@@ -324,6 +331,8 @@ class ServerConfig:
             raise ConfigError("the server needs at least one tier")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must lie in [0, 65536), got {self.port}")
+        if self.data_port is not None and not 0 <= self.data_port < 65536:
+            raise ConfigError(f"data_port must lie in [0, 65536), got {self.data_port}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both a certificate and its key")
         if self.tls_identity not in ("auto", "cn", "uri", "dns"):
@@ -338,6 +347,7 @@ class ServerConfig:
             "max_streams_per_connection",
             "max_connections",
             "write_queue",
+            "max_data_connections",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -144,8 +144,14 @@ def test_the_server_agrees_with_lmtiers_configuration(tmp_path):
     sts = one("StatefulSet", "server")
     pod = sts["spec"]["template"]["spec"]
     server = container_named(pod, "lmtier")
-    assert ports_of(server) == {"grpc": cfg.port, "metrics": cfg.metrics_port}
+    assert ports_of(server) == {"grpc": cfg.port, "data": cfg.data_port, "metrics": cfg.metrics_port}
     assert server["readinessProbe"]["grpc"]["port"] == cfg.port
+    service = one("Service", "server")
+    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {
+        "grpc": "grpc",
+        "data": "data",  # other hosts' loads take the data channel: reachable through the Service
+        "metrics": "metrics",
+    }
     assert pod["enableServiceLinks"] is False  # its own Service, lmtier-server, would set LMTIER_SERVER_PORT
     assert parse_size(server["resources"]["limits"]["memory"]) >= memory_tier(cfg.tiers) + (512 << 20)
     disk = TierURL.parse(cfg.tiers[-1])

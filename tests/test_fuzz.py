@@ -315,6 +315,7 @@ def test_put_takes_any_stream_and_keeps_only_whole_good_frames(sound):
         ("Release", "lease", st.integers(0, 2**64 - 1)),
         ("Stats", None, st.none()),
         ("Directory", "read", st.lists(st.binary(max_size=40), max_size=8)),
+        ("OpenData", None, st.none()),  # the channel itself: tests/test_data_channel_input.py
     ],
 )
 def test_list_release_and_stats_take_any_request(sound, method, field, values):

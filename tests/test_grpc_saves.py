@@ -38,7 +38,7 @@ FRAMES = [codec.encode(c) for c in PROMPT.chunks()]
 @pytest.fixture
 def one_tenant(tmp_path):
     srv, port = start(tiers=(f"cpu://?size={16 * SLOT}&slot={SLOT}",), shm_dir=str(tmp_path))
-    srv.url = f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}"
+    srv.url = f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}&data=false"  # saves through the segment
     srv.address = f"127.0.0.1:{port}"
     srv.shm_dir = str(tmp_path)
     yield srv
@@ -175,7 +175,7 @@ def test_a_save_whose_region_runs_past_the_segment_evicts_nothing(tmp_path, monk
     srv, port = start(tiers=(f"cpu://?size={4 * SLOT}&slot={SLOT}",), shm_dir=str(tmp_path))
     srv.address = f"127.0.0.1:{port}"
     cpu = srv.store.tiers[0]
-    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}")
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}&data=false")
     held = make_prompt(4, seed=88)
     layout = held.namespace.layout
     tokens = 3 * held.namespace.chunk_tokens  # three slots' worth
@@ -229,7 +229,7 @@ def test_a_chunk_larger_than_a_slot_lands_in_a_run_of_slots(tmp_path, monkeypatc
     srv, port = start(tiers=(f"cpu://?size={16 * SLOT}&slot={SLOT // 2}",), shm_dir=str(tmp_path))
     srv.address = f"127.0.0.1:{port}"
     taken = buffers_taken(srv, monkeypatch)
-    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}")
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}&data=false")
     prompt = make_prompt(3, seed=98)  # chunks of two slots each
     try:
         tier.put(prompt.chunks())
@@ -249,7 +249,7 @@ def test_a_landed_save_reaches_the_disk_tier_below(tmp_path):
         tiers=(f"cpu://?size={4 * SLOT}&slot={SLOT}", f"file://{tmp_path / 'disk'}?size=4MiB"),
         shm_dir=str(tmp_path / "shm"),
     )
-    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path / 'shm'}")
+    tier = open_tier(f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path / 'shm'}&data=false")
     prompt = make_prompt(8, seed=99)  # twice what memory holds
     disk = srv.store.tiers[1]
     try:

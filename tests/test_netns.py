@@ -1,7 +1,7 @@
 """The grpc:// tier between two hosts: the server and the client in two network namespaces
 joined by a veth pair shaped by ``tc`` (``lmtier.testing.netns``), through the cross-host
-benchmark's own script, short. Where the machine cannot make namespaces (no root, no
-iproute2), the test says why it did not run."""
+benchmark's own script, short (loads on the server's bulk data channel). Where the machine
+cannot make namespaces (no root, no iproute2), the test says why it did not run."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def test_chunks_cross_a_shaped_link_between_two_namespaces_verified(tmp_path):
         counts = row["tier_counts"]
         assert counts["errors"] == 0 and counts["corrupt"] == 0
         assert counts["directory_reads"] == 0 and counts["shm_fallbacks"] == 0  # nothing same-host across the link
+        assert counts["data_loads"] > 0 and counts["data_fallbacks"] == 0  # loads on the bulk data channel
 
 
 @needs_namespaces

@@ -18,6 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from test_data_channel import data_get
 
 from lmtier import codec, metrics
 from lmtier.chunk import release_all
@@ -85,6 +86,7 @@ REQUESTS = {
     "Release": lambda: cache_pb2.ReleaseRequest(lease=1),
     "Stats": lambda: cache_pb2.StatsRequest(),
     "Directory": lambda: cache_pb2.DirectoryRequest(read=PROMPT.keys),
+    "OpenData": lambda: cache_pb2.OpenDataRequest(),
     "Match": lambda: cache_pb2.MatchRequest(
         token_ids=PROMPT.tokens.tolist(),
         namespaces=[PROMPT.namespace.digest],
@@ -210,7 +212,15 @@ def _bob_directory(server):
         assert answer.segment == "" and server.service.published is None
 
 
+def _bob_open_data(server):
+    """Bob's ticket opens a data connection that is Bob's: Alice's keys hold nothing there
+    (tests/test_data_channel.py tries the channel itself every other way)."""
+    answer = call(server.channel, "OpenData", REQUESTS["OpenData"](), token="bob-secret")
+    assert data_get(server.service.data.port, answer.ticket, PROMPT.keys) == []
+
+
 ISOLATION = {
+    "OpenData": _bob_open_data,
     "Directory": _bob_directory,
     "Lookup": _bob_lookup,
     "Get": _bob_get,

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("keys", ("lmtier.keys",)),
     ("chunk", ("lmtier.chunk",)),
     ("codec", ("lmtier.codec",)),
-    ("wire formats", ("lmtier.shm", "lmtier.directory", "lmtier.pieces", "lmtier.v1")),
+    ("wire formats", ("lmtier.shm", "lmtier.directory", "lmtier.pieces", "lmtier.datachannel", "lmtier.v1")),
     ("tiers", ("lmtier.tiers",)),
     (
         "store and transfer",

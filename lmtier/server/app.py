@@ -33,6 +33,7 @@ from lmtier import metrics, shm
 from lmtier.config import ServerConfig, warn_weak_tokens
 from lmtier.server.auth import PROBE_TAG, TAG_BYTES, Authenticator
 from lmtier.server.chain import UpstreamTier
+from lmtier.server.data import DataChannel
 from lmtier.server.health import NOT_SERVING, SERVICE_NAME, SERVING, Health
 from lmtier.server.service import SERVICE, CacheService, Gate
 from lmtier.store import TieredStore
@@ -119,6 +120,11 @@ class CacheServer:
             self.port = 0
         if self.port == 0:
             raise OSError(f"cannot listen on {address}: the port is taken or the address is not this host's")
+        try:
+            self.service.data = DataChannel.open(self.service, config, self.port)
+        except OSError:
+            self.grpc.stop(None)
+            raise
         self.ready = False
         self.stopping = threading.Event()
         self.stopped = threading.Event()
@@ -136,6 +142,8 @@ class CacheServer:
             except OSError as exc:
                 self.grpc.stop(None)
                 self.service.watchdog.stop()
+                if self.service.data is not None:
+                    self.service.data.stop()
                 if self.service.published is not None:
                     self.service.published.close()
                 self.store.close()
@@ -147,15 +155,18 @@ class CacheServer:
         self.store.warm()  # the memory tier's slab mapped, its first pages faulted in
         self._set_ready(self.probe())
         self.grpc.start()
+        if self.service.data is not None:
+            self.service.data.start()
         if self._http is not None:
             threading.Thread(target=self._http.serve_forever, name="lmtier-metrics", daemon=True).start()
         self._prober.start()
         log.info(
-            "lmtier cache server on %s:%d (%s, tiers: %s)",
+            "lmtier cache server on %s:%d (%s, tiers: %s; data channel: %s)",
             self.config.host,
             self.port,
             "TLS" if self.config.tls_cert else "plaintext",
             ", ".join(t.name for t in self.store.tiers),
+            f"port {self.service.data.port}" if self.service.data is not None else "off",
         )
         watched = self._http is not None and self.metrics_host not in LOOPBACK
         if watched and not self.config.metrics_token and not self.auth.single_tenant:
@@ -173,6 +184,8 @@ class CacheServer:
         self._set_ready(False)
         grace = self.config.grace if grace is None else grace
         self.grpc.stop(grace).wait(grace + 5)
+        if self.service.data is not None:
+            self.service.data.stop()
         self.service.watchdog.stop()
         if self._http is not None:
             self._http.shutdown()

@@ -132,6 +132,14 @@ class Calls:
     def _admitted(self, context: grpc.ServicerContext, admit: bool) -> Iterator[bytes]:
         """The caller's tenant tag, for as long as the call runs."""
         tag = self.auth.tag(context)
+        with self.admitted(tag, admit):
+            yield tag
+
+    @contextmanager
+    def admitted(self, tag: bytes, admit: bool = True) -> Iterator[None]:
+        """A call of tenant ``tag`` counted for as long as it runs, or ``Abort``
+        (RESOURCE_EXHAUSTED) where the tenant is at its limit, its rate or its share (the
+        data channel's loads are admitted here too: ``lmtier.server.data``)."""
         with self._lock:
             held = self._calls.get(tag, 0)
             if not admit and held >= self.limit + RELEASE_EXTRA:
@@ -160,7 +168,7 @@ class Calls:
             self._calls[tag] = held + 1  # one entry per tenant with a call in flight: bounded
             self._busy += 1
         try:
-            yield tag
+            yield
         finally:
             with self._lock:
                 held = self._calls.pop(tag) - 1

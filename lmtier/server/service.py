@@ -6,6 +6,8 @@
             engine's namespace digests (the server computes the keys)
     Directory  one tenant, same host: where the memory tier's chunks are published, for
             reads with no call (``published``); the chunks read so are counted as used
+    OpenData   another host: a ticket for the bulk data channel (``data``), the caller's
+            tenant's, for loads without gRPC's per-message costs
 
 Every call first parses its request, resolves the caller's tenant (``auth``) and is
 admitted (``max_calls_per_tenant``; ``calls``); it scopes its keys to the tenant,
@@ -110,6 +112,7 @@ class CacheService:
         limit = config.calls_per_tenant(auth.single_tenant)
         self.watchdog = Watchdog(config.stall_timeout, config.call_timeout)
         self.calls = Calls(auth, limit, config.workers, self.watchdog, rate=config.max_call_rate_per_tenant)
+        self.data = None  # the bulk data channel (lmtier.server.data), where the server runs one
 
     # -- registration -------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
@@ -140,6 +143,7 @@ class CacheService:
                 "Stats": unary(self.Stats, cache_pb2.StatsResponse, cache_pb2.StatsRequest),
                 "Match": unary(self.Match, cache_pb2.MatchResponse, cache_pb2.MatchRequest),
                 "Directory": unary(self.Directory, cache_pb2.DirectoryResponse, cache_pb2.DirectoryRequest),
+                "OpenData": unary(self.OpenData, cache_pb2.OpenDataResponse, cache_pb2.OpenDataRequest),
             },
         )
         return Gate(methods, self.auth)
@@ -486,6 +490,13 @@ class CacheService:
             self.shared.touch(keys)  # type: ignore[union-attr]
             metrics.SERVER_DIRECTORY_READS.inc(len(keys))
         return cache_pb2.DirectoryResponse(segment=published.name)
+
+    def OpenData(
+        self, request: cache_pb2.OpenDataRequest, context: grpc.ServicerContext, tag: bytes
+    ) -> cache_pb2.OpenDataResponse:
+        if self.data is None:
+            raise Abort(grpc.StatusCode.FAILED_PRECONDITION, "this server runs no data channel")
+        return cache_pb2.OpenDataResponse(ticket=self.data.issue(tag), port=self.data.port, tls=self.data.tls)
 
     def Delete(
         self, request: cache_pb2.DeleteRequest, context: grpc.ServicerContext, tag: bytes

@@ -177,3 +177,17 @@ class DirectoryResponse(_message.Message):
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     segment: str
     def __init__(self, segment: _Optional[str] = ...) -> None: ...
+
+class OpenDataRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpenDataResponse(_message.Message):
+    __slots__ = ("ticket", "port", "tls")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    port: int
+    tls: bool
+    def __init__(self, ticket: _Optional[bytes] = ..., port: _Optional[int] = ..., tls: bool = ...) -> None: ...

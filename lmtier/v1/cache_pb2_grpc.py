@@ -84,6 +84,11 @@ class CacheServiceStub(object):
                 request_serializer=lmtier_dot_v1_dot_cache__pb2.DirectoryRequest.SerializeToString,
                 response_deserializer=lmtier_dot_v1_dot_cache__pb2.DirectoryResponse.FromString,
                 _registered_method=True)
+        self.OpenData = channel.unary_unary(
+                '/lmtier.v1.CacheService/OpenData',
+                request_serializer=lmtier_dot_v1_dot_cache__pb2.OpenDataRequest.SerializeToString,
+                response_deserializer=lmtier_dot_v1_dot_cache__pb2.OpenDataResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer(object):
@@ -161,6 +166,16 @@ class CacheServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenData(self, request, context):
+        """Another host: a ticket for the server's bulk data channel, a plain TCP (or TLS)
+        connection beside gRPC that carries Get's frames with no per-message framing of
+        gRPC's (lmtier/datachannel.py). The ticket opens one connection, within a few seconds,
+        as the caller's tenant; UNIMPLEMENTED or FAILED_PRECONDITION where the server runs none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -208,6 +223,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Directory,
                     request_deserializer=lmtier_dot_v1_dot_cache__pb2.DirectoryRequest.FromString,
                     response_serializer=lmtier_dot_v1_dot_cache__pb2.DirectoryResponse.SerializeToString,
+            ),
+            'OpenData': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenData,
+                    request_deserializer=lmtier_dot_v1_dot_cache__pb2.OpenDataRequest.FromString,
+                    response_serializer=lmtier_dot_v1_dot_cache__pb2.OpenDataResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -452,6 +472,33 @@ class CacheService(object):
             '/lmtier.v1.CacheService/Directory',
             lmtier_dot_v1_dot_cache__pb2.DirectoryRequest.SerializeToString,
             lmtier_dot_v1_dot_cache__pb2.DirectoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenData(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmtier.v1.CacheService/OpenData',
+            lmtier_dot_v1_dot_cache__pb2.OpenDataRequest.SerializeToString,
+            lmtier_dot_v1_dot_cache__pb2.OpenDataResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,6 +64,7 @@ class Channel:
         self.release = self._unary("Release", cache_pb2.ReleaseRequest, cache_pb2.ReleaseResponse)
         self.match = self._unary("Match", cache_pb2.MatchRequest, cache_pb2.MatchResponse)
         self.directory = self._unary("Directory", cache_pb2.DirectoryRequest, cache_pb2.DirectoryResponse)
+        self.open_data = self._unary("OpenData", cache_pb2.OpenDataRequest, cache_pb2.OpenDataResponse)
 
     def _unary(self, method: str, request: type, response: type) -> grpc.UnaryUnaryMultiCallable:
         return self.channel.unary_unary(SERVICE + method, request.SerializeToString, response.FromString)

@@ -1,13 +1,17 @@
 """``GrpcTier``: the Tier primitives as calls to a cache server (see the package docstring).
 
     contains(keys) -> int              Lookup
-    get(keys) -> list[Chunk | None]    Get (one server stream; ``stream.GetStream``)
+    get(keys) -> list[Chunk | None]    Get (one server stream; ``stream.GetStream``), or,
+                                       with no shared memory, the server's bulk data
+                                       channel where it runs one (``data.DataChannel``)
 
 Same host, one tenant: the chunks the server's memory tier holds are read through its
 published directory with no call (``published.DirectoryReads``); ``contains`` and ``get``
 call the server only for the keys past the directory's leading run (its lower tiers may
 hold them).
-    put(chunks) -> None                Put (one client stream; ``stream.put_messages``)
+    put(chunks) -> None                the bulk data channel where the server runs one
+                                       (same host too), else Put (one client stream;
+                                       ``stream.put_messages``)
     delete(keys), keys(prefix, limit)  Delete, List
     server_stats(timeout) -> dict      Stats: the server's tiers, this tenant's chunks, settings
     stats(), counts, close()
@@ -16,6 +20,10 @@ Each call raises a typed error when it fails (``channel.failure``): the store re
 breaks and counts. The tier itself keeps no breaker and runs no retry loop; ``backoff``
 says how the store may retry it. The one call it makes twice is protocol: a call whose
 shared memory the server refused goes again over plain gRPC (``memory.NoShm``).
+
+Longer than 400 lines: each primitive chooses among the published directory, shared
+memory, the bulk data channel and plain gRPC here, side by side, so that a reader sees in
+one place which transport a load or a save takes and what it falls back to.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from lmtier.errors import ConfigError, TierError
 from lmtier.pieces import PIECE_BYTES
 from lmtier.tiers.base import DEFAULT_PORTS, Capabilities, Tier, TierContext, TierURL, parse_bool
 from lmtier.tiers.grpc.channel import MAX_MESSAGE, Channel, credentials, failure, is_local
+from lmtier.tiers.grpc.data import DataChannel
 from lmtier.tiers.grpc.memory import NoShm, SharedMemory
 from lmtier.tiers.grpc.published import DirectoryReads
 from lmtier.tiers.grpc.stream import GetStream, finish_slots, put_messages
@@ -76,6 +85,7 @@ class GrpcTier(Tier):
         "shm_size": parse_size,
         "shm_dir": str,
         "directory": parse_bool,
+        "data": parse_bool,
         "piece": parse_size,
         "name": str,
     }
@@ -97,6 +107,7 @@ class GrpcTier(Tier):
         shm_size: int = 256 * 1024**2,
         shm_dir: str = "/dev/shm",
         directory: bool = True,
+        data: bool = True,
         piece: int = PIECE_BYTES,
         name: str = "grpc",
         context: TierContext | None = None,
@@ -114,7 +125,8 @@ class GrpcTier(Tier):
         self.backoff = Backoff(attempts=retries, budget=timeout)
         token = token or os.environ.get(token_env, "")
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.credentials = credentials(TlsFiles(tls, tls_ca, tls_cert, tls_key), name)
+        tls_files = TlsFiles(tls, tls_ca, tls_cert, tls_key)
+        self.credentials = credentials(tls_files, name)
         self.tls_server_name = tls_server_name
         self._buffers = BufferPool(max_free=64, max_free_bytes=128 << 20)
         chunk_bytes = context.chunk_bytes if context else None
@@ -126,7 +138,25 @@ class GrpcTier(Tier):
         self.memory = SharedMemory(shm == "on", shm_dir, shm_size, slot_bytes, name)
         self.directory = DirectoryReads(self.memory, directory, self._ask_directory, self._report_reads,
                                         self._drop_corrupt, self._count)  # fmt: skip
-        self._counts = {"errors": 0, "corrupt": 0, "shm_fallbacks": 0, "directory_reads": 0, "directory_races": 0}
+        # Loads that take no shared memory: through the server's bulk data channel.
+        self.data = (
+            DataChannel(
+                target.rsplit(":", 1)[0].strip("[]"),
+                lambda: self._channel().open_data(
+                    cache_pb2.OpenDataRequest(), timeout=self.timeout, metadata=self._metadata
+                ),
+                (lambda: tls_files.ssl_context(name)) if tls_files.wanted else None,
+                tls_server_name,
+                self._buffers,
+                self._drop_corrupt,
+                name,
+                timeout,
+            )
+            if data
+            else None
+        )
+        self._counts = {"errors": 0, "corrupt": 0, "shm_fallbacks": 0, "directory_reads": 0, "directory_races": 0,
+                        "data_loads": 0, "data_saves": 0}  # fmt: skip
         self._lock = threading.Lock()
         self._pid = -1
         self._conn: Channel | None = None
@@ -211,6 +241,11 @@ class GrpcTier(Tier):
 
     def _get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
         channel = self._channel()
+        if self.data is not None and self.memory.segment() is None:
+            chunks = self.data.get(keys)
+            if chunks is not None:
+                self._count("data_loads")
+                return chunks
         stream = GetStream(
             keys, self.memory.segment(), self.memory, self._buffers, self._release, self._drop_corrupt, self.name
         )
@@ -286,9 +321,18 @@ class GrpcTier(Tier):
         channel = self._channel()
         self.directory.report()  # before the write: the server then knows what was read
         self._settle_releases()
+        nbytes = sum(c.nbytes for c in chunks)
+        # Saves take the data channel on the same host too: the same copies as through our
+        # shared-memory segment (ours into the socket, the server's into its memory tier),
+        # without a gRPC message per batch of slot references.
+        if self.data is not None:
+            stored = self.data.put(chunks)
+            if stored is not None:
+                self._count("data_saves")
+                self._stored(chunks, stored, nbytes)
+                return
         segment = self.memory.segment()
         slots: list[int] = []
-        nbytes = sum(c.nbytes for c in chunks)
         messages = put_messages(chunks, segment, slots, self.piece, lambda: self._count("corrupt"))
         done = False
         try:
@@ -300,9 +344,12 @@ class GrpcTier(Tier):
             raise
         finally:
             finish_slots(segment, slots, done)
-        self._announce("stored", [c.key for c in chunks[: response.stored]])  # the server holds this prefix
-        metrics.TIER_OPS.labels(self.name, "put", "stored").inc(response.stored)
-        metrics.TIER_OPS.labels(self.name, "put", "dropped").inc(len(chunks) - response.stored)
+        self._stored(chunks, response.stored, nbytes)
+
+    def _stored(self, chunks: Sequence[Chunk], stored: int, nbytes: int) -> None:
+        self._announce("stored", [c.key for c in chunks[:stored]])  # the server holds this prefix
+        metrics.TIER_OPS.labels(self.name, "put", "stored").inc(stored)
+        metrics.TIER_OPS.labels(self.name, "put", "dropped").inc(len(chunks) - stored)
         metrics.TIER_BYTES.labels(self.name, "put").inc(nbytes)
 
     def delete(self, keys: Sequence[bytes]) -> None:
@@ -322,6 +369,8 @@ class GrpcTier(Tier):
         if self._pid == os.getpid():
             if self._conn is not None:
                 self._conn.close()
+            if self.data is not None:
+                self.data.close()
             self.memory.close()
         self._pid = -1
 
@@ -381,9 +430,13 @@ class GrpcTier(Tier):
     @property
     def counts(self) -> dict[str, int]:
         """This client's own counters (no call to the server): ``errors`` (calls that
-        raised), ``corrupt`` (chunks that failed their check), ``shm_fallbacks``."""
+        raised), ``corrupt`` (chunks that failed their check), ``shm_fallbacks``,
+        ``data_loads`` and ``data_saves`` (through the bulk data channel) and
+        ``data_fallbacks`` (loads and saves that could not take it and went through gRPC)."""
         with self._lock:
-            return dict(self._counts)
+            counts = dict(self._counts)
+        counts["data_fallbacks"] = self.data.fallbacks if self.data is not None else 0
+        return counts
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
