@@ -113,7 +113,8 @@ def test_metrics_count_hits_misses_and_bytes_after_a_workload(configured_server)
         ("lmtier_tier_bytes_total", {"tier": "cpu", "op": "put"}),
         ("lmtier_tier_op_seconds_count", {"tier": "cpu", "op": "get"}),
         ("lmtier_server_bytes_total", {"direction": "put"}),
-        ("lmtier_server_rpcs_total", {"method": "Get", "code": "OK"}),
+        ("lmtier_server_rpcs_total", {"method": "DataGet", "code": "OK"}),  # the bulk data channel's loads
+        ("lmtier_server_bytes_total", {"direction": "get", "transport": "data"}),
     ]:
         assert sample(after, name, **labels) > sample(before, name, **labels), (name, labels)
     assert sample(after, "lmtier_tier_capacity_bytes", tier="cpu") == 32 << 20

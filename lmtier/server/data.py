@@ -260,6 +260,7 @@ class DataChannel:
     def _serve(self, sock: socket.socket, tag: bytes) -> None:
         with self._lock:
             self._sockets.add(sock)
+        method = "Data"  # the metric's label: DataGet, DataPut once a request says which
         try:
             while not self._stopping.is_set():
                 sock.settimeout(IDLE_S)
@@ -273,6 +274,7 @@ class DataChannel:
                     self.places.busy(sock)
                 pace = Pace(sock, self.config.stall_timeout, self.config.call_timeout)
                 pace()
+                method = {PUT: "DataPut", GET: "DataGet"}.get(op, "Data")
                 if op == PUT:
                     if not 1 <= n <= self.config.max_keys or length:
                         limit = self.config.max_keys
@@ -296,13 +298,13 @@ class DataChannel:
                 sock.sendall(ITEM.pack(END, sent))
                 metrics.SERVER_RPCS.labels("DataGet", "OK").inc()
         except Abort as exc:
-            metrics.SERVER_RPCS.labels("Data", exc.code.name).inc()
+            metrics.SERVER_RPCS.labels(method, exc.code.name).inc()
             _refuse(sock, str(exc))
         except (OSError, Closed):  # the client went away, or stalled past stall_timeout
-            metrics.SERVER_RPCS.labels("Data", "CANCELLED").inc()
+            metrics.SERVER_RPCS.labels(method, "CANCELLED").inc()
         except Exception:
             log.exception("data channel connection failed")  # a bug: this connection only
-            metrics.SERVER_RPCS.labels("Data", "INTERNAL").inc()
+            metrics.SERVER_RPCS.labels(method, "INTERNAL").inc()
         finally:
             with self._lock:
                 self._sockets.discard(sock)
