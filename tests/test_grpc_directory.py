@@ -267,6 +267,52 @@ def test_a_chunk_larger_than_a_slot_lies_in_one_run_and_is_published(tmp_path):
         srv.stop(0)
 
 
+def test_warm_maps_the_published_chunks_pages_ahead_of_the_first_load(tmp_path):
+    """A new engine's first hit maps no pages on its path: ``warm`` maps those of every
+    chunk published then, in the background, and only those (chunks of two slots here)."""
+    srv, port = start(tiers=(f"cpu://?size={16 * SLOT}&slot={SLOT // 2}",), shm_dir=str(tmp_path))
+    url = f"grpc://127.0.0.1:{port}?shm=on&shm_dir={tmp_path}"
+    first, second = open_tier(url), open_tier(url)
+    prompt = make_prompt(3, seed=85)
+    try:
+        first.put(prompt.chunks())
+        second.warm()
+        assert eventually(lambda: second.counts["directory_warmed_bytes"] == 3 * SLOT)
+        reader = second.memory.published
+        assert reader is not None and sum(reader._mapped) == 6  # three chunks' runs, no free slot
+        second.warm()  # once per directory
+        got = second.get(prompt.keys)
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(3)]
+        assert second.counts["directory_reads"] == 3 and second.counts["directory_warmed_bytes"] == 3 * SLOT
+        release_all(got)
+    finally:
+        first.close()
+        second.close()
+        srv.stop(0)
+
+
+def test_warming_skips_entries_being_written_and_heads_it_cannot_read(tmp_path):
+    owner = DirectoryWriter(str(tmp_path), "lmtier-" + "2" * 32, 4, 4096, 5.0)
+    (tmp_path / ("lmtier-" + "2" * 32)).write_bytes(bytes(4 * 4096))
+    try:
+        keys = [os.urandom(16) for _ in range(3)]
+        for slot, key in enumerate(keys, 1):
+            assert owner.publish(key, slot, b"head%d" % slot)
+        struct.pack_into("<Q", owner._map, owner._where[keys[0]], 1)  # odd: being written
+        reader = DirectoryReader(str(tmp_path), owner.name)
+
+        def length_of(head: bytes) -> int:
+            if head == b"head3":
+                raise ValueError("not a frame")
+            return 4096 * 9 if head == b"head2" else 100  # a length past the slab's end stops there
+
+        assert reader.populate(length_of, 1 << 30) == 2 * 4096  # slots 2 and 3, the slab's last
+        assert list(reader._mapped) == [0, 0, 1, 1]
+        assert reader.populate(length_of, 1 << 30) == 0  # already mapped
+    finally:
+        owner.close()
+
+
 def test_what_is_checked_is_what_is_used_when_the_server_may_reuse_the_memory(one_tenant):
     """A chunk read through the directory holds no lease: a layer-by-layer check passes
     only if the entry did not move before the last layer was copied (here it moves after

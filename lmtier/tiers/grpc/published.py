@@ -1,6 +1,8 @@
 """The grpc tier's reads through a same-host server's published directory (``lmtier.directory``).
 
     DirectoryReads(memory, wanted, ask, send, on_damage, count)
+        warm()                         map the pages of the chunks published now, in the
+                                       background, off the first loads' path
         contains(keys) -> int          the leading run of ``keys`` the directory names
         get(keys) -> list[Chunk]       that run as chunks over the server's memory, verified
                                        as the engine copies them (no call at all)
@@ -23,6 +25,7 @@ names (a restarted server).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -39,7 +42,10 @@ from lmtier.tiers.grpc.memory import SharedMemory
 ASK_S = 5.0  # a server without a directory readable here is asked again after this long
 REPORT_KEYS = 1024  # chunks read through the directory reported in one call at most
 REPORT_EVERY_S = 0.5  # ... and at least this often while reads go on
+log = logging.getLogger(__name__)
+
 HEADS_KEPT = 16384  # parsed frame heads of directory entries (a few hundred bytes each)
+WARM_BYTES = 8 << 30  # the most of the server's published chunks whose pages ``warm`` maps
 
 
 class DirectoryReads:
@@ -60,6 +66,7 @@ class DirectoryReads:
         self._reported_at = 0.0
         self._heads: dict[bytes, codec.Header] = {}  # an entry's head -> its parse, checked
         self._lock = threading.Lock()
+        self._warmed = ""  # the directory whose pages ``warm`` mapped
 
     def reader(self) -> DirectoryReader | None:
         """The server's directory, if it has one readable here."""
@@ -75,6 +82,23 @@ class DirectoryReads:
             return None
         self.memory.attach(name)
         return self.memory.published
+
+    def warm(self) -> None:
+        """Start mapping the pages of what the server publishes now (once per directory):
+        the first load of each chunk otherwise maps them on the engine's path."""
+        reader = self.reader()
+        if reader is None or self._warmed == reader.name:
+            return
+        self._warmed = reader.name
+        threading.Thread(target=self._populate, args=(reader,), name="lmtier-directory-warm", daemon=True).start()
+
+    def _populate(self, reader: DirectoryReader) -> None:
+        try:
+            mapped = reader.populate(codec.payload_length, WARM_BYTES)
+        except Exception as exc:  # only a saving on the first loads is lost
+            log.info("directory %s: its pages were not mapped ahead: %s", reader.name, exc)
+        else:
+            self._count("directory_warmed_bytes", mapped)
 
     def contains(self, keys: Sequence[bytes]) -> int:
         reader = self.reader()

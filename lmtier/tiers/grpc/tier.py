@@ -156,7 +156,7 @@ class GrpcTier(Tier):
             else None
         )
         self._counts = {"errors": 0, "corrupt": 0, "shm_fallbacks": 0, "directory_reads": 0, "directory_races": 0,
-                        "data_loads": 0, "data_saves": 0}  # fmt: skip
+                        "directory_warmed_bytes": 0, "data_loads": 0, "data_saves": 0}  # fmt: skip
         self._lock = threading.Lock()
         self._pid = -1
         self._conn: Channel | None = None
@@ -184,11 +184,12 @@ class GrpcTier(Tier):
         return self._conn  # type: ignore[return-value]
 
     def warm(self) -> None:
-        """Connect, and map the server's published directory where there is one, now
-        rather than on the first load's path (an engine calls it once it is up)."""
+        """Connect, map the server's published directory where there is one and start
+        mapping the pages of the chunks it names (in the background), now rather than on
+        the first load's path (an engine calls it once it is up)."""
         if not self._closed:
             self._channel()
-            self.directory.reader()
+            self.directory.warm()
 
     # -- calls ------------------------------------------------------------------------------
     def _rpc(self, fn: Callable[[], T]) -> T:
