@@ -140,15 +140,15 @@ def _idle_priority() -> None:
 POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
-def populate_read(view: memoryview) -> None:
+def populate_read(view: memoryview) -> bool:
     """Map the pages under ``view`` (a slice of a file mapping) for reading, in one call:
     a reader of a fresh mapping otherwise takes one page fault per 4 KiB as it goes. Does
-    nothing where the kernel lacks the advice."""
+    nothing where the kernel lacks the advice. Returns whether the pages were mapped."""
     if not len(view):
-        return
+        return True
     address = np.frombuffer(view, dtype=np.uint8).ctypes.data
     start = address - address % mmap.PAGESIZE
-    _madvise(start, address + len(view) - start, POPULATE_READ)
+    return _madvise(start, address + len(view) - start, POPULATE_READ) == 0
 
 
 def _libc_madvise():

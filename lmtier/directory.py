@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import xxhash
 
 from lmtier.buffers import populate_read
-from lmtier.errors import FormatError
+from lmtier.errors import FormatError, LmtierError
 from lmtier.shm import Segment, SegmentMaps, locked
 
 MAGIC = b"LMTDIR01"
@@ -179,6 +179,7 @@ class DirectoryReader:
             raise FormatError(f"slab {self.slab_name} is shorter than its directory says")
         self._slots = slots
         self._mapped = bytearray(slots)  # slots whose pages this process has mapped
+        self.warmed = False  # whether a thread was started to map its chunks' pages (``populate``)
         self._barrier = threading.Lock()
 
     @property
@@ -214,30 +215,37 @@ class DirectoryReader:
             pass
         return struct.unpack_from("<Q", self._map, entry.way)[0] != entry.seq
 
-    def populate(self, length_of: Callable[[bytes], int], limit: int) -> int:
+    def populate(self, length_of: Callable[[bytes], int], limit: int, stop: Callable[[], bool] = bool) -> int:
         """Map the pages of the chunks published now (at most ``limit`` bytes of them) into
         this process, so that a first read of each costs no page faults: a new engine's
         first hit otherwise maps a 192 MiB prompt's pages on its path (~15 ms). The pages
         are the server's, already in memory; only this process's page tables grow, as the
-        reads would grow them. Returns the bytes mapped. Entries that move meanwhile only
-        cost a mapping of pages that are read again later."""
+        reads would grow them. ``length_of`` gives an entry's payload length from its head
+        and raises for a head that is not a whole, checked one (an entry half written, or
+        garbage): such an entry is skipped, as is one whose way moved meanwhile. ``stop``
+        is asked before each entry. Returns the bytes newly mapped (whole slots)."""
         ways = bytes(self._map[self._ways_at : self._heads_at])
         done = 0
         for way in range(0, len(ways), WAY):
+            if done >= limit or stop():
+                break
             seq, slot, head_len, _ = WAY_HEAD.unpack_from(ways, way)
-            if done >= limit or seq & 1 or not 0 < slot <= self._slots or not 0 < head_len <= self.head_bytes:
+            if seq & 1 or not 0 < slot <= self._slots or not 0 < head_len <= self.head_bytes:
                 continue
             first = slot - 1
             at = self._heads_at + first * self.head_bytes
             try:
                 length = length_of(bytes(self._map[at : at + head_len]))
-            except (FormatError, ValueError):  # an entry half written: its reader maps it
+            except (LmtierError, ValueError):
                 continue
-            last = min(self._slots, first + max(1, -(-length // self.slot_bytes)))
-            if not all(self._mapped[first:last]):
-                populate_read(self._slab[first * self.slot_bytes : last * self.slot_bytes])
+            if struct.unpack_from("<Q", self._map, self._ways_at + way)[0] != seq:
+                continue  # rewritten while its head was read: its reader maps it
+            slots = max(1, -(-length // self.slot_bytes))
+            last = min(self._slots, first + slots, first + -(-(limit - done) // self.slot_bytes))
+            new = last - first - sum(self._mapped[first:last])
+            if new and populate_read(self._slab[first * self.slot_bytes : last * self.slot_bytes]):
                 self._mapped[first:last] = b"\x01" * (last - first)
-                done += (last - first) * self.slot_bytes
+                done += new * self.slot_bytes
         return done
 
     def payload(self, entry: Entry, length: int) -> memoryview:

@@ -15,11 +15,12 @@ from lmtier import codec, directory, metrics
 from lmtier.chunk import release_all
 from lmtier.config import ServerConfig
 from lmtier.directory import DirectoryReader, DirectoryWriter
-from lmtier.errors import ChecksumError
+from lmtier.errors import ChecksumError, LmtierError
 from lmtier.server import create_server
 from lmtier.server.auth import PROBE_TAG, tenant_tag
 from lmtier.shm import SegmentUnavailable
 from lmtier.tiers.base import open_tier
+from lmtier.tiers.grpc.published import _checked_length
 from lmtier.v1 import cache_pb2
 
 from conftest import eventually, make_prompt
@@ -306,9 +307,15 @@ def test_warming_skips_entries_being_written_and_heads_it_cannot_read(tmp_path):
                 raise ValueError("not a frame")
             return 4096 * 9 if head == b"head2" else 100  # a length past the slab's end stops there
 
-        assert reader.populate(length_of, 1 << 30) == 2 * 4096  # slots 2 and 3, the slab's last
+        assert reader.populate(length_of, 4096) == 4096  # a length past the limit: mapped up to it
+        assert list(reader._mapped) == [0, 0, 1, 0]
+        assert reader.populate(length_of, 1 << 30, stop=lambda: True) == 0
+        assert reader.populate(length_of, 1 << 30) == 4096  # slot 3, the slab's last: newly mapped only
         assert list(reader._mapped) == [0, 0, 1, 1]
         assert reader.populate(length_of, 1 << 30) == 0  # already mapped
+        for garbage in (b"head2", bytes(64), b"\xff" * 64):  # what the tier's own check refuses
+            with pytest.raises(LmtierError):
+                _checked_length(garbage)
     finally:
         owner.close()
 

@@ -48,6 +48,14 @@ HEADS_KEPT = 16384  # parsed frame heads of directory entries (a few hundred byt
 WARM_BYTES = 8 << 30  # the most of the server's published chunks whose pages ``warm`` maps
 
 
+def _checked_length(head: bytes) -> int:
+    """The payload length of a directory entry's head, checked as a whole frame head (a
+    torn or foreign head raises): what ``warm`` may map for it."""
+    length = codec.payload_length(head)
+    codec.read_head(head, length)
+    return length
+
+
 class DirectoryReads:
     def __init__(
         self,
@@ -66,7 +74,7 @@ class DirectoryReads:
         self._reported_at = 0.0
         self._heads: dict[bytes, codec.Header] = {}  # an entry's head -> its parse, checked
         self._lock = threading.Lock()
-        self._warmed = ""  # the directory whose pages ``warm`` mapped
+        self._closed = threading.Event()
 
     def reader(self) -> DirectoryReader | None:
         """The server's directory, if it has one readable here."""
@@ -84,21 +92,31 @@ class DirectoryReads:
         return self.memory.published
 
     def warm(self) -> None:
-        """Start mapping the pages of what the server publishes now (once per directory):
-        the first load of each chunk otherwise maps them on the engine's path."""
+        """Start mapping the pages of what the server publishes now (once per directory
+        mapped in this process): the first load of each chunk otherwise maps them on the
+        engine's path."""
         reader = self.reader()
-        if reader is None or self._warmed == reader.name:
-            return
-        self._warmed = reader.name
+        with self._lock:
+            if reader is None or reader.warmed:
+                return
+            reader.warmed = True
         threading.Thread(target=self._populate, args=(reader,), name="lmtier-directory-warm", daemon=True).start()
 
     def _populate(self, reader: DirectoryReader) -> None:
         try:
-            mapped = reader.populate(codec.payload_length, WARM_BYTES)
+            mapped = reader.populate(_checked_length, WARM_BYTES, self._closed.is_set)
         except Exception as exc:  # only a saving on the first loads is lost
             log.info("directory %s: its pages were not mapped ahead: %s", reader.name, exc)
         else:
             self._count("directory_warmed_bytes", mapped)
+
+    def forget(self) -> None:
+        """In a forked child: ask for the directory at once, with locks of its own."""
+        self._ask_after = 0.0
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._closed.set()  # a warming thread stops at its next entry
 
     def contains(self, keys: Sequence[bytes]) -> int:
         reader = self.reader()

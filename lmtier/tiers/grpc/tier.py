@@ -180,6 +180,7 @@ class GrpcTier(Tier):
                 if self._pid != os.getpid():
                     self._conn = Channel(self.target, self.credentials, self.tls_server_name)
                     self.memory.forget()
+                    self.directory.forget()
                     self._pid = os.getpid()
         return self._conn  # type: ignore[return-value]
 
@@ -367,6 +368,7 @@ class GrpcTier(Tier):
 
     def close(self) -> None:
         self._closed = True
+        self.directory.close()
         if self._pid == os.getpid():
             if self._conn is not None:
                 self._conn.close()
