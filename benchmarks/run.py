@@ -54,6 +54,7 @@ SUITE: dict[str, tuple[str, list[str], list[str]]] = {
     "netns": ("bench_netns.py", ["--sizes-mib", "0.5", "--total-mib", "8", "--rounds", "1"], []),
     "server_load": ("load_server.py", ["--duration", "10", "--tenants", "1"], ["--tenants", "1", "2"]),
     "trace": ("bench_trace.py", ["--quick"], []),
+    "cluster_ops": ("bench_cluster_ops.py", ["--events", "kill", "failover", "--reads-seconds", "2"], ["--redis-py"]),
     "vllm_tiers": ("bench_vllm_tiers.py", ["--tokens", "256", "--docs", "1", "--layers", "2", "--kv-heads", "2"], []),
     "vllm_pd": ("bench_vllm_pd.py", ["--lengths", "512", "--docs", "1", "--layers", "2"], []),
     "vllm": (
@@ -75,6 +76,7 @@ NEEDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "netns": (("grpc", "grpc_health"), ("ip", "tc"), "the server extra, iproute2 and root"),
     "server_load": (("grpc", "grpc_health"), (), "the server extra"),
     "trace": ((), (), "the Mooncake trace in ../shared/traces"),
+    "cluster_ops": (("redis",), ("redis-server", "redis-cli"), "the redis extra and redis-server / redis-tools"),
     "vllm_pd": (("vllm", "transformers", "tokenizers", "redis"), ("redis-server",), "the vllm and redis extras"),
     "vllm_tiers": (
         ("vllm", "transformers", "tokenizers", "redis", "grpc"),
@@ -330,6 +332,22 @@ def targets(reports: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append(_row("vllm_pd", f"decode instance TTFT, the prompt's KV from Redis, {n} tokens (s)",
                              x["decode_lmtier"], "vLLM resident prefix hit, same prompt", x["vllm_prefix_hit"],
                              x["decode_ratio"], "<= 1.2x", x["decode_ratio"] <= 1.2))  # fmt: skip
+    if "cluster_ops" in reports:
+        r = reports["cluster_ops"]
+        for e in r["events"]:
+            ours = [f for name, f in e["clients"].items() if name.startswith("lmtier")]
+            wrong = sum(f["wrong"] for f in ours)
+            if e["target_back_s"]:
+                back = max(f["back_after_healthy_s"] for f in ours)
+                rows.append(_row("cluster_ops", f"Redis Cluster, {e['event']}: the hits back after the cluster is "
+                                 f"healthy (s; wrong KV: {wrong})", back, "2x the node timeout", e["target_back_s"],
+                                 back / e["target_back_s"], "<= 1x, 0 wrong",
+                                 back <= e["target_back_s"] and not wrong))  # fmt: skip
+            longest = max(f["load_max_s"] for f in ours)
+            deadline = r["load_deadline_s"]
+            rows.append(_row("cluster_ops", f"Redis Cluster, {e['event']}: the longest load (s)", longest,
+                             "the load deadline", deadline, longest / deadline, "<= 1.1x",
+                             longest <= 1.1 * deadline))  # fmt: skip
     return rows
 
 

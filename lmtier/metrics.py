@@ -42,6 +42,18 @@ TIER_ERRORS = Counter(
     ["tier", "op"],
     registry=REGISTRY,
 )
+SLOT_MAP_REFRESHES = Counter(
+    "lmtier_redis_slot_map_refreshes_total",
+    "Slot maps a Redis Cluster tier asked for, by what made it ask (moved, connection).",
+    ["tier", "reason"],
+    registry=REGISTRY,
+)
+SLOT_MAP_CHANGES = Counter(
+    "lmtier_redis_slot_map_changes_total",
+    "Slot maps learnt that differ from the one before (a failover, a reshard, a node added or lost).",
+    ["tier"],
+    registry=REGISTRY,
+)
 EVICTIONS = Counter(
     "lmtier_evictions_total",
     "Chunks evicted to make room.",

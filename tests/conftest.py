@@ -97,7 +97,7 @@ def redis_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def redis_cluster(tmp_path_factory):
     """A real three-master Redis Cluster for a test module."""
-    from lmtier.testing.redis_server import RedisCluster
+    from lmtier.testing.redis_cluster import RedisCluster
 
     cluster = RedisCluster(tmp_path_factory.mktemp("cluster"))
     yield cluster

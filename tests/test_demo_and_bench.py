@@ -14,7 +14,7 @@ from lmtier.testing.netns import unavailable
 ROOT = Path(__file__).resolve().parents[1]
 # Every benchmark of benchmarks/run.py; the cross-host one where this machine makes network
 # namespaces (the suite lists it as skipped, with the reason, where it cannot).
-ALL = ("cpu", "disk", "redis", "grpc", "netns", "server_load", "trace", "vllm_tiers", "vllm_pd", "vllm")
+ALL = ("cpu", "disk", "redis", "grpc", "netns", "server_load", "trace", "cluster_ops", "vllm_tiers", "vllm_pd", "vllm")
 NETNS = unavailable()
 HERE = tuple(b for b in ALL if b != "netns" or NETNS is None)
 
@@ -77,11 +77,14 @@ def test_the_suite_writes_json_a_table_of_every_target_and_plots(suite):
         assert "netns" in summary["skipped"] and NETNS in summary["skipped"]["netns"]
     benches = [t["benchmark"] for t in summary["targets"]]
     counts = {"cpu": 1, "disk": 2, "redis": 6, "grpc": 4, "netns": 4, "server_load": 2, "trace": 9, "vllm": 6,
-              "vllm_tiers": 6, "vllm_pd": 2}  # fmt: skip
+              "vllm_tiers": 6, "vllm_pd": 2, "cluster_ops": 4}  # fmt: skip
     counts = {b: n for b, n in counts.items() if b in HERE}
     assert {b: benches.count(b) for b in set(benches)} == counts
     for t in summary["targets"]:
-        assert t["lmtier"] > 0 and t["reference_value"] > 0 and t["ratio"] > 0
+        if t["benchmark"] == "cluster_ops":  # seconds until the hits are back: 0 when they never left
+            assert t["lmtier"] >= 0 and t["reference_value"] > 0 and t["ratio"] >= 0
+        else:
+            assert t["lmtier"] > 0 and t["reference_value"] > 0 and t["ratio"] > 0
         assert isinstance(t["met"], bool) and t["target"]
     table = (out / "results.md").read_text()
     assert table.count("\n| ") >= len(summary["targets"])
@@ -222,6 +225,17 @@ def test_the_pd_benchmark_times_producer_and_decode_instance_against_their_refer
     assert row["decode_ratio"] == pytest.approx(row["decode_lmtier"] / row["vllm_prefix_hit"])
     assert row["answer_problems"] == [] and row["answers_exact"] == 1
     assert "| 512 |" in stdout
+
+
+@SUITE_TIMEOUT
+def test_cluster_ops_benchmark_reports_each_event_with_nothing_wrong(suite):
+    report, stdout = report_of(suite, "cluster_ops")
+    assert [e["event"] for e in report["events"]] == ["kill", "failover"]
+    for e in report["events"]:
+        assert set(e["clients"]) == {"lmtier-0", "lmtier-1"}
+        assert all(f["wrong"] == 0 and f["loads"] > 0 for f in e["clients"].values())
+    assert report["replica_reads"]["replicas"]["wrong"] == 0
+    assert "| kill | lmtier-0 |" in stdout and "replicas / masters" in stdout
 
 
 def test_the_readme_results_page_is_a_full_run_copied_unedited():

@@ -13,7 +13,8 @@ import pytest
 from lmtier.chunk import release_all
 from lmtier.store import TieredStore
 from lmtier.testing.cache_server import ServerProcess
-from lmtier.testing.redis_server import RedisCluster, RedisServer
+from lmtier.testing.redis_cluster import RedisCluster
+from lmtier.testing.redis_server import RedisServer
 from lmtier.tiers.base import open_tier
 
 from conftest import make_prompt

@@ -7,8 +7,12 @@ and benchmarks of what crosses a network.
         net.run("server", argv)         a process inside the server's namespace (Popen)
         net.call("client", argv)        run one to its end inside the client's (CompletedProcess)
         net.down() / net.up()           cut the link / bring it back
+    with Switch() as net:               hosts on one switch, each in a namespace of its own
+        ns, ip = net.add_host()         a new host: its namespace and address
+        net.command(ns, argv)           argv, to run inside it
+        net.cut(ns) / net.mend(ns)      take the host off the network / put it back
 
-Each end's link is shaped by ``tc``'s token bucket filter (``tbf``) when ``rate`` is given,
+Each ``HostPair`` end's link is shaped by ``tc``'s token bucket filter (``tbf``) when ``rate`` is given,
 so that the link, not the memory bus, is the ceiling (veth alone moves bytes at memory
 speed). Names are random, and everything made is removed on ``close`` (and at exit).
 Making namespaces needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) and ``ip``.
@@ -114,6 +118,77 @@ class HostPair:
             subprocess.run([IP, "netns", "del", ns], capture_output=True, timeout=30)
 
     def __enter__(self) -> HostPair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Switch:
+    """Hosts on one switch: each host a network namespace with one veth into a bridge, the
+    bridge in a namespace of its own, and this process on the switch through one more veth
+    (``ip``: its address). Unshaped: veth moves bytes at memory speed."""
+
+    def __init__(self, subnet: int | None = None) -> None:
+        tag = secrets.token_hex(3)
+        self.tag, self.ns = tag, f"lmt-w-{tag}"
+        octet = subnet if subnet is not None else 16 + secrets.randbelow(200)
+        self.prefix = f"10.214.{octet}."
+        self.ip = self.prefix + "254"
+        self.hosts: list[str] = []
+        self._closed = False
+        atexit.register(self.close)
+        try:
+            _sh(IP, "netns", "add", self.ns)
+            _sh(IP, "-n", self.ns, "link", "add", "br0", "type", "bridge")
+            _sh(IP, "-n", self.ns, "link", "set", "br0", "up")
+            self._plug(None, f"lmtw{tag}", "up0")
+            _sh(IP, "addr", "add", f"{self.ip}/24", "dev", f"lmtw{tag}")
+            _sh(IP, "link", "set", f"lmtw{tag}", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def _plug(self, ns: str | None, end: str, port: str) -> None:
+        """A veth pair: ``end`` in ``ns`` (None: this namespace), ``port`` on the bridge."""
+        where = ["-n", ns] if ns else []
+        _sh(IP, *where, "link", "add", end, "type", "veth", "peer", "name", port, "netns", self.ns)
+        _sh(IP, "-n", self.ns, "link", "set", port, "master", "br0")
+        _sh(IP, "-n", self.ns, "link", "set", port, "up")
+
+    def add_host(self) -> tuple[str, str]:
+        """A new host on the switch: (its namespace, its address)."""
+        if len(self.hosts) >= 200:
+            raise RuntimeError("a switch holds 200 hosts")
+        n = len(self.hosts) + 1
+        ns = f"lmt-h{n}-{self.tag}"
+        _sh(IP, "netns", "add", ns)
+        self.hosts.append(ns)
+        self._plug(ns, "eth0", f"p{n}")
+        _sh(IP, "-n", ns, "addr", "add", f"{self.prefix}{n}/24", "dev", "eth0")
+        _sh(IP, "-n", ns, "link", "set", "eth0", "up")
+        _sh(IP, "-n", ns, "link", "set", "lo", "up")
+        return ns, f"{self.prefix}{n}"
+
+    def command(self, ns: str, argv: Sequence[str]) -> list[str]:
+        return [IP, "netns", "exec", ns, *argv]
+
+    def cut(self, ns: str) -> None:
+        """The host's link down: what it sends and what is sent to it goes nowhere, as for
+        a host whose switch port or cable failed (its processes live on)."""
+        _sh(IP, "-n", ns, "link", "set", "eth0", "down")
+
+    def mend(self, ns: str) -> None:
+        _sh(IP, "-n", ns, "link", "set", "eth0", "up")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for ns in [*self.hosts, self.ns]:  # each veth goes with its namespace
+            subprocess.run([IP, "netns", "del", ns], capture_output=True, timeout=30)
+
+    def __enter__(self) -> Switch:
         return self
 
     def __exit__(self, *exc: object) -> None:

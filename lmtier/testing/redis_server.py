@@ -1,4 +1,4 @@
-"""Throwaway Redis servers for tests and benchmarks: single nodes and clusters.
+"""Throwaway Redis servers for tests and benchmarks (clusters: ``lmtier.testing.redis_cluster``).
 
 ``redis-server`` and ``redis-cli`` come from the system (``scripts/setup-system.sh``
 installs them on Debian). Servers run without persistence in a directory of the caller's,
@@ -35,9 +35,13 @@ def free_port(cluster: bool = False) -> int:
             return port
 
 
-def cli(port: int, *args: str, timeout: float = 10, tls: tuple[str, ...] = ()) -> str:
+def cli(port: int, *args: str, timeout: float = 10, tls: tuple[str, ...] = (), host: str = "127.0.0.1") -> str:
     run = subprocess.run(
-        ["redis-cli", "-p", str(port), *tls, *args], capture_output=True, text=True, timeout=timeout, check=False
+        ["redis-cli", "-h", host, "-p", str(port), *tls, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     return run.stdout.strip()
 
@@ -64,15 +68,23 @@ def die_with_parent(cmd: list[str]) -> list[str]:
 
 class RedisServer:
     """One ``redis-server``; with ``certificates`` (from ``lmtier.testing.certs``) it speaks
-    TLS only, on its port."""
+    TLS only, on its port. ``host``: the address it binds (on loopback by default);
+    ``wrap``: a command it runs under (``ip netns exec NS``: on a host of its own)."""
 
     def __init__(
-        self, workdir: Path, *config: str, port: int | None = None, certificates: dict[str, str] | None = None
+        self,
+        workdir: Path,
+        *config: str,
+        port: int | None = None,
+        certificates: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        wrap: tuple[str, ...] = (),
     ) -> None:
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed: run scripts/setup-system.sh (make test does)")
+        self.host, self.wrap = host, wrap
         self.port = port or free_port(cluster="--cluster-enabled" in config)
-        self.dir = workdir / f"redis-{self.port}"
+        self.dir = workdir / (f"redis-{self.port}" if host == "127.0.0.1" else f"redis-{host}-{self.port}")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config = config
         self.certificates = certificates
@@ -83,8 +95,12 @@ class RedisServer:
     @property
     def url(self) -> str:
         if self.certificates:
-            return f"rediss://127.0.0.1:{self.port}?tls_ca={self.certificates['ca.crt']}"
-        return f"redis://127.0.0.1:{self.port}"
+            return f"rediss://{self.host}:{self.port}?tls_ca={self.certificates['ca.crt']}"
+        return f"redis://{self.host}:{self.port}"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
 
     def start(self) -> None:
         ports = ["--port", str(self.port)]
@@ -92,12 +108,14 @@ class RedisServer:
             c = self.certificates
             ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", c["server.crt"]]
             ports += ["--tls-key-file", c["server.key"], "--tls-ca-cert-file", c["ca.crt"], "--tls-auth-clients", "no"]
-        args = ["redis-server", *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args = [*self.wrap, "redis-server", *ports, "--bind", self.host, "--save", "", "--appendonly", "no"]
         args += ["--dir", str(self.dir), *self.config]
+        if self.host != "127.0.0.1":  # on a host of its own (a test's namespace), reached from outside it
+            args += ["--protected-mode", "no"]
         with open(self.dir / "server.log", "ab") as log:
             self.proc = subprocess.Popen(die_with_parent(args), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 15
-        while cli(self.port, "PING", tls=self.tls_cli) not in ("PONG", "NOAUTH Authentication required."):
+        while self.call("PING") not in ("PONG", "NOAUTH Authentication required."):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 tail = (self.dir / "server.log").read_text(errors="replace")[-2000:]
@@ -112,50 +130,5 @@ class RedisServer:
     def stop(self) -> None:
         self.kill()
 
-    def call(self, *args: str) -> str:
-        return cli(self.port, *args, tls=self.tls_cli)
-
-
-class RedisCluster:
-    """Three masters, no replicas, every slot assigned."""
-
-    def __init__(self, workdir: Path, masters: int = 3) -> None:
-        self.nodes: list[RedisServer] = []
-        try:
-            self._create(workdir, masters)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _create(self, workdir: Path, masters: int) -> None:
-        for _ in range(masters):
-            self.nodes.append(RedisServer(workdir, "--cluster-enabled", "yes", "--cluster-node-timeout", "2000"))
-        for node in self.nodes:  # each node keeps its cluster state in its own directory
-            node.call("CONFIG", "SET", "cluster-require-full-coverage", "no")
-        hosts = [f"127.0.0.1:{n.port}" for n in self.nodes]
-        run = subprocess.run(
-            ["redis-cli", "--cluster", "create", *hosts, "--cluster-replicas", "0", "--cluster-yes"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        if run.returncode:
-            raise RuntimeError(f"redis-cli --cluster create failed: {run.stdout[-2000:]} {run.stderr[-2000:]}")
-        deadline = time.monotonic() + 30
-        while not all("cluster_state:ok" in n.call("CLUSTER", "INFO") for n in self.nodes):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the cluster did not become ready")
-            time.sleep(0.1)
-
-    @property
-    def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
-
-    def flush(self) -> None:
-        for node in self.nodes:
-            node.call("FLUSHALL")
-
-    def stop(self) -> None:
-        for node in self.nodes:
-            node.kill()
+    def call(self, *args: str, timeout: float = 10) -> str:
+        return cli(self.port, *args, tls=self.tls_cli, host=self.host, timeout=timeout)

@@ -1,62 +1,127 @@
-"""Which node serves a key: the one server, or the master of the key's slot in a cluster.
+"""Which node serves a key: the one server, or the master (or a replica) of the key's slot.
 
-    Router(settings, seeds, cluster)
-        .node_for(rkey) -> Node
-        .groups(rkeys, positions) -> {Node: [position, ...]}    in key order
-        .refresh()               learn every slot's master (CLUSTER SLOTS)
-        .masters() -> [str]      "host:port" of each master (the one server when not a cluster)
-        .down() -> bool          the tier as a whole is down: the one server, or every master
-        .nodes                   every node seen, by name
+    Router(settings, seeds, cluster, replica_reads=False, name="redis")
+        .node_for(rkey, read=False) -> Node
+        .groups(rkeys, positions, read=False) -> {Node: [position, ...]}    in key order
+        .node_at("host:port") -> Node   the node a redirection names
+        .refresh(reason, seen=None)     learn every slot's master and replicas (CLUSTER SLOTS)
+        .after_failure(seen)            a connection failed: learn the map again, at most
+                                        every REFRESH_AFTER_FAILURE_S
+        .generation                     how many maps were learnt (``seen`` above)
+        .masters() -> [str]             "host:port" of each master (the one server when not a cluster)
+        .down() -> bool                 the tier as a whole is down: the one server, or every master
+        .nodes                          every node of the current map, and the seeds, by name
         .close()
 
-A cluster's slot map is learnt at start from any seed that answers and again whenever a
-reply says MOVED or ASK (``lmtier.tiers.redis.pipeline``). The slot of a key is redis-py's
-``key_slot``: what redis-py does well is not redone here.
+A cluster's slot map is learnt at start from any seed that answers, and again on the
+cluster's word: a reply that says MOVED (``lmtier.tiers.redis.pipeline``), or a connection
+to a node that fails (its master may be gone and a replica promoted: nothing else would
+say so, since the dead node answers nothing). Nothing polls it. A map that differs from
+the one before is counted (``lmtier_redis_slot_map_changes_total``) and logged once; nodes
+it no longer names are closed, so that a fleet whose cluster changes often keeps no
+connections to nodes long gone.
+
+With ``replica_reads``, EXISTS and GET go to a replica of the slot's master (one that is
+not backing off; the master when there is none), over connections that said READONLY: a
+replica that has not caught up yet misses, it never serves other bytes than were written
+(every chunk is checked). The slot of a key is redis-py's ``key_slot``: what redis-py does
+well is not redone here.
 """
 
 from __future__ import annotations
 
+import logging
+import random
+import threading
+import time
 from collections.abc import Sequence
 
+from lmtier import metrics
+from lmtier.breaker import QuietWarning
 from lmtier.errors import ConfigError, MissingDependency, RetryableError, TierError
 from lmtier.tiers.redis.conn import Node, Settings
 from lmtier.tiers.redis.resp import ReplyError
 
+log = logging.getLogger(__name__)
+
 SLOTS = 16384
+REFRESH_AFTER_FAILURE_S = 0.25  # a failing node asks for the map at most this often
 
 
 class Router:
-    def __init__(self, settings: Settings, seeds: Sequence[Node], cluster: bool) -> None:
-        self.settings, self.cluster = settings, cluster
+    def __init__(self, settings: Settings, seeds: Sequence[Node], cluster: bool, replica_reads: bool = False) -> None:
+        self.settings, self.cluster, self.replica_reads = settings, cluster, replica_reads
         self.seeds = list(seeds)
         self.nodes: dict[str, Node] = {str(n): n for n in self.seeds}
-        self._slots: list[Node] = []  # replaced whole on refresh: readers need no lock
+        # replaced whole on refresh: readers need no lock
+        self._slots: list[Node] = []
+        self._replicas: list[tuple[Node, ...]] = []
+        self.generation = 0
+        self._refreshing = threading.Lock()
+        self._refreshed_at = 0.0
+        self._quiet = QuietWarning(log)
         if cluster:
             try:
                 from redis.crc import key_slot
             except ImportError as exc:
                 raise MissingDependency("redis", "redis") from exc
             self._key_slot = key_slot
-            self.refresh()
+            self.refresh("start")
 
-    def node_for(self, rkey: bytes) -> Node:
+    def node_for(self, rkey: bytes, read: bool = False) -> Node:
         if not self.cluster:
             return self.seeds[0]
-        return self._slots[self._key_slot(rkey)]
+        slot = self._key_slot(rkey)
+        if read and self.replica_reads:
+            up = [n for n in self._replicas[slot] if not n.down()]
+            if up:
+                return random.choice(up)
+        return self._slots[slot]
 
-    def groups(self, rkeys: Sequence[bytes], positions: Sequence[int] | None = None) -> dict[Node, list[int]]:
+    def groups(
+        self, rkeys: Sequence[bytes], positions: Sequence[int] | None = None, read: bool = False
+    ) -> dict[Node, list[int]]:
         """Positions of ``rkeys`` (all, or those named) per node, in key order."""
         by_node: dict[Node, list[int]] = {}
         for i in range(len(rkeys)) if positions is None else positions:
-            by_node.setdefault(self.node_for(rkeys[i]), []).append(i)
+            by_node.setdefault(self.node_for(rkeys[i], read), []).append(i)
         return by_node
 
-    def refresh(self) -> None:
-        """Learn which master serves each of the 16384 slots (CLUSTER SLOTS). A node that
-        is not a cluster node, or refuses the credentials, is a ``ConfigError``; a cluster
-        that is not ready yet (LOADING, CLUSTERDOWN ...) or unreachable is retryable."""
+    def node_at(self, address: str) -> Node:
+        """The node at ``host:port`` (as a MOVED or ASK reply names it)."""
+        node = self.nodes.get(address)
+        if node is None:
+            host, _, port = address.rpartition(":")
+            node = self.nodes.setdefault(address, Node(self.settings, host.strip("[]"), int(port)))
+        return node
+
+    def after_failure(self, seen: int) -> None:
+        """A node failed during a batch begun at map ``seen``: its slots may have another
+        master now. Learn the map again unless that was done since, or very recently."""
+        if not self.cluster or time.monotonic() - self._refreshed_at < REFRESH_AFTER_FAILURE_S:
+            return
+        try:
+            self.refresh("connection", seen)
+        except TierError as exc:
+            self._quiet.warning("redis tier %s: cannot refresh the slot map: %s", self.settings.name, exc)
+
+    def refresh(self, reason: str = "moved", seen: int | None = None) -> None:
+        """Learn which master (and replicas) serve each of the 16384 slots (CLUSTER SLOTS),
+        asking the nodes that are not backing off first. ``seen``: the map the caller
+        acted on; when another thread learnt a newer one meanwhile, that one stands. A node
+        that is not a cluster node, or refuses the credentials, is a ``ConfigError``; a
+        cluster that is not ready yet (LOADING, CLUSTERDOWN ...) or unreachable is retryable."""
+        with self._refreshing:
+            if seen is not None and seen != self.generation:
+                return
+            self._refreshed_at = time.monotonic()
+            metrics.SLOT_MAP_REFRESHES.labels(self.settings.name, reason).inc()
+            self._learn()
+
+    def _learn(self) -> None:
         last: Exception | None = None
-        for node in list(self.nodes.values()):
+        known = list(self.nodes.values())
+        for node in sorted(known, key=lambda n: n.down()):  # a node backing off is asked last
             try:
                 answer = node.run(lambda c: c.call(b"CLUSTER", b"SLOTS"))
             except TierError as exc:
@@ -70,20 +135,63 @@ class Router:
                     raise ConfigError(f"{node} refused the credentials: {text}")
                 last = RetryableError(f"{node}: {text}")  # LOADING, BUSY, CLUSTERDOWN...: later
                 continue
-            slots: list[Node | None] = [None] * SLOTS
-            for start, end, master, *_replicas in answer:
-                host, port = master[0].decode() or node.host, int(master[1])
-                name = f"{host}:{port}"
-                target = self.nodes.get(name)
-                if target is None:
-                    target = self.nodes[name] = Node(self.settings, host, port)
-                for s in range(start, end + 1):
-                    slots[s] = target
-            if any(s is None for s in slots):
-                raise TierError("the cluster does not cover every slot")
-            self._slots = slots  # type: ignore[assignment]
+            if self.replica_reads:
+                nodes = node.run(lambda c: c.call(b"CLUSTER", b"NODES"))
+                answer = [[*r[:3], *self._readable_replicas(node, r[2], nodes)] for r in answer]
+            self._adopt(node, answer)
             return
         raise RetryableError(f"no cluster node answered CLUSTER SLOTS: {last}")
+
+    @staticmethod
+    def _readable_replicas(asked: Node, master: list, nodes: object) -> list[list]:
+        """The replicas of ``master`` that ``asked`` sees connected and not failing, from
+        CLUSTER NODES (CLUSTER SLOTS leaves out a replica that has replicated nothing yet,
+        as every replica of a cluster that has just been made)."""
+        if not isinstance(nodes, bytes):
+            return []
+        lines = [line.split() for line in nodes.decode(errors="replace").splitlines()]
+        me = f"{master[0].decode() or asked.host}:{int(master[1])}"
+        ids = {f[0] for f in lines if len(f) >= 8 and f[1].split("@")[0] == me}
+        out = []
+        for f in lines:
+            if len(f) < 8 or f[3] not in ids or f[7] != "connected":
+                continue
+            flags = set(f[2].split(","))
+            if "slave" in flags and not flags & {"fail", "fail?", "handshake", "noaddr"}:
+                host, _, port = f[1].split("@")[0].split(",")[0].rpartition(":")
+                out.append([(host or asked.host).encode(), int(port)])
+        return out
+
+    def _adopt(self, asked: Node, answer: list) -> None:
+        slots: list[Node | None] = [None] * SLOTS
+        replicas: list[tuple[Node, ...]] = [()] * SLOTS
+        for start, end, master, *others in answer:
+            owner = self._named(asked, master)
+            copies = tuple(self._named(asked, r) for r in others)
+            for s in range(start, end + 1):
+                slots[s], replicas[s] = owner, copies
+        if any(s is None for s in slots):
+            raise TierError("the cluster does not cover every slot")
+        before = self._slots
+        self._slots, self._replicas = slots, replicas  # type: ignore[assignment]
+        self.generation += 1
+        if before and before != slots:
+            moved = sum(a is not b for a, b in zip(before, slots, strict=True))
+            metrics.SLOT_MAP_CHANGES.labels(self.settings.name).inc()
+            log.info("redis tier %s: the cluster's slot map changed (%d slots to another master); masters now: %s",
+                     self.settings.name, moved, ", ".join(self.masters()))  # fmt: skip
+        self._forget_unnamed()
+
+    def _named(self, asked: Node, entry: list) -> Node:
+        host = entry[0].decode() if isinstance(entry[0], bytes) else str(entry[0])
+        return self.node_at(f"{host or asked.host}:{int(entry[1])}")
+
+    def _forget_unnamed(self) -> None:
+        """Close the nodes the map no longer names (a node removed, a host replaced)."""
+        named = {str(n) for n in self._slots} | {str(r) for rs in set(self._replicas) for r in rs}
+        named |= {str(n) for n in self.seeds}
+        for name in [name for name in self.nodes if name not in named]:
+            self.nodes.pop(name).close()
 
     def masters(self) -> list[str]:
         return sorted({str(n) for n in self._slots}) if self.cluster else [str(self.seeds[0])]
@@ -92,8 +200,10 @@ class Router:
         """Whether a failed call means the tier as a whole is down: always for one server;
         for a cluster only when every master is backing off (one master down costs only
         its own chunks)."""
-        return not self.cluster or all(self.nodes[m].down() for m in self.masters())
+        if not self.cluster:
+            return True
+        return all(node.down() for node in {id(n): n for n in self._slots}.values())
 
     def close(self) -> None:
-        for node in self.nodes.values():
+        for node in list(self.nodes.values()):
             node.close()

@@ -39,6 +39,7 @@ class Settings:
     password: bytes = field(default=b"", repr=False)  # AUTH password; empty: no AUTH
     db: int = 0  # SELECT on connect when not 0
     tls: ssl.SSLContext | None = None  # None: plain TCP
+    readonly: bool = False  # READONLY on connect: a cluster replica serves reads of its master's slots
     name: str = "redis"  # the tier's name, for metrics
 
 
@@ -65,6 +66,8 @@ def connect(settings: Settings, host: str = "", port: int = 0, path: str = "") -
         setup.append([b"AUTH", *auth])
     if settings.db:
         setup.append([b"SELECT", str(settings.db).encode()])
+    if settings.readonly:
+        setup.append([b"READONLY"])
     for args in setup:
         answer = stream.call(*args)
         if isinstance(answer, ReplyError):

@@ -9,14 +9,16 @@
         .close()
     Replies                       per position: its reply, the ``TierError`` of the
                                   connection that carried it, or None where nothing was sent
-        .moved                      a MOVED or ASK came back: the slot map was refreshed
+        .moved                      a MOVED or ASK came back (and the key was sent on)
         .raise_if_down()            raise when the tier as a whole is down, after
                                     discarding what did arrive
 
 ``run`` groups the keys by node, cuts a large group over up to ``pool`` connections,
 pipelines each part on one connection (every request sent, or ``window`` of them in
-flight, then the replies read in order), runs the parts in parallel, and refreshes a
-cluster's slot map when a reply was redirected. An operation (EXISTS, GET, SET, DEL)
+flight, then the replies read in order), runs the parts in parallel. In a cluster, a key
+whose reply is MOVED or ASK is sent once more where the reply says, and a node that fails
+makes the router learn the slot map again (a failover moves its slots: the failed keys
+are sent once more to their new master). An operation (EXISTS, GET, SET, DEL)
 supplies only its ``Op`` and what it makes of the replies.
 """
 
@@ -32,7 +34,7 @@ from typing import Any
 from lmtier.errors import TierError
 from lmtier.tiers.redis.cluster import Router
 from lmtier.tiers.redis.conn import Node
-from lmtier.tiers.redis.resp import ReplyError, Stream
+from lmtier.tiers.redis.resp import ReplyError, Stream, command
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,20 @@ class Op:
     read: Callable[[Stream], Any] = Stream.reply  # one reply off the stream
     window: int = 0  # requests in flight per connection; 0: all of them at once
     discard: Callable[[Any], None] = _keep  # undo a reply that will not be used (free its buffer)
+    reads: bool = False  # reads only: a replica may serve it (``Router.replica_reads``)
+
+
+Job = tuple[Node, list[int], Op]  # a node, the positions it is sent, what is sent
+
+
+def _asking(op: Op) -> Op:
+    """``op`` with each command after ASKING (a key of a slot being moved, on its new node)."""
+
+    def read(stream: Stream) -> Any:
+        stream.reply()  # +OK
+        return op.read(stream)
+
+    return Op(lambda i: [command(b"ASKING"), *op.request(i)], read, op.window, op.discard, op.reads)
 
 
 class Replies(list):
@@ -115,33 +131,72 @@ class Pipeline:
     ) -> Replies:
         """``op`` for each of ``rkeys`` (or only those at ``positions``); with ``sizes``
         (bytes per position), a node's group may be cut over several connections."""
-        jobs: list[tuple[Node, list[int]]] = []
-        for node, group in self.router.groups(rkeys, positions).items():
+        seen = self.router.generation
+        jobs: list[Job] = []
+        for node, group in self.router.groups(rkeys, positions, op.reads).items():
             parts = [group] if sizes is None else spread(group, sum(sizes[i] for i in group), self.pool)
-            jobs += [(node, part) for part in parts]
+            jobs += [(node, part, op) for part in parts]
         replies = Replies(len(rkeys), op)
+        failed = self._fill(replies, jobs)
+        if self.router.cluster:
+            if failed:
+                self._after_failure(rkeys, op, replies, seen)
+            self._follow_redirects(replies, op, seen)
+        failed = [r for r in replies if isinstance(r, TierError) and not isinstance(r, ReplyError)]
+        if failed and self.router.down():
+            replies.failure = failed[0]
+        return replies
+
+    def _fill(self, replies: Replies, jobs: list[Job]) -> list[TierError]:
         failed: list[TierError] = []
-        for (_, part), result in zip(jobs, self._run_all(jobs, op), strict=True):
+        for (_, part, _), result in zip(jobs, self._run_all(jobs), strict=True):
             if isinstance(result, TierError):
                 failed.append(result)
                 result = [result] * len(part)
             for i, reply in zip(part, result, strict=True):
                 replies[i] = reply
-        if failed and self.router.down():
-            replies.failure = failed[0]
-        if self.router.cluster and any(isinstance(r, ReplyError) and r.redirect for r in replies):
-            replies.moved = True
+        return failed
+
+    def _after_failure(self, rkeys: Sequence[bytes], op: Op, replies: Replies, seen: int) -> None:
+        """A node failed: the cluster may have given its slots to another master (a
+        failover). Learn the map again (at most every ``REFRESH_AFTER_FAILURE_S``) and send
+        the failed keys once more where it now puts them, when that is elsewhere."""
+        failed_at = {i: r for i, r in enumerate(replies) if isinstance(r, TierError) and not isinstance(r, ReplyError)}
+        before = {i: self.router.node_for(rkeys[i]) for i in failed_at}
+        self.router.after_failure(seen)
+        if self.router.generation == seen:
+            return
+        again = [i for i in failed_at if self.router.node_for(rkeys[i]) is not before[i]]
+        jobs = [(node, group, op) for node, group in self.router.groups(rkeys, again, op.reads).items()]
+        self._fill(replies, jobs)
+
+    def _follow_redirects(self, replies: Replies, op: Op, seen: int) -> None:
+        """Send each redirected key once more, to the node its reply names: after MOVED
+        (the slot has a new master: the map is learnt again for the next batches) as is,
+        after ASK (the slot is being moved, and the key is on the other side already)
+        after ASKING. A key redirected again is left as its reply says (a miss, a drop)."""
+        targets: dict[tuple[str, bool], list[int]] = {}
+        for i, reply in enumerate(replies):
+            if isinstance(reply, ReplyError) and reply.redirect:
+                kind, _, where = str(reply).split(" ", 2)
+                targets.setdefault((where.strip(), kind == "ASK"), []).append(i)
+        if not targets:
+            return
+        replies.moved = True
+        if any(not asking for _, asking in targets):
             try:
-                self.router.refresh()
+                self.router.refresh("moved", seen)
             except TierError as exc:
                 log.warning("redis tier %s: cannot refresh the slot map: %s", self.name, exc)
-        return replies
+        jobs = [(self.router.node_at(where), group, _asking(op) if asking else op)
+                for (where, asking), group in targets.items()]  # fmt: skip
+        self._fill(replies, jobs)
 
-    def _run_all(self, jobs: list[tuple[Node, list[int]]], op: Op) -> list[Any]:
+    def _run_all(self, jobs: list[Job]) -> list[Any]:
         """Run jobs (in parallel when several); a job's failure is returned, not raised."""
 
-        def one(job: tuple[Node, list[int]]) -> Any:
-            node, part = job
+        def one(job: Job) -> Any:
+            node, part, op = job
             try:
                 return node.run(lambda stream: exchange(stream, part, op))
             except TierError as exc:

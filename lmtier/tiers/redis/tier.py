@@ -56,6 +56,7 @@ class RedisTier(Tier):
         "db": int,
         **TLS_OPTIONS,
         "tls_verify": parse_bool,
+        "replica_reads": parse_bool,
         "name": str,
     }
 
@@ -78,6 +79,7 @@ class RedisTier(Tier):
         tls_cert: str = "",
         tls_key: str = "",
         tls_verify: bool = True,
+        replica_reads: bool = False,
         name: str = "redis",
         context: TierContext | None = None,
     ) -> None:
@@ -85,6 +87,8 @@ class RedisTier(Tier):
             raise ConfigError("pool must be at least 1")
         if cluster and db:
             raise ConfigError("Redis Cluster has only database 0")
+        if replica_reads and not cluster:
+            raise ConfigError("replica_reads is for redis+cluster:// (a single server's replicas are not named)")
         if timeout <= 0 or connect_timeout <= 0:
             raise ConfigError("timeouts must be positive")
         tls_files = TlsFiles(tls, tls_ca, tls_cert, tls_key)
@@ -96,6 +100,7 @@ class RedisTier(Tier):
             password=password.encode(),
             db=db,
             tls=tls_files.ssl_context(name, verify=tls_verify) if tls_files.wanted else None,
+            readonly=replica_reads,
             name=name,
         )
         self.name, self.cluster, self.pool, self.db, self.timeout = name, cluster, pool, db, timeout
@@ -109,7 +114,7 @@ class RedisTier(Tier):
             seeds = [Node(self.settings, path=unix_path)]
         else:
             seeds = [Node(self.settings, host, port) for host, port in nodes]
-        self.router = Router(self.settings, seeds, cluster)
+        self.router = Router(self.settings, seeds, cluster, replica_reads)
         threads = max(2, min(32, pool * max(1, len(nodes))))
         self.pipeline = Pipeline(self.router, pool, threads, name)
 
@@ -170,11 +175,9 @@ class RedisTier(Tier):
             n += 1
         return n
 
-    def _exists(self, keys: Sequence[bytes], retry: bool = True) -> list[bool]:
+    def _exists(self, keys: Sequence[bytes]) -> list[bool]:
         rkeys = [self._rkey(k) for k in keys]
-        replies = self.pipeline.run(rkeys, Op(lambda i: [command(b"EXISTS", rkeys[i])]))
-        if replies.moved and retry:  # the slot map is fresh now: ask again, once
-            return self._exists(keys, retry=False)
+        replies = self.pipeline.run(rkeys, Op(lambda i: [command(b"EXISTS", rkeys[i])], reads=True))
         replies.raise_if_down()
         return [r == 1 for r in replies]  # a failed node's keys are misses
 
@@ -188,6 +191,7 @@ class RedisTier(Tier):
             read=lambda stream: stream.bulk_into(self._buffers),
             window=max(1, READ_WINDOW_BYTES // self.chunk_bytes),
             discard=self._release,
+            reads=True,
         )
         replies = self.pipeline.run(rkeys, op, sizes=[self.chunk_bytes] * len(keys))
         replies.raise_if_down()

@@ -1,0 +1,209 @@
+"""Redis Cluster under what an operator does to it, against real redis-server processes:
+masters with replicas, a failover, slots half moved, a node lost and its replica promoted,
+reads from replicas. ``test_cluster_ops_under_load`` then drives every operation of
+``benchmarks/bench_cluster_ops.py`` (each node on a host of its own in a network namespace
+where the machine allows it) with client processes saving and loading throughout."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmtier import metrics
+from lmtier.chunk import release_all
+from lmtier.testing.redis_cluster import RedisCluster
+from lmtier.tiers.base import open_tier
+
+from conftest import eventually, make_prompt
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cluster_ops.py"
+
+
+@pytest.fixture
+def replicated(tmp_path):
+    """Three masters, one replica each, on loopback (node timeout 1 s)."""
+    cluster = RedisCluster(tmp_path, masters=3, replicas=1, node_timeout_ms=1000)
+    yield cluster
+    cluster.stop()
+
+
+def changes() -> float:
+    return metrics.REGISTRY.get_sample_value("lmtier_redis_slot_map_changes_total", {"tier": "redis"}) or 0
+
+
+def test_a_promoted_replica_serves_its_dead_masters_chunks_to_a_running_client(replicated, caplog):
+    """A master dies; its replica is promoted. A client that was running finds every chunk
+    again without a restart: the failed connection makes it learn the slot map once more
+    (no MOVED would ever come: the dead node answers nothing). Said once, counted once."""
+    tier = open_tier(f"{replicated.url}?timeout=0.5&connect_timeout=0.3")
+    prompts = [make_prompt(1, seed=s) for s in range(24)]
+    try:
+        for p in prompts:
+            tier.put(p.chunks())
+        assert eventually(replicated.in_sync)
+        victim = max(replicated.masters(), key=replicated.slots_of)
+        on_victim = [p for p in prompts if str(tier._node_for(tier._rkey(p.keys[0]))) == victim.address]
+        assert on_victim
+        before = changes()
+        replicated.kill(victim)
+        replicated.wait_healthy(60)
+        with caplog.at_level(logging.INFO, logger="lmtier.tiers.redis.cluster"):
+            assert eventually(lambda: all(tier.contains(p.keys) == 1 for p in prompts), 10)
+        got = [c for p in on_victim for c in tier.get(p.keys)]
+        assert [c.tobytes() for c in got] == [p.chunk_bytes(0) for p in on_victim]
+        release_all(got)
+        assert victim.address not in tier.router.masters()
+        said = [r for r in caplog.records if "slot map changed" in r.getMessage()]
+        assert len(said) == 1 and changes() == before + 1
+        replicated.restart(victim)  # it comes back empty, as a replica: nothing else changes
+        replicated.wait_healthy(60)
+        assert all(tier.contains(p.keys) == 1 for p in prompts)
+    finally:
+        tier.close()
+
+
+def test_keys_of_a_slot_being_moved_are_followed_with_asking(replicated):
+    """Mid-reshard a slot is MIGRATING on its master and IMPORTING on the next: a key
+    already moved answers ASK, and is read (and a new one written) on the importing node
+    after ASKING; the keys not moved yet are read where they were."""
+    tier = open_tier(replicated.url + "?prefix={ask}:")  # a hash tag: every key in one slot
+    try:
+        slot = tier.router._key_slot(tier._rkey(b"any"))
+        src = next(m for m in replicated.masters() if m.address == str(tier.router._slots[slot]))
+        dst = next(m for m in replicated.masters() if m is not src)
+        moved, stays, new = [make_prompt(1, seed=900 + s) for s in range(3)]
+        moved, stays, new = [moved], [stays], [new]
+        for p in moved + stays:
+            tier.put(p.chunks())
+        src_id, dst_id = replicated.node_id(src), replicated.node_id(dst)
+        assert dst.call("CLUSTER", "SETSLOT", str(slot), "IMPORTING", src_id) == "OK"
+        assert src.call("CLUSTER", "SETSLOT", str(slot), "MIGRATING", dst_id) == "OK"
+        host, port = dst.address.rsplit(":", 1)
+        answer = src.call("MIGRATE", host, port, tier._rkey(moved[0].keys[0]).decode(), "0", "5000")
+        assert answer == "OK"
+        for p in moved + stays:  # one on each side
+            got = tier.get(p.keys)
+            assert [c.tobytes() for c in got] == [p.chunk_bytes(0)]
+            release_all(got)
+        assert tier.contains(moved[0].keys) == 1
+        tier.put(new[0].chunks())  # a new key of a migrating slot goes to its new node
+        assert dst.call("CLUSTER", "COUNTKEYSINSLOT", str(slot)) == "2"
+        got = tier.get(new[0].keys)
+        assert [c.tobytes() for c in got] == [new[0].chunk_bytes(0)]
+        release_all(got)
+    finally:
+        tier.close()
+
+
+def test_reads_from_replicas_when_configured(replicated):
+    """``replica_reads=true``: EXISTS and GET go to the replicas (READONLY), writes to
+    the masters; what a replica serves is what was written."""
+    tier = open_tier(f"{replicated.url}?replica_reads=true")
+    prompts = [make_prompt(2, seed=s) for s in range(40, 52)]
+
+    def gets(nodes) -> int:
+        total = 0
+        for n in nodes:
+            line = [x for x in n.call("INFO", "commandstats").splitlines() if x.startswith("cmdstat_get:")]
+            total += int(line[0].split("calls=")[1].split(",")[0]) if line else 0
+        return total
+
+    try:
+        for p in prompts:
+            tier.put(p.chunks())
+        assert eventually(replicated.in_sync)
+        masters, replicas = replicated.masters(), replicated.replicas()
+        on_masters = gets(masters)
+        assert eventually(lambda: all(tier.contains(p.keys) == 2 for p in prompts))
+        for p in prompts:
+            got = tier.get(p.keys)
+            assert [c.tobytes() for c in got] == [p.chunk_bytes(i) for i in range(2)]
+            release_all(got)
+        assert gets(replicas) >= 24 and gets(masters) == on_masters
+    finally:
+        tier.close()
+    with pytest.raises(Exception, match="replica_reads is for redis\\+cluster"):
+        open_tier(f"redis://{replicated.nodes[0].address}?replica_reads=true")
+
+
+def test_the_slot_map_is_learnt_on_the_clusters_word_not_polled(replicated):
+    """In steady state no call asks for the slot map (CLUSTER SLOTS or NODES): only a
+    MOVED or a failed node does."""
+    tier = open_tier(f"{replicated.url}?replica_reads=true")
+
+    def asked() -> int:
+        total = 0
+        for n in replicated.live():
+            for line in n.call("INFO", "commandstats").splitlines():
+                if line.startswith("cmdstat_cluster"):
+                    total += int(line.split("calls=")[1].split(",")[0])
+        return total
+
+    try:
+        prompts = [make_prompt(3, seed=s) for s in range(60, 100)]
+        before = asked()
+        for p in prompts:
+            tier.put(p.chunks())
+            tier.contains(p.keys)
+            release_all([c for c in tier.get(p.keys) if c is not None])
+        assert asked() == before
+    finally:
+        tier.close()
+
+
+# The first test that uses ``ops`` pays for the whole run (minutes on a slow 2-core machine)
+OPS_TIMEOUT = pytest.mark.timeout(1600)
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ops") / "ops.json"
+    run = subprocess.run(
+        [sys.executable, str(BENCH), "--redis-py", "--reads-seconds", "3", "--json-out", str(out)],
+        capture_output=True, text=True, timeout=1500, cwd=BENCH.parent,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    print(run.stderr[-3000:])
+    return report
+
+
+@OPS_TIMEOUT
+def test_the_operations_run_where_the_machine_allows_hosts_of_their_own(ops):
+    from lmtier.testing.netns import unavailable
+
+    reason = unavailable()
+    assert ops["where"] == ("namespaces" if reason is None else f"loopback ports ({reason})")
+
+
+@OPS_TIMEOUT
+@pytest.mark.parametrize("event", ["kill", "failover", "reshard", "add", "cut", "maxmemory"])
+def test_cluster_ops_under_load(ops, event):
+    """Each operation with clients saving and loading throughout: nothing wrong, ever;
+    loads and saves went on; the hits came back to their level (for ``maxmemory``, the
+    store keeps working at what fits); no thread or connection piles up."""
+    found = next(e for e in ops["events"] if e["event"] == event)
+    for name, f in found["clients"].items():
+        assert f["wrong"] == 0, (name, f)
+        assert f["loads"] > 0 and f["hit_rate_before"] >= 0.95, (name, f)
+        if event != "maxmemory":  # the cut host or killed master still away: its replica serves
+            assert f["hit_rate_after"] >= 0.9 * f["hit_rate_before"], (name, f)
+        else:
+            assert f["hit_rate_after"] > 0, (name, f)
+        if event in ("kill", "cut"):  # back as a replica: nothing changes for the clients
+            assert f["hit_rate_after_restore"] >= 0.9 * f["hit_rate_before"], (name, f)
+        first = ops["events"][0]["clients"][name]
+        assert f["threads_max"] <= first["threads_max"] + 8, (name, f, first)
+        assert f["fds_max"] <= first["fds_max"] + 12, (name, f, first)
+
+
+@OPS_TIMEOUT
+def test_replica_reads_are_measured_and_serve_right_bytes(ops):
+    reads = ops["replica_reads"]
+    for mode in ("masters", "replicas"):
+        assert reads[mode]["wrong"] == 0 and reads[mode]["loads_per_s"] > 0 and reads[mode]["hit_rate"] >= 0.95
