@@ -10,11 +10,14 @@
         .down() -> bool                backing off after a failure
         .close()
 
+A node that starts failing is logged once (and once when it answers again), not per call.
+
 Nothing here knows the tier: it hands down a ``Settings``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import ssl
@@ -26,6 +29,8 @@ from typing import Any
 
 from lmtier import metrics
 from lmtier.tiers.redis.resp import Closed, ReplyError, Stream
+
+log = logging.getLogger(__name__)
 
 MAX_BACKOFF = 30.0  # seconds a failed node is skipped at most (the wait doubles up to it)
 
@@ -120,9 +125,14 @@ class Node:
             with self._lock:
                 self._idle.append(conn)
             conn = None
+            if self._backoff:
+                log.info("redis tier %s: %s answers again", self.settings.name, self)
             self._backoff = 0.0
             return result
-        except Closed:
+        except Closed as exc:
+            if not self._backoff:  # said once when it starts failing, not per call or chunk
+                log.warning("redis tier %s: %s failed (%s); its keys miss while it backs off", self.settings.name,
+                            self, exc)  # fmt: skip
             self._backoff = min(MAX_BACKOFF, max(0.1, 2 * self._backoff))
             self._down_until = time.monotonic() + self._backoff
             metrics.TIER_ERRORS.labels(self.settings.name, "connection").inc()
