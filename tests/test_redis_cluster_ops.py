@@ -105,8 +105,18 @@ def test_keys_of_a_slot_being_moved_are_followed_with_asking(replicated):
 def test_reads_from_replicas_when_configured(replicated):
     """``replica_reads=true``: EXISTS and GET go to the replicas (READONLY), writes to
     the masters; what a replica serves is what was written."""
-    tier = open_tier(f"{replicated.url}?replica_reads=true")
+    writer = open_tier(replicated.url)
     prompts = [make_prompt(2, seed=s) for s in range(40, 52)]
+    for p in prompts:
+        writer.put(p.chunks())
+    writer.close()
+    assert eventually(replicated.in_sync)
+
+    def named() -> bool:  # CLUSTER SLOTS names a replica once it has copied something
+        return all(len(r) > 3 for r in replicated.slot_ranges(replicated.masters()[0]))
+
+    assert eventually(named)
+    tier = open_tier(f"{replicated.url}?replica_reads=true")
 
     def gets(nodes) -> int:
         total = 0
@@ -116,9 +126,6 @@ def test_reads_from_replicas_when_configured(replicated):
         return total
 
     try:
-        for p in prompts:
-            tier.put(p.chunks())
-        assert eventually(replicated.in_sync)
         masters, replicas = replicated.masters(), replicated.replicas()
         on_masters = gets(masters)
         assert eventually(lambda: all(tier.contains(p.keys) == 2 for p in prompts))
@@ -209,3 +216,44 @@ def test_replica_reads_are_measured_and_serve_right_bytes(ops):
     reads = ops["replica_reads"]
     for mode in ("masters", "replicas"):
         assert reads[mode]["wrong"] == 0 and reads[mode]["loads_per_s"] > 0 and reads[mode]["hit_rate"] >= 0.95
+
+
+def test_a_node_that_trickles_its_reply_cannot_hold_a_load(tmp_path):
+    """A hostile or sick node answers a GET one byte at a time, each within the timeout:
+    the call still ends (a reply must keep up 10 MB/s past the timeout), as a miss."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def drip() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(b"$1000000\r\n")
+        while not stop.wait(0.05):
+            try:
+                conn.sendall(b"x")
+            except OSError:
+                return
+
+    server = threading.Thread(target=drip, daemon=True)
+    server.start()
+    tier = open_tier(f"redis://127.0.0.1:{listener.getsockname()[1]}?timeout=0.5")
+    result: list = []
+    reader = threading.Thread(target=lambda: result.append(_get_or_error(tier, make_prompt(1, seed=7).keys)))
+    try:
+        reader.start()
+        reader.join(30)  # the drip alone would take 14 hours
+        assert not reader.is_alive() and (isinstance(result[0], Exception) or result[0] == [None])
+    finally:
+        stop.set()
+        tier.close()
+        listener.close()
+
+
+def _get_or_error(tier, keys):
+    try:
+        return tier.get(keys)
+    except Exception as exc:  # the one server failing: the tier raises, the store turns it into a miss
+        return exc

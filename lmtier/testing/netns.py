@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -124,14 +125,26 @@ class HostPair:
         self.close()
 
 
+def _sweep() -> None:
+    """Remove the namespaces of switches whose process is gone (killed before ``close``)."""
+    listed = subprocess.run([IP, "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for line in listed.splitlines():
+        found = re.fullmatch(r"(lmt-[wh]\d*-(\d+)-[0-9a-f]{6})", line.split(" ")[0])
+        if found and not os.path.exists(f"/proc/{found.group(2)}"):
+            subprocess.run([IP, "netns", "del", found.group(1)], capture_output=True, timeout=30)
+
+
 class Switch:
     """Hosts on one switch: each host a network namespace with one veth into a bridge, the
     bridge in a namespace of its own, and this process on the switch through one more veth
-    (``ip``: its address). Unshaped: veth moves bytes at memory speed."""
+    (``ip``: its address). Unshaped: veth moves bytes at memory speed. The namespaces'
+    names carry the creating process's id: a new switch removes those of one killed
+    before it could close its own."""
 
     def __init__(self, subnet: int | None = None) -> None:
+        _sweep()
         tag = secrets.token_hex(3)
-        self.tag, self.ns = tag, f"lmt-w-{tag}"
+        self.tag, self.ns = tag, f"lmt-w-{os.getpid()}-{tag}"
         octet = subnet if subnet is not None else 16 + secrets.randbelow(200)
         self.prefix = f"10.214.{octet}."
         self.ip = self.prefix + "254"
@@ -161,7 +174,7 @@ class Switch:
         if len(self.hosts) >= 200:
             raise RuntimeError("a switch holds 200 hosts")
         n = len(self.hosts) + 1
-        ns = f"lmt-h{n}-{self.tag}"
+        ns = f"lmt-h{n}-{os.getpid()}-{self.tag}"
         _sh(IP, "netns", "add", ns)
         self.hosts.append(ns)
         self._plug(ns, "eth0", f"p{n}")

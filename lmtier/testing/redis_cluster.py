@@ -117,8 +117,8 @@ class RedisCluster:
     def node_id(self, node: RedisServer) -> str:
         return node.call("CLUSTER", "MYID")
 
-    def slot_owners(self, node: RedisServer) -> frozenset[tuple[int, int, str]]:
-        """(first slot, last slot, master's address) of each range, as ``node`` sees them."""
+    def slot_ranges(self, node: RedisServer) -> list:
+        """CLUSTER SLOTS as ``node`` answers it (lmtier's RESP: nested lists)."""
         stream = connect(Settings(timeout=5, connect_timeout=2), node.host, node.port)
         try:
             answer = stream.call(b"CLUSTER", b"SLOTS")
@@ -126,7 +126,11 @@ class RedisCluster:
             stream.close()
         if not isinstance(answer, list):
             raise RuntimeError(f"{node.address}: CLUSTER SLOTS answered {answer!r}")
-        return frozenset((r[0], r[1], f"{r[2][0].decode()}:{r[2][1]}") for r in answer)
+        return answer
+
+    def slot_owners(self, node: RedisServer) -> frozenset[tuple[int, int, str]]:
+        """(first slot, last slot, master's address) of each range, as ``node`` sees them."""
+        return frozenset((r[0], r[1], f"{r[2][0].decode()}:{r[2][1]}") for r in self.slot_ranges(node))
 
     def healthy(self) -> bool:
         """Every reachable node says the cluster is ok, and all of them name the same

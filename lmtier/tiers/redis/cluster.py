@@ -3,10 +3,11 @@
     Router(settings, seeds, cluster, replica_reads=False, name="redis")
         .node_for(rkey, read=False) -> Node
         .groups(rkeys, positions, read=False) -> {Node: [position, ...]}    in key order
-        .node_at("host:port") -> Node   the node a redirection names
+        .node_at("host:port") -> (Node, known)   the node a redirection names
         .refresh(reason, seen=None)     learn every slot's master and replicas (CLUSTER SLOTS)
         .after_failure(seen)            a connection failed: learn the map again, at most
-                                        every REFRESH_AFTER_FAILURE_S
+                                        every 0.25 s (doubling to 1 s while nothing changes)
+        .replicas_wanted()              replica_reads and a slot without one: every 5 s
         .generation                     how many maps were learnt (``seen`` above)
         .masters() -> [str]             "host:port" of each master (the one server when not a cluster)
         .down() -> bool                 the tier as a whole is down: the one server, or every master
@@ -22,10 +23,13 @@ it no longer names are closed, so that a fleet whose cluster changes often keeps
 connections to nodes long gone.
 
 With ``replica_reads``, EXISTS and GET go to a replica of the slot's master (one that is
-not backing off; the master when there is none), over connections that said READONLY: a
-replica that has not caught up yet misses, it never serves other bytes than were written
-(every chunk is checked). The slot of a key is redis-py's ``key_slot``: what redis-py does
-well is not redone here.
+not backing off; the master when there is none), over connections that said READONLY.
+The replicas are those CLUSTER SLOTS names (it leaves out one that has copied nothing
+yet, which would miss everything), and while a slot has none the map is asked for every
+5 s. A replica that lags misses; it never serves other bytes than were written (every
+chunk is checked). Every reply is checked before it is believed (slot ranges, addresses,
+ports): a malformed one is a failure of the node that sent it, nothing more. The slot of
+a key is redis-py's ``key_slot``: what redis-py does well is not redone here.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ log = logging.getLogger(__name__)
 
 SLOTS = 16384
 REFRESH_AFTER_FAILURE_S = 0.25  # a failing node asks for the map at most this often
+REFRESH_TRIES = 5  # nodes asked for the map in one refresh at most
+REFRESH_AT_MOST_S = 1.0  # ... and while they learn nothing new, the wait doubles up to this
+REPLICAS_EVERY_S = 5.0  # replica_reads: the map asked for this often while a slot lacks a replica
 
 
 class Router:
@@ -59,6 +66,8 @@ class Router:
         self.generation = 0
         self._refreshing = threading.Lock()
         self._refreshed_at = 0.0
+        self._refresh_every = REFRESH_AFTER_FAILURE_S  # doubles while refreshes learn nothing new
+        self._without_replica = False  # replica_reads, and a slot has no replica that serves
         self._quiet = QuietWarning(log)
         if cluster:
             try:
@@ -87,18 +96,34 @@ class Router:
             by_node.setdefault(self.node_for(rkeys[i], read), []).append(i)
         return by_node
 
-    def node_at(self, address: str) -> Node:
-        """The node at ``host:port`` (as a MOVED or ASK reply names it)."""
+    def node_at(self, address: str) -> tuple[Node, bool]:
+        """The node at ``host:port`` (as a MOVED or ASK reply names it), and whether it is
+        one of the map's. One the map does not name is made for the call alone (the
+        caller closes it): a reply cannot grow the node table."""
         node = self.nodes.get(address)
-        if node is None:
-            host, _, port = address.rpartition(":")
-            node = self.nodes.setdefault(address, Node(self.settings, host.strip("[]"), int(port)))
-        return node
+        if node is not None:
+            return node, True
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise TierError(f"a redirection to {address!r} is not host:port")
+        return Node(self.settings, host.strip("[]"), int(port)), False
+
+    def replicas_wanted(self) -> None:
+        """With ``replica_reads``, while some slot has no replica that serves: learn the
+        map again at most every ``REPLICAS_EVERY_S`` (CLUSTER SLOTS names a replica only
+        once it has copied something: not those of a cluster just made, nor one that is
+        copying its master afresh, which would miss everything meanwhile)."""
+        if not self._without_replica or time.monotonic() - self._refreshed_at < REPLICAS_EVERY_S:
+            return
+        try:
+            self.refresh("replicas")
+        except TierError as exc:
+            self._quiet.warning("redis tier %s: cannot refresh the slot map: %s", self.settings.name, exc)
 
     def after_failure(self, seen: int) -> None:
         """A node failed during a batch begun at map ``seen``: its slots may have another
         master now. Learn the map again unless that was done since, or very recently."""
-        if not self.cluster or time.monotonic() - self._refreshed_at < REFRESH_AFTER_FAILURE_S:
+        if not self.cluster or time.monotonic() - self._refreshed_at < self._refresh_every:
             return
         try:
             self.refresh("connection", seen)
@@ -120,8 +145,8 @@ class Router:
 
     def _learn(self) -> None:
         last: Exception | None = None
-        known = list(self.nodes.values())
-        for node in sorted(known, key=lambda n: n.down()):  # a node backing off is asked last
+        known = sorted(self.nodes.values(), key=lambda n: n.down())  # a node backing off is asked last
+        for node in known[:REFRESH_TRIES]:  # each may cost a connect timeout: a few, not the whole fleet
             try:
                 answer = node.run(lambda c: c.call(b"CLUSTER", b"SLOTS"))
             except TierError as exc:
@@ -135,56 +160,45 @@ class Router:
                     raise ConfigError(f"{node} refused the credentials: {text}")
                 last = RetryableError(f"{node}: {text}")  # LOADING, BUSY, CLUSTERDOWN...: later
                 continue
-            if self.replica_reads:
-                nodes = node.run(lambda c: c.call(b"CLUSTER", b"NODES"))
-                answer = [[*r[:3], *self._readable_replicas(node, r[2], nodes)] for r in answer]
-            self._adopt(node, answer)
+            try:
+                ranges = _ranges(node, answer)
+            except TierError as exc:
+                last = exc
+                continue
+            self._adopt(ranges)
             return
         raise RetryableError(f"no cluster node answered CLUSTER SLOTS: {last}")
 
-    @staticmethod
-    def _readable_replicas(asked: Node, master: list, nodes: object) -> list[list]:
-        """The replicas of ``master`` that ``asked`` sees connected and not failing, from
-        CLUSTER NODES (CLUSTER SLOTS leaves out a replica that has replicated nothing yet,
-        as every replica of a cluster that has just been made)."""
-        if not isinstance(nodes, bytes):
-            return []
-        lines = [line.split() for line in nodes.decode(errors="replace").splitlines()]
-        me = f"{master[0].decode() or asked.host}:{int(master[1])}"
-        ids = {f[0] for f in lines if len(f) >= 8 and f[1].split("@")[0] == me}
-        out = []
-        for f in lines:
-            if len(f) < 8 or f[3] not in ids or f[7] != "connected":
-                continue
-            flags = set(f[2].split(","))
-            if "slave" in flags and not flags & {"fail", "fail?", "handshake", "noaddr"}:
-                host, _, port = f[1].split("@")[0].split(",")[0].rpartition(":")
-                out.append([(host or asked.host).encode(), int(port)])
-        return out
-
-    def _adopt(self, asked: Node, answer: list) -> None:
+    def _adopt(self, ranges: list[tuple[int, int, str, tuple[str, ...]]]) -> None:
         slots: list[Node | None] = [None] * SLOTS
         replicas: list[tuple[Node, ...]] = [()] * SLOTS
-        for start, end, master, *others in answer:
-            owner = self._named(asked, master)
-            copies = tuple(self._named(asked, r) for r in others)
-            for s in range(start, end + 1):
-                slots[s], replicas[s] = owner, copies
+        for start, end, master, others in ranges:
+            owner = self._named(master)
+            copies = tuple(self._named(r) for r in others)
+            slots[start : end + 1] = [owner] * (end - start + 1)
+            replicas[start : end + 1] = [copies] * (end - start + 1)
         if any(s is None for s in slots):
             raise TierError("the cluster does not cover every slot")
         before = self._slots
         self._slots, self._replicas = slots, replicas  # type: ignore[assignment]
+        self._without_replica = self.replica_reads and not all(replicas)
         self.generation += 1
         if before and before != slots:
+            self._refresh_every = REFRESH_AFTER_FAILURE_S
             moved = sum(a is not b for a, b in zip(before, slots, strict=True))
             metrics.SLOT_MAP_CHANGES.labels(self.settings.name).inc()
             log.info("redis tier %s: the cluster's slot map changed (%d slots to another master); masters now: %s",
                      self.settings.name, moved, ", ".join(self.masters()))  # fmt: skip
+        else:
+            self._refresh_every = min(REFRESH_AT_MOST_S, 2 * self._refresh_every)
         self._forget_unnamed()
 
-    def _named(self, asked: Node, entry: list) -> Node:
-        host = entry[0].decode() if isinstance(entry[0], bytes) else str(entry[0])
-        return self.node_at(f"{host or asked.host}:{int(entry[1])}")
+    def _named(self, address: str) -> Node:
+        node = self.nodes.get(address)
+        if node is None:
+            host, _, port = address.rpartition(":")
+            node = self.nodes[address] = Node(self.settings, host.strip("[]"), int(port))
+        return node
 
     def _forget_unnamed(self) -> None:
         """Close the nodes the map no longer names (a node removed, a host replaced)."""
@@ -207,3 +221,33 @@ class Router:
     def close(self) -> None:
         for node in list(self.nodes.values()):
             node.close()
+
+
+def _address(asked: Node, host: object, port: object) -> str:
+    """``host:port`` of a node a reply names; a null, empty or ``?`` endpoint (Redis 7's
+    ``cluster-preferred-endpoint-type unknown-endpoint``) is the node that answered."""
+    if isinstance(host, bytes):
+        host = host.decode(errors="replace")
+    if not isinstance(host, str) or host in ("", "?"):
+        host = asked.host
+    if not isinstance(port, int) or not 0 < port < 65536 or not host:
+        raise TierError(f"{asked}: a node named at {host!r}:{port!r}")
+    return f"{host}:{port}"
+
+
+def _ranges(asked: Node, answer: object) -> list[tuple[int, int, str, tuple[str, ...]]]:
+    """CLUSTER SLOTS, checked: (first slot, last slot, master, replicas) per range."""
+    if not isinstance(answer, list) or not answer or len(answer) > SLOTS:
+        raise TierError(f"{asked}: CLUSTER SLOTS answered no list of slot ranges")
+    out = []
+    for item in answer:
+        if not (
+            isinstance(item, list) and len(item) >= 3 and all(isinstance(x, list) and len(x) >= 2 for x in item[2:])
+        ):
+            raise TierError(f"{asked}: a malformed CLUSTER SLOTS range")
+        start, end = item[0], item[1]
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end < SLOTS):
+            raise TierError(f"{asked}: CLUSTER SLOTS names slots {start!r}-{end!r}")
+        others = tuple(_address(asked, r[0], r[1]) for r in item[3:])
+        out.append((start, end, _address(asked, item[2][0], item[2][1]), others))
+    return out

@@ -45,6 +45,7 @@ class Settings:
     db: int = 0  # SELECT on connect when not 0
     tls: ssl.SSLContext | None = None  # None: plain TCP
     readonly: bool = False  # READONLY on connect: a cluster replica serves reads of its master's slots
+    max_backoff: float = MAX_BACKOFF  # a failed node is skipped at most this long (a cluster's: less)
     name: str = "redis"  # the tier's name, for metrics
 
 
@@ -121,6 +122,7 @@ class Node:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 conn = connect(self.settings, self.host, self.port, self.path)
+            conn.begin(timeout)
             result = work(conn)
             with self._lock:
                 self._idle.append(conn)
@@ -133,7 +135,7 @@ class Node:
             if not self._backoff:  # said once when it starts failing, not per call or chunk
                 log.warning("redis tier %s: %s failed (%s); its keys miss while it backs off", self.settings.name,
                             self, exc)  # fmt: skip
-            self._backoff = min(MAX_BACKOFF, max(0.1, 2 * self._backoff))
+            self._backoff = min(self.settings.max_backoff, max(0.1, 2 * self._backoff))
             self._down_until = time.monotonic() + self._backoff
             metrics.TIER_ERRORS.labels(self.settings.name, "connection").inc()
             raise

@@ -131,6 +131,8 @@ class Pipeline:
     ) -> Replies:
         """``op`` for each of ``rkeys`` (or only those at ``positions``); with ``sizes``
         (bytes per position), a node's group may be cut over several connections."""
+        if op.reads and self.router.replica_reads:
+            self.router.replicas_wanted()
         seen = self.router.generation
         jobs: list[Job] = []
         for node, group in self.router.groups(rkeys, positions, op.reads).items():
@@ -178,8 +180,9 @@ class Pipeline:
         targets: dict[tuple[str, bool], list[int]] = {}
         for i, reply in enumerate(replies):
             if isinstance(reply, ReplyError) and reply.redirect:
-                kind, _, where = str(reply).split(" ", 2)
-                targets.setdefault((where.strip(), kind == "ASK"), []).append(i)
+                parts = str(reply).split()
+                if len(parts) == 3 and parts[0] in ("MOVED", "ASK") and ":" in parts[2]:
+                    targets.setdefault((parts[2], parts[0] == "ASK"), []).append(i)
         if not targets:
             return
         replies.moved = True
@@ -188,9 +191,22 @@ class Pipeline:
                 self.router.refresh("moved", seen)
             except TierError as exc:
                 log.warning("redis tier %s: cannot refresh the slot map: %s", self.name, exc)
-        jobs = [(self.router.node_at(where), group, _asking(op) if asking else op)
-                for (where, asking), group in targets.items()]  # fmt: skip
-        self._fill(replies, jobs)
+        jobs, passing = [], []
+        for (where, asking), group in targets.items():
+            try:
+                node, known = self.router.node_at(where)
+            except TierError as exc:
+                for i in group:
+                    replies[i] = exc
+                continue
+            jobs.append((node, group, _asking(op) if asking else op))
+            if not known:
+                passing.append(node)
+        try:
+            self._fill(replies, jobs)
+        finally:
+            for node in passing:
+                node.close()
 
     def _run_all(self, jobs: list[Job]) -> list[Any]:
         """Run jobs (in parallel when several); a job's failure is returned, not raised."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,9 @@ IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
 MAX_VALUE = 512 << 20  # Redis's default proto-max-bulk-len
 LINE_BYTES = 64 * 1024  # the reply-line buffer; a longer line is not RESP from a Redis
 SMALL_PART = 16 * 1024  # over TLS, smaller parts are joined into one record
+MAX_DEPTH = 6  # arrays in arrays: CLUSTER SLOTS nests 3 deep
+MAX_ITEMS = 1 << 20  # elements of one array reply
+MIN_RATE = 10e6  # bytes/s a reply must arrive at, past the timeout, however slowly it trickles
 
 
 class ReplyError(TierError):
@@ -73,6 +77,14 @@ class Stream:
         self.buf = bytearray(LINE_BYTES)
         self.view = memoryview(self.buf)
         self.start = self.end = 0  # buffered bytes not read yet: buf[start:end]
+        self.deadline = 0.0  # monotonic; 0: none. Set per exchange (``begin``)
+        self.timeout = sock.gettimeout()
+
+    def begin(self, seconds: float) -> None:
+        """From now, every receive must make progress within the connection's timeout,
+        and the whole exchange end within ``seconds`` plus the time its bytes take at
+        ``MIN_RATE``: a server that trickles a reply cannot hold a call forever."""
+        self.deadline = time.monotonic() + seconds
 
     def close(self) -> None:
         try:
@@ -106,7 +118,7 @@ class Stream:
             raise Closed(f"{self.peer}: send failed: {exc}") from exc
 
     # -- reading ------------------------------------------------------------------------
-    def reply(self) -> Any:
+    def reply(self, depth: int = 0) -> Any:
         """One reply: str (status), int, bytes or None (bulk), list (array), or ReplyError."""
         line = self._line()
         kind, rest = line[:1], line[1:]
@@ -115,9 +127,12 @@ class Stream:
         if kind == b"-":
             return ReplyError(rest.decode(errors="replace"))
         if kind == b":":
-            return int(rest)
+            try:
+                return int(rest)
+            except ValueError:
+                raise Closed(f"{self.peer}: not an integer reply: {rest[:24]!r}") from None
         if kind == b"$":
-            n = int(rest)
+            n = _length(rest, MAX_VALUE, self.peer)
             if n < 0:
                 return None
             out = bytearray(n)
@@ -125,8 +140,10 @@ class Stream:
             self._skip(2)
             return bytes(out)
         if kind == b"*":
-            n = int(rest)
-            return None if n < 0 else [self.reply() for _ in range(n)]
+            if depth >= MAX_DEPTH:
+                raise Closed(f"{self.peer}: a reply nested deeper than {MAX_DEPTH}")
+            n = _length(rest, MAX_ITEMS, self.peer)
+            return None if n < 0 else [self.reply(depth + 1) for _ in range(n)]
         raise Closed(f"{self.peer}: not a RESP reply: {line[:40]!r}")
 
     def bulk_into(self, pool: BufferPool) -> tuple[Any, int, int | None] | ReplyError | None:
@@ -138,7 +155,7 @@ class Stream:
             return ReplyError(line[1:].decode(errors="replace"))
         if line[:1] != b"$":
             raise Closed(f"{self.peer}: expected a bulk reply, got {line[:40]!r}")
-        n = int(line[1:])
+        n = _length(line[1:], MAX_VALUE, self.peer)
         if n < 0:
             return None
         buf = pool.acquire(n)
@@ -162,12 +179,19 @@ class Stream:
         self.end += self._recv_into(self.view[self.end :])
 
     def _recv_into(self, dst: memoryview) -> int:
+        if self.deadline:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise Closed(f"{self.peer}: the reply came too slowly")
+            self.sock.settimeout(min(left, self.timeout) if self.timeout else left)
         try:
             n = self.sock.recv_into(dst)
         except OSError as exc:
             raise Closed(f"{self.peer}: receive failed: {exc}") from exc
         if n == 0:
             raise Closed(f"{self.peer}: connection closed by the server")
+        if self.deadline:
+            self.deadline += n / MIN_RATE
         return n
 
     def _line(self) -> bytes:
@@ -202,6 +226,17 @@ class Stream:
             step = min(n, self.end - self.start)
             self.start += step
             n -= step
+
+
+def _length(text: bytes, most: int, peer: str) -> int:
+    """A bulk or array length: -1 (null) to ``most``, or the stream makes no sense."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -2
+    if not -1 <= n <= most:
+        raise Closed(f"{peer}: a reply length of {text[:24]!r} is not one a Redis sends here")
+    return n
 
 
 def _small_parts_joined(parts: list) -> list:

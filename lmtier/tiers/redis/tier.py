@@ -29,7 +29,7 @@ from lmtier.errors import ConfigError, IntegrityError, TierError
 from lmtier.tiers.base import DEFAULT_PORTS, Tier, TierContext, TierURL, parse_bool
 from lmtier.tiers.options import TLS_OPTIONS, TlsFiles, positive_seconds, seconds
 from lmtier.tiers.redis.cluster import Router
-from lmtier.tiers.redis.conn import Node, Settings
+from lmtier.tiers.redis.conn import MAX_BACKOFF, Node, Settings
 from lmtier.tiers.redis.pipeline import Op, Pipeline
 from lmtier.tiers.redis.resp import MAX_VALUE, ReplyError, Stream, command, set_parts
 
@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 # 2.5-2.7 GB/s where a whole pipelined batch of 16-64 MiB gave 1.0-1.9.
 DEFAULT_PORT = DEFAULT_PORTS["redis"]
 READ_WINDOW_BYTES = 1 << 20
+# A cluster node that failed is tried again within this long: a master restarted, or a
+# host back on the network, serves again about when the cluster sees it (its node timeout).
+CLUSTER_MAX_BACKOFF = 2.0
 
 
 class RedisTier(Tier):
@@ -101,6 +104,7 @@ class RedisTier(Tier):
             db=db,
             tls=tls_files.ssl_context(name, verify=tls_verify) if tls_files.wanted else None,
             readonly=replica_reads,
+            max_backoff=CLUSTER_MAX_BACKOFF if cluster else MAX_BACKOFF,
             name=name,
         )
         self.name, self.cluster, self.pool, self.db, self.timeout = name, cluster, pool, db, timeout
@@ -115,7 +119,7 @@ class RedisTier(Tier):
         else:
             seeds = [Node(self.settings, host, port) for host, port in nodes]
         self.router = Router(self.settings, seeds, cluster, replica_reads)
-        threads = max(2, min(32, pool * max(1, len(nodes))))
+        threads = max(2, min(32, pool * max(len(nodes), len(self.router.nodes))))  # the masters found too
         self.pipeline = Pipeline(self.router, pool, threads, name)
 
     @classmethod
