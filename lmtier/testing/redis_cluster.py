@@ -34,7 +34,6 @@ from pathlib import Path
 from lmtier.errors import TierError
 from lmtier.testing import netns
 from lmtier.testing.redis_server import RedisServer
-from lmtier.tiers.redis.conn import Settings, connect
 
 PORT = 6379  # every host has an address of its own: the same port on each
 
@@ -119,6 +118,8 @@ class RedisCluster:
 
     def slot_ranges(self, node: RedisServer) -> list:
         """CLUSTER SLOTS as ``node`` answers it (lmtier's RESP: nested lists)."""
+        from lmtier.tiers.redis.conn import Settings, connect  # the tier's modules load only where used
+
         stream = connect(Settings(timeout=5, connect_timeout=2), node.host, node.port)
         try:
             answer = stream.call(b"CLUSTER", b"SLOTS")
