@@ -173,7 +173,7 @@ OPS_TIMEOUT = pytest.mark.timeout(1600)
 def ops(tmp_path_factory):
     out = tmp_path_factory.mktemp("ops") / "ops.json"
     run = subprocess.run(
-        [sys.executable, str(BENCH), "--redis-py", "--reads-seconds", "3", "--json-out", str(out)],
+        [sys.executable, str(BENCH), "--reads-seconds", "3", "--json-out", str(out)],  # redis-py beside: the page
         capture_output=True, text=True, timeout=1500, cwd=BENCH.parent,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -193,7 +193,8 @@ def test_the_operations_run_where_the_machine_allows_hosts_of_their_own(ops):
 @OPS_TIMEOUT
 @pytest.mark.parametrize("event", ["kill", "failover", "reshard", "add", "cut", "maxmemory"])
 def test_cluster_ops_under_load(ops, event):
-    """Each operation with clients saving and loading throughout: nothing wrong, ever;
+    """Each operation with clients saving and loading throughout (redis-py beside them on the
+    results page only): nothing wrong, ever;
     loads and saves went on; the hits came back to their level (for ``maxmemory``, the
     store keeps working at what fits); no thread or connection piles up."""
     found = next(e for e in ops["events"] if e["event"] == event)
