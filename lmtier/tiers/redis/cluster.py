@@ -106,7 +106,12 @@ class Router:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise TierError(f"a redirection to {address!r} is not host:port")
-        return Node(self.settings, host.strip("[]"), int(port)), False
+        return self._node(address), False
+
+    def _node(self, address: str) -> Node:
+        """A new node for a checked ``host:port``."""
+        host, _, port = address.rpartition(":")
+        return Node(self.settings, host.strip("[]"), int(port))
 
     def replicas_wanted(self) -> None:
         """With ``replica_reads``, while some slot has no replica that serves: learn the
@@ -196,8 +201,7 @@ class Router:
     def _named(self, address: str) -> Node:
         node = self.nodes.get(address)
         if node is None:
-            host, _, port = address.rpartition(":")
-            node = self.nodes[address] = Node(self.settings, host.strip("[]"), int(port))
+            node = self.nodes[address] = self._node(address)
         return node
 
     def _forget_unnamed(self) -> None:
