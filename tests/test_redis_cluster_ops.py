@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -69,10 +70,16 @@ def test_a_promoted_replica_serves_its_dead_masters_chunks_to_a_running_client(r
         tier.close()
 
 
-def test_keys_of_a_slot_being_moved_are_followed_with_asking(replicated):
+@pytest.mark.parametrize("endpoint", ["ip", "unknown-endpoint"])
+def test_keys_of_a_slot_being_moved_are_followed_with_asking(replicated, endpoint):
     """Mid-reshard a slot is MIGRATING on its master and IMPORTING on the next: a key
     already moved answers ASK, and is read (and a new one written) on the importing node
-    after ASKING; the keys not moved yet are read where they were."""
+    after ASKING; the keys not moved yet are read where they were. Once the slot is the
+    new node's, a client with the old map is answered MOVED and follows it. With
+    ``cluster-preferred-endpoint-type unknown-endpoint`` every redirection names a port
+    alone (``ASK 123 :7001``) and CLUSTER SLOTS a null host: the host that answered."""
+    for node in replicated.nodes:
+        assert node.call("CONFIG", "SET", "cluster-preferred-endpoint-type", endpoint) == "OK"
     tier = open_tier(replicated.url + "?prefix={ask}:")  # a hash tag: every key in one slot
     try:
         slot = tier.router._key_slot(tier._rkey(b"any"))
@@ -98,6 +105,16 @@ def test_keys_of_a_slot_being_moved_are_followed_with_asking(replicated):
         got = tier.get(new[0].keys)
         assert [c.tobytes() for c in got] == [new[0].chunk_bytes(0)]
         release_all(got)
+        answer = src.call("MIGRATE", host, port, tier._rkey(stays[0].keys[0]).decode(), "0", "5000")
+        assert answer == "OK"
+        for node in [dst, src] + [m for m in replicated.masters() if m not in (src, dst)]:
+            assert node.call("CLUSTER", "SETSLOT", str(slot), "NODE", dst_id) == "OK"
+        assert eventually(replicated.healthy)  # every node names the new owner
+        assert str(tier.router._slots[slot]) == src.address  # the client's map is the old one
+        got = tier.get(stays[0].keys)
+        assert [c.tobytes() for c in got] == [stays[0].chunk_bytes(0)]
+        release_all(got)
+        assert str(tier.router._slots[slot]) == dst.address  # and learnt again
     finally:
         tier.close()
 
@@ -138,6 +155,49 @@ def test_reads_from_replicas_when_configured(replicated):
         tier.close()
     with pytest.raises(Exception, match="replica_reads is for redis\\+cluster"):
         open_tier(f"redis://{replicated.nodes[0].address}?replica_reads=true")
+
+
+def test_a_reshards_many_map_changes_are_logged_in_a_few_lines(monkeypatch, caplog):
+    """A reshard moves slots one at a time, and every MOVED learns a new map: the first
+    change is logged at once, those that follow within ``CHANGES_LOGGED_EVERY_S`` in one
+    line when that time is up (with the masters then), each of them counted."""
+    from lmtier.tiers.redis import cluster as routing
+
+    now = [1000.0]  # the router's clock, moved by hand (the timer that sums runs on the real one)
+    monkeypatch.setattr(routing, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(routing, "CHANGES_LOGGED_EVERY_S", 0.3)
+    seed = routing.Node(routing.Settings(), "127.0.0.1", 1)
+    router = routing.Router(routing.Settings(name="reshard-log"), [seed], False)
+    router.cluster = True  # driven by hand below: no node is asked
+
+    def owner(first_to_b: int) -> list:  # slots below ``first_to_b`` on a, the rest on b
+        return [(0, first_to_b - 1, "127.0.0.1:7001", ()), (first_to_b, 16383, "127.0.0.1:7002", ())]
+
+    def counted() -> float:
+        sample = {"tier": "reshard-log"}
+        return metrics.REGISTRY.get_sample_value("lmtier_redis_slot_map_changes_total", sample) or 0
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "cluster's slot map" in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="lmtier.tiers.redis.cluster"):
+        router._adopt(owner(8192))  # the first map: nothing changed
+        for step in range(1, 31):  # 30 changes, a slot at a time
+            router._adopt(owner(8192 - step))
+        assert said() == [
+            "redis tier reshard-log: the cluster's slot map changed (1 slots to another master); masters now: "
+            "127.0.0.1:7001, 127.0.0.1:7002"
+        ]
+        assert counted() == 30
+        assert eventually(lambda: len(said()) == 2, 10)
+        assert "29 more changes of the cluster's slot map (29 slots to another master in all)" in said()[1]
+        now[0] += 1  # a quiet while: the next change is one line, at once
+        router._adopt(owner(100))
+        router._adopt(owner(99))
+        router.close()  # what is left unsaid is said as the router closes
+    assert len(said()) == 4 and "(8062 slots to another master)" in said()[2]
+    assert "1 more changes of the cluster's slot map (1 slots" in said()[3]
+    assert counted() == 32
 
 
 def test_the_slot_map_is_learnt_on_the_clusters_word_not_polled(replicated):

@@ -130,8 +130,14 @@ class RedisCluster:
         return answer
 
     def slot_owners(self, node: RedisServer) -> frozenset[tuple[int, int, str]]:
-        """(first slot, last slot, master's address) of each range, as ``node`` sees them."""
-        return frozenset((r[0], r[1], f"{r[2][0].decode()}:{r[2][1]}") for r in self.slot_ranges(node))
+        """(first slot, last slot, master's address) of each range, as ``node`` sees them
+        (a null or ``?`` host, with ``cluster-preferred-endpoint-type unknown-endpoint``,
+        is ``node``'s own)."""
+
+        def host(named: bytes | None) -> str:
+            return named.decode() if named and named != b"?" else node.host
+
+        return frozenset((r[0], r[1], f"{host(r[2][0])}:{r[2][1]}") for r in self.slot_ranges(node))
 
     def healthy(self) -> bool:
         """Every reachable node says the cluster is ok, and all of them name the same

@@ -18,9 +18,11 @@ A cluster's slot map is learnt at start from any seed that answers, and again on
 cluster's word: a reply that says MOVED (``lmtier.tiers.redis.pipeline``), or a connection
 to a node that fails (its master may be gone and a replica promoted: nothing else would
 say so, since the dead node answers nothing). Nothing polls it. A map that differs from
-the one before is counted (``lmtier_redis_slot_map_changes_total``) and logged once; nodes
-it no longer names are closed, so that a fleet whose cluster changes often keeps no
-connections to nodes long gone.
+the one before is counted (``lmtier_redis_slot_map_changes_total``) and logged: the first
+change at once, the changes that follow within ``CHANGES_LOGGED_EVERY_S`` of it (a reshard
+moves its slots one at a time: a refresh on every MOVED sees a new map) in one line when
+that time is up, with the masters then. Nodes the map no longer names are closed, so that
+a fleet whose cluster changes often keeps no connections to nodes long gone.
 
 With ``replica_reads``, EXISTS and GET go to a replica of the slot's master (one that is
 not backing off; the master when there is none), over connections that said READONLY.
@@ -35,6 +37,7 @@ a key is redis-py's ``key_slot``: what redis-py does well is not redone here.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -53,6 +56,7 @@ REFRESH_AFTER_FAILURE_S = 0.25  # a failing node asks for the map at most this o
 REFRESH_TRIES = 5  # nodes asked for the map in one refresh at most
 REFRESH_AT_MOST_S = 1.0  # ... and while they learn nothing new, the wait doubles up to this
 REPLICAS_EVERY_S = 5.0  # replica_reads: the map asked for this often while a slot lacks a replica
+CHANGES_LOGGED_EVERY_S = 10.0  # changes of the map after a logged one: summed in one line this often
 
 
 class Router:
@@ -69,6 +73,9 @@ class Router:
         self._refresh_every = REFRESH_AFTER_FAILURE_S  # doubles while refreshes learn nothing new
         self._without_replica = False  # replica_reads, and a slot has no replica that serves
         self._quiet = QuietWarning(log)
+        self._said_at = float("-inf")  # when a change of the map was last logged
+        self._unsaid = [0, 0]  # changes (and slots moved) since, not logged yet
+        self._summary: tuple[int, threading.Timer] | None = None  # (pid, the timer that will log them)
         if cluster:
             try:
                 from redis.crc import key_slot
@@ -190,13 +197,39 @@ class Router:
         self.generation += 1
         if before and before != slots:
             self._refresh_every = REFRESH_AFTER_FAILURE_S
-            moved = sum(a is not b for a, b in zip(before, slots, strict=True))
             metrics.SLOT_MAP_CHANGES.labels(self.settings.name).inc()
-            log.info("redis tier %s: the cluster's slot map changed (%d slots to another master); masters now: %s",
-                     self.settings.name, moved, ", ".join(self.masters()))  # fmt: skip
+            self._said(sum(a is not b for a, b in zip(before, slots, strict=True)))
         else:
             self._refresh_every = min(REFRESH_AT_MOST_S, 2 * self._refresh_every)
         self._forget_unnamed()
+
+    def _said(self, moved: int) -> None:
+        """Log a change of the map (``moved`` slots to another master): at once when none
+        was logged in the last ``CHANGES_LOGGED_EVERY_S``, else summed with those that
+        follow into one line when that time is up."""
+        now = time.monotonic()
+        if now - self._said_at >= CHANGES_LOGGED_EVERY_S:
+            self._said_at = now
+            log.info("redis tier %s: the cluster's slot map changed (%d slots to another master); masters now: %s",
+                     self.settings.name, moved, ", ".join(self.masters()))  # fmt: skip
+            return
+        self._unsaid[0] += 1
+        self._unsaid[1] += moved
+        if self._summary is None or self._summary[0] != os.getpid():  # a timer does not survive fork
+            timer = threading.Timer(self._said_at + CHANGES_LOGGED_EVERY_S - now, self._say_the_rest)
+            timer.daemon = True
+            self._summary = (os.getpid(), timer)
+            timer.start()
+
+    def _say_the_rest(self) -> None:
+        with self._refreshing:
+            changes, moved = self._unsaid
+            self._unsaid = [0, 0]
+            self._summary = None
+            self._said_at = time.monotonic()
+        if changes:
+            log.info("redis tier %s: %d more changes of the cluster's slot map (%d slots to another master in all);"
+                     " masters now: %s", self.settings.name, changes, moved, ", ".join(self.masters()))  # fmt: skip
 
     def _named(self, address: str) -> Node:
         node = self.nodes.get(address)
@@ -223,6 +256,9 @@ class Router:
         return all(node.down() for node in {id(n): n for n in self._slots}.values())
 
     def close(self) -> None:
+        if self._summary is not None and self._summary[0] == os.getpid():
+            self._summary[1].cancel()
+            self._say_the_rest()
         for node in list(self.nodes.values()):
             node.close()
 

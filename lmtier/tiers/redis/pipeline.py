@@ -77,6 +77,7 @@ class Replies(list):
         super().__init__([None] * n)
         self.op = op
         self.moved = False
+        self.via: list[Node | None] = [None] * n  # the node each position was sent to
         self.failure: TierError | None = None  # set when the tier as a whole is down
 
     def raise_if_down(self) -> None:
@@ -151,12 +152,13 @@ class Pipeline:
 
     def _fill(self, replies: Replies, jobs: list[Job]) -> list[TierError]:
         failed: list[TierError] = []
-        for (_, part, _), result in zip(jobs, self._run_all(jobs), strict=True):
+        for (node, part, _), result in zip(jobs, self._run_all(jobs), strict=True):
             if isinstance(result, TierError):
                 failed.append(result)
                 result = [result] * len(part)
             for i, reply in zip(part, result, strict=True):
                 replies[i] = reply
+                replies.via[i] = node
         return failed
 
     def _after_failure(self, rkeys: Sequence[bytes], op: Op, replies: Replies, seen: int) -> None:
@@ -176,13 +178,19 @@ class Pipeline:
         """Send each redirected key once more, to the node its reply names: after MOVED
         (the slot has a new master: the map is learnt again for the next batches) as is,
         after ASK (the slot is being moved, and the key is on the other side already)
-        after ASKING. A key redirected again is left as its reply says (a miss, a drop)."""
+        after ASKING. A key redirected again is left as its reply says (a miss, a drop). A
+        reply that names a port alone (``MOVED 3999 :6381``: Redis 7's
+        ``cluster-preferred-endpoint-type unknown-endpoint``) means that port on the host
+        that answered."""
         targets: dict[tuple[str, bool], list[int]] = {}
         for i, reply in enumerate(replies):
             if isinstance(reply, ReplyError) and reply.redirect:
                 parts = str(reply).split()
                 if len(parts) == 3 and parts[0] in ("MOVED", "ASK") and ":" in parts[2]:
-                    targets.setdefault((parts[2], parts[0] == "ASK"), []).append(i)
+                    where, asked = parts[2], replies.via[i]
+                    if where.startswith(":") and asked is not None:
+                        where = f"{asked.host}{where}"
+                    targets.setdefault((where, parts[0] == "ASK"), []).append(i)
         if not targets:
             return
         replies.moved = True
