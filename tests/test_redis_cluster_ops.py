@@ -200,6 +200,80 @@ def test_a_reshards_many_map_changes_are_logged_in_a_few_lines(monkeypatch, capl
     assert counted() == 32
 
 
+def test_redirections_and_slot_maps_name_nodes_only_as_redis_does():
+    """What a reply names is believed only as Redis means it: a port alone is on the host
+    that answered (an IPv6 address that begins with ``::`` is not a port alone); a port
+    of other digits than ASCII, a host that is no string, is refused as that node's
+    failure, never an exception out of the tier; a bracketed IPv6 host is the node of the
+    same name unbracketed (a map that names it so changes nothing)."""
+    from lmtier.errors import TierError
+    from lmtier.tiers.redis import cluster as routing
+    from lmtier.tiers.redis.pipeline import redirection
+    from lmtier.tiers.redis.resp import ReplyError
+
+    v4, v6 = routing.Node(routing.Settings(), "10.0.0.5", 7001), routing.Node(routing.Settings(), "::1", 7001)
+    assert redirection(ReplyError("MOVED 3999 :7002"), v4) == ("10.0.0.5:7002", False)
+    assert redirection(ReplyError("ASK 3999 :7002"), v6) == ("::1:7002", True)
+    assert redirection(ReplyError("MOVED 3999 ::1:7002"), v4) == ("::1:7002", False)
+    assert redirection(ReplyError("MOVED 3999 ::ffff:10.0.0.6:7002"), v6) == ("::ffff:10.0.0.6:7002", False)
+    assert redirection(ReplyError("MOVED 3999 10.0.0.6:7002"), v6) == ("10.0.0.6:7002", False)
+    assert redirection(ReplyError("MOVED 3999"), v4) is None and redirection(b"value", v4) is None
+
+    router = routing.Router(routing.Settings(), [v4], False)
+    for bad in ("10.0.0.5:\u00b2", "10.0.0.5:\u2460", "10.0.0.5:0", "10.0.0.5:70000", ":7002", "10.0.0.5:"):
+        with pytest.raises(TierError):
+            router.node_at(bad)
+    assert list(router.nodes) == ["10.0.0.5:7001"]
+    assert routing._address(v6, b"[::2]", 7003) == "::2:7003"
+    assert routing._address(v6, None, 7003) == routing._address(v6, b"?", 7003) == "::1:7003"
+    for host, port in ((5, 7003), ([b"x"], 7003), (b"[]", 7003), (b"h", "7003"), (b"h", 0)):
+        with pytest.raises(TierError):
+            routing._address(v4, host, port)
+
+
+def test_a_routers_locks_and_unlogged_changes_are_its_own_process(monkeypatch, caplog):
+    """Forked while another thread refreshes, the child's router refreshes on locks of its
+    own (the parent's may be held by a thread the child does not have), and logs none of
+    the parent's changes. ``close`` says what is left without waiting for a refresh."""
+    import os
+    import threading
+
+    from lmtier.errors import RetryableError
+    from lmtier.tiers.redis import cluster as routing
+
+    monkeypatch.setattr(routing, "CHANGES_LOGGED_EVERY_S", 3600.0)
+    dead = routing.Node(routing.Settings(connect_timeout=0.2, timeout=0.2), "127.0.0.1", 1)
+    router = routing.Router(routing.Settings(name="forked"), [dead], False)
+    router.cluster = True
+    ranges = [[(0, 16383, "127.0.0.1:7001", ())], [(0, 16383, "127.0.0.1:7002", ())]]
+    for i in range(3):  # the first map, one change logged, one held back for the summary
+        router._adopt(ranges[i % 2])
+    assert router._unsaid == [1, 16384]
+    router._refreshing.acquire()  # a refresh in flight in another thread
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: a refresh of its own fails fast (no node answers), unsaid is empty
+            code = 1
+            try:
+                try:
+                    router.refresh("connection")
+                except RetryableError:
+                    code = 0 if router._unsaid == [0, 0] and router._summary is None else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        with caplog.at_level(logging.INFO, logger="lmtier.tiers.redis.cluster"):
+            closing = threading.Thread(target=router.close)
+            closing.start()
+            closing.join(30)
+            assert not closing.is_alive()  # it did not wait for the refresh
+    finally:
+        router._refreshing.release()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "1 more changes of the cluster's slot map (16384 slots" in said[0]
+
+
 def test_the_slot_map_is_learnt_on_the_clusters_word_not_polled(replicated):
     """In steady state no call asks for the slot map (CLUSTER SLOTS or NODES): only a
     MOVED or a failed node does."""

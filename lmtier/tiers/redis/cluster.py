@@ -68,14 +68,13 @@ class Router:
         self._slots: list[Node] = []
         self._replicas: list[tuple[Node, ...]] = []
         self.generation = 0
-        self._refreshing = threading.Lock()
         self._refreshed_at = 0.0
         self._refresh_every = REFRESH_AFTER_FAILURE_S  # doubles while refreshes learn nothing new
         self._without_replica = False  # replica_reads, and a slot has no replica that serves
         self._quiet = QuietWarning(log)
         self._said_at = float("-inf")  # when a change of the map was last logged
-        self._unsaid = [0, 0]  # changes (and slots moved) since, not logged yet
-        self._summary: tuple[int, threading.Timer] | None = None  # (pid, the timer that will log them)
+        self._closed = False
+        self._fresh()
         if cluster:
             try:
                 from redis.crc import key_slot
@@ -83,6 +82,16 @@ class Router:
                 raise MissingDependency("redis", "redis") from exc
             self._key_slot = key_slot
             self.refresh("start")
+
+    def _fresh(self) -> None:
+        """Locks and the changes not logged yet, of this process: after ``fork`` a lock may
+        be held by a thread that does not exist here, and the parent's changes are the
+        parent's to log."""
+        self._refreshing = threading.Lock()  # one refresh at a time
+        self._saying = threading.Lock()  # the changes not logged yet (never held across a call)
+        self._unsaid = [0, 0]  # changes (and slots moved) since the last line, not logged yet
+        self._summary: threading.Timer | None = None  # the timer that will log them
+        self._pid = os.getpid()
 
     def node_for(self, rkey: bytes, read: bool = False) -> Node:
         if not self.cluster:
@@ -111,7 +120,7 @@ class Router:
         if node is not None:
             return node, True
         host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise TierError(f"a redirection to {address!r} is not host:port")
         return self._node(address), False
 
@@ -148,6 +157,8 @@ class Router:
         acted on; when another thread learnt a newer one meanwhile, that one stands. A node
         that is not a cluster node, or refuses the credentials, is a ``ConfigError``; a
         cluster that is not ready yet (LOADING, CLUSTERDOWN ...) or unreachable is retryable."""
+        if self._pid != os.getpid():
+            self._fresh()
         with self._refreshing:
             if seen is not None and seen != self.generation:
                 return
@@ -208,21 +219,21 @@ class Router:
         was logged in the last ``CHANGES_LOGGED_EVERY_S``, else summed with those that
         follow into one line when that time is up."""
         now = time.monotonic()
-        if now - self._said_at >= CHANGES_LOGGED_EVERY_S:
+        with self._saying:
+            if now - self._said_at < CHANGES_LOGGED_EVERY_S or self._closed:
+                self._unsaid[0] += 1
+                self._unsaid[1] += moved
+                if self._summary is None and not self._closed:
+                    self._summary = threading.Timer(self._said_at + CHANGES_LOGGED_EVERY_S - now, self._say_the_rest)
+                    self._summary.daemon = True
+                    self._summary.start()
+                return
             self._said_at = now
-            log.info("redis tier %s: the cluster's slot map changed (%d slots to another master); masters now: %s",
-                     self.settings.name, moved, ", ".join(self.masters()))  # fmt: skip
-            return
-        self._unsaid[0] += 1
-        self._unsaid[1] += moved
-        if self._summary is None or self._summary[0] != os.getpid():  # a timer does not survive fork
-            timer = threading.Timer(self._said_at + CHANGES_LOGGED_EVERY_S - now, self._say_the_rest)
-            timer.daemon = True
-            self._summary = (os.getpid(), timer)
-            timer.start()
+        log.info("redis tier %s: the cluster's slot map changed (%d slots to another master); masters now: %s",
+                 self.settings.name, moved, ", ".join(self.masters()))  # fmt: skip
 
     def _say_the_rest(self) -> None:
-        with self._refreshing:
+        with self._saying:
             changes, moved = self._unsaid
             self._unsaid = [0, 0]
             self._summary = None
@@ -256,9 +267,14 @@ class Router:
         return all(node.down() for node in {id(n): n for n in self._slots}.values())
 
     def close(self) -> None:
-        if self._summary is not None and self._summary[0] == os.getpid():
-            self._summary[1].cancel()
-            self._say_the_rest()
+        if self._pid != os.getpid():
+            self._fresh()
+        with self._saying:
+            self._closed = True  # a refresh still in flight counts its change, and starts no timer
+            timer = self._summary
+        if timer is not None:
+            timer.cancel()
+        self._say_the_rest()
         for node in list(self.nodes.values()):
             node.close()
 
@@ -268,9 +284,11 @@ def _address(asked: Node, host: object, port: object) -> str:
     ``cluster-preferred-endpoint-type unknown-endpoint``) is the node that answered."""
     if isinstance(host, bytes):
         host = host.decode(errors="replace")
-    if not isinstance(host, str) or host in ("", "?"):
+    if host is None or host in ("", "?"):
         host = asked.host
-    if not isinstance(port, int) or not 0 < port < 65536 or not host:
+    if isinstance(host, str):
+        host = host.strip("[]")  # an IPv6 address may come bracketed: a node's name never is
+    if not (isinstance(host, str) and host and isinstance(port, int) and 0 < port < 65536):
         raise TierError(f"{asked}: a node named at {host!r}:{port!r}")
     return f"{host}:{port}"
 

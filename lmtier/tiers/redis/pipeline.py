@@ -118,6 +118,20 @@ def exchange(stream: Stream, part: list[int], op: Op) -> list[Any]:
     return replies
 
 
+def redirection(reply: Any, asked: Node | None) -> tuple[str, bool] | None:
+    """Where a ``MOVED``/``ASK`` reply sends its key, and whether after ``ASKING``; None for
+    any other reply. A port alone (``:7002``, not ``::1:7002``) is on ``asked``'s host."""
+    if not (isinstance(reply, ReplyError) and reply.redirect):
+        return None
+    parts = str(reply).split()
+    if len(parts) != 3 or parts[0] not in ("MOVED", "ASK") or ":" not in parts[2]:
+        return None
+    where = parts[2]
+    if asked is not None and where.startswith(":") and where.count(":") == 1:
+        where = f"{asked.host}{where}"
+    return where, parts[0] == "ASK"
+
+
 class Pipeline:
     def __init__(self, router: Router, pool: int, threads: int, name: str) -> None:
         self.router, self.pool, self.max_threads, self.name = router, pool, threads, name
@@ -184,13 +198,9 @@ class Pipeline:
         that answered."""
         targets: dict[tuple[str, bool], list[int]] = {}
         for i, reply in enumerate(replies):
-            if isinstance(reply, ReplyError) and reply.redirect:
-                parts = str(reply).split()
-                if len(parts) == 3 and parts[0] in ("MOVED", "ASK") and ":" in parts[2]:
-                    where, asked = parts[2], replies.via[i]
-                    if where.startswith(":") and asked is not None:
-                        where = f"{asked.host}{where}"
-                    targets.setdefault((where, parts[0] == "ASK"), []).append(i)
+            target = redirection(reply, replies.via[i])
+            if target is not None:
+                targets.setdefault(target, []).append(i)
         if not targets:
             return
         replies.moved = True
