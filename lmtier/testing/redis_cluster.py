@@ -157,11 +157,26 @@ class RedisCluster:
         return covered == 16384 and {owner for _, _, owner in ranges} <= {n.address for n in live}
 
     def in_sync(self) -> bool:
-        """Every live replica is connected to its master and has caught up."""
+        """Every live replica is connected to its master and not copying it afresh."""
         for n in self.replicas():
             info = n.call("INFO", "replication", timeout=5)
             if "master_link_status:up" not in info or "master_sync_in_progress:1" in info:
                 return False
+        return True
+
+    def caught_up(self) -> bool:
+        """``in_sync``, and every replica has acknowledged every byte its master has written
+        (replication is asynchronous: a master killed before would take writes its replica
+        never saw). For a cluster at rest: a replica acknowledges once a second."""
+        if not self.in_sync():
+            return False
+        for n in self.masters():
+            info = n.call("INFO", "replication", timeout=5)
+            fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+            for i in range(int(fields.get("connected_slaves", "0"))):
+                copy = dict(kv.split("=", 1) for kv in fields.get(f"slave{i}", "").split(",") if "=" in kv)
+                if copy.get("state") != "online" or copy.get("offset") != fields.get("master_repl_offset"):
+                    return False
         return True
 
     def wait_healthy(self, timeout: float = 60) -> float:
