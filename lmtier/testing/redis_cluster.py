@@ -134,10 +134,9 @@ class RedisCluster:
         (a null or ``?`` host, with ``cluster-preferred-endpoint-type unknown-endpoint``,
         is ``node``'s own)."""
 
-        def host(named: bytes | None) -> str:
-            return named.decode() if named and named != b"?" else node.host
+        from lmtier.tiers.redis.cluster import _address  # the client's own reading of a node's name
 
-        return frozenset((r[0], r[1], f"{host(r[2][0])}:{r[2][1]}") for r in self.slot_ranges(node))
+        return frozenset((r[0], r[1], _address(node, r[2][0], r[2][1])) for r in self.slot_ranges(node))
 
     def healthy(self) -> bool:
         """Every reachable node says the cluster is ok, and all of them name the same

@@ -77,7 +77,7 @@ class Replies(list):
         super().__init__([None] * n)
         self.op = op
         self.moved = False
-        self.via: list[Node | None] = [None] * n  # the node each position was sent to
+        self.via: dict[int, Node] = {}  # the node that answered each ReplyError (a redirection names it)
         self.failure: TierError | None = None  # set when the tier as a whole is down
 
     def raise_if_down(self) -> None:
@@ -172,7 +172,8 @@ class Pipeline:
                 result = [result] * len(part)
             for i, reply in zip(part, result, strict=True):
                 replies[i] = reply
-                replies.via[i] = node
+                if isinstance(reply, ReplyError):
+                    replies.via[i] = node
         return failed
 
     def _after_failure(self, rkeys: Sequence[bytes], op: Op, replies: Replies, seen: int) -> None:
@@ -198,7 +199,7 @@ class Pipeline:
         that answered."""
         targets: dict[tuple[str, bool], list[int]] = {}
         for i, reply in enumerate(replies):
-            target = redirection(reply, replies.via[i])
+            target = redirection(reply, replies.via.get(i))
             if target is not None:
                 targets.setdefault(target, []).append(i)
         if not targets:
