@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from lmtier import metrics
-from lmtier.layout import KVLayout
+from lmtier.kv.layout import KVLayout
 from lmtier.testing.redis_cluster import RedisCluster
 from lmtier.testing.redis_server import die_with_parent
 

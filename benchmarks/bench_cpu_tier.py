@@ -24,9 +24,9 @@ import sys
 import numpy as np
 
 from lmtier.api import open_store
-from lmtier.chunk import Chunk, release_all
-from lmtier.keys import Namespace
-from lmtier.layout import KVLayout
+from lmtier.kv.chunk import Chunk, release_all
+from lmtier.kv.keys import Namespace
+from lmtier.kv.layout import KVLayout
 from lmtier.tiers.base import TierContext
 from lmtier.tiers.cpu import CpuTier
 

@@ -43,9 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lmtier import codec
-from lmtier.chunk import Chunk, release_all
-from lmtier.layout import KVLayout
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk, release_all
+from lmtier.kv.layout import KVLayout
 from lmtier.tiers.disk import DiskTier, space
 
 from common import emit

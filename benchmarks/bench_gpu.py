@@ -48,9 +48,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lmtier.layout import KVLayout
+from lmtier.engine.transfer import CopyEngine
+from lmtier.kv.layout import KVLayout
 from lmtier.testing.layouts import paged_layers
-from lmtier.transfer import CopyEngine
 
 GiB = 1 << 30
 

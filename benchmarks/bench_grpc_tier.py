@@ -13,7 +13,7 @@ and a ``redis-server``; then for each chunk size moves the same chunks through:
 - ``redis``: the redis:// tier on the same host.
 
 and, apart from any server, the messages themselves: the ``Pieces`` messages of those
-chunks, as the tier sends them, written and parsed by ``lmtier.pieces`` (by hand, views
+chunks, as the tier sends them, written and parsed by ``lmtier.transport.pieces`` (by hand, views
 instead of copies) and by the generated protobuf classes (``cache_pb2``,
 ``SerializeToString`` after joining the frame into the ``data`` field, ``FromString`` and
 reading ``data``), on the same bytes: the hand-written codec must earn its place.
@@ -49,13 +49,13 @@ import grpc
 import numpy as np
 import xxhash
 
-from lmtier import codec
-from lmtier.chunk import Chunk, release_all
-from lmtier.layout import KVLayout
-from lmtier.pieces import PIECE_BYTES, pack, piece, split, unpack
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk, release_all
+from lmtier.kv.layout import KVLayout
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.redis_server import RedisServer, free_port
 from lmtier.tiers.base import TierContext, open_tier
+from lmtier.transport.pieces import PIECE_BYTES, pack, piece, split, unpack
 from lmtier.v1 import cache_pb2
 
 from common import chunks_of, emit, timed
@@ -116,7 +116,7 @@ class Echo:
 
 # -- measuring --------------------------------------------------------------------------------
 def measure_pieces(size_mib: float, chunks: list[Chunk], rounds: int) -> dict:
-    """``lmtier.pieces`` against the generated classes, writing and parsing the ``Pieces``
+    """``lmtier.transport.pieces`` against the generated classes, writing and parsing the ``Pieces``
     messages of ``chunks`` (a frame per message, cut at ``PIECE_BYTES`` as the tier cuts it)."""
     pieces = []  # (key, frame size, offset, views) per message
     for chunk in chunks:
@@ -134,7 +134,7 @@ def measure_pieces(size_mib: float, chunks: list[Chunk], rounds: int) -> dict:
 
     messages = [ours(*p) for p in pieces]
     if messages != [protobuf(*p) for p in pieces]:
-        raise RuntimeError("lmtier.pieces and cache_pb2 wrote different bytes")
+        raise RuntimeError("lmtier.transport.pieces and cache_pb2 wrote different bytes")
     nbytes = sum(len(m) for m in messages)
 
     def ours_write() -> None:  # each message dropped once written, as the tier sends it
@@ -340,7 +340,7 @@ def table(report: dict) -> str:
         )
     lines += [
         "",
-        "| chunk | message | op | lmtier.pieces GB/s | protobuf GB/s | pieces / protobuf |",
+        "| chunk | message | op | lmtier.transport.pieces GB/s | protobuf GB/s | pieces / protobuf |",
         "|---:|---:|---|---:|---:|---:|",
     ]
     for r in report["pieces"]:

@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from lmtier.chunk import release_all
+from lmtier.kv.chunk import release_all
 from lmtier.testing.netns import HostPair, unavailable
 from lmtier.tiers.base import TierContext, open_tier
 

@@ -222,7 +222,7 @@ def lmcache_config(url: str, role: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from lmtier.layout import KVLayout
+    from lmtier.kv.layout import KVLayout
     from lmtier.testing.cache_server import ServerProcess
     from lmtier.testing.engine import run_engine
     from lmtier.testing.redis_server import RedisServer

@@ -35,9 +35,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from lmtier import codec
-from lmtier.chunk import release_all
-from lmtier.layout import KVLayout
+from lmtier.kv import codec
+from lmtier.kv.chunk import release_all
+from lmtier.kv.layout import KVLayout
 from lmtier.testing.redis_server import RedisServer
 from lmtier.tiers.base import TierContext, open_tier
 from lmtier.tiers.redis.pipeline import spread

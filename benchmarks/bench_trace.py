@@ -12,7 +12,7 @@ case where every write is waste); ``system_prompts`` (a few shared system prompt
 popular, in front of unique tails); ``conversations`` (multi-turn chats whose next turn
 extends the whole previous prompt, after a think time of minutes).
 
-The simulated store drives ``lmtier.admission.SavePolicy`` itself (not a copy of its
+The simulated store drives ``lmtier.store.admission.SavePolicy`` itself (not a copy of its
 logic) through the calls an engine integration makes: ``seen`` at lookup,
 ``admit_first`` at save, ``admit_lower`` at save (write-through) or when memory lets a
 chunk go (write-back). Memory is LRU with each prompt's head most recent (a prefix loses
@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from lmtier.admission import SavePolicy
+from lmtier.store.admission import SavePolicy
 
 from common import emit
 
@@ -63,7 +63,7 @@ Request = tuple[list[bytes], int]  # (keys of the prompt's full chunks, prompt t
 
 # -- workloads ------------------------------------------------------------------------
 def _chain(ids: Sequence[int], salt: bytes = b"") -> list[bytes]:
-    """Chained keys, as lmtier.keys makes them: key i names chunk i and all before it."""
+    """Chained keys, as lmtier.kv.keys makes them: key i names chunk i and all before it."""
     keys, key = [], salt
     for i in ids:
         key = xxhash.xxh3_128_digest(key + int(i).to_bytes(8, "little"))

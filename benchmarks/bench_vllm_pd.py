@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmtier.layout import KVLayout
+from lmtier.kv.layout import KVLayout
 from lmtier.testing.engine import compare_answers, run_engine
 from lmtier.testing.redis_server import RedisServer
 from lmtier.testing.tinymodel import build
@@ -157,8 +157,8 @@ def run(lengths: list[int], docs: int, layers: int, hidden: int, kv_heads: int, 
 def write_seconds(layout: KVLayout, tokens: int, url: str) -> float:
     """What a hold can cost at most for a prompt of ``tokens``: writing its KV, in chunks,
     to memory and Redis as a producer does (``TieredStore.put_all``), best of three."""
-    from lmtier.chunk import Chunk
-    from lmtier.store import TieredStore
+    from lmtier.kv.chunk import Chunk
+    from lmtier.store.tiered import TieredStore
 
     from common import best
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmtier.layout import KVLayout
+from lmtier.kv.layout import KVLayout
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.engine import run_engine
 from lmtier.testing.redis_server import RedisServer

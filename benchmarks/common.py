@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lmtier.chunk import Chunk
-from lmtier.layout import KVLayout
+from lmtier.kv.chunk import Chunk
+from lmtier.kv.layout import KVLayout
 
 
 def chunks_of(layout: KVLayout, size: int, count: int, seed: int) -> list[Chunk]:

@@ -51,8 +51,8 @@ RATE = 200  # Alice's calls per second
 def chunks(seed: int, count: int):
     import numpy as np
 
-    from lmtier.chunk import Chunk
-    from lmtier.layout import KVLayout
+    from lmtier.kv.chunk import Chunk
+    from lmtier.kv.layout import KVLayout
 
     layout = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype="float16")  # 2 KiB per token
     rng = np.random.default_rng(seed)
@@ -61,8 +61,8 @@ def chunks(seed: int, count: int):
 
 
 def put_messages(batch) -> list[bytes]:
-    from lmtier import codec
-    from lmtier.pieces import pack, piece
+    from lmtier.kv import codec
+    from lmtier.transport.pieces import pack, piece
 
     return [pack(piece(c.key, len(f), data=[f])) for c in batch for f in [codec.encode(c)]]
 
@@ -80,8 +80,8 @@ def attack(address: str, duration: float, which: tuple[str, ...] = ATTACKS) -> N
     import msgpack
     import xxhash
 
-    from lmtier import codec
-    from lmtier.pieces import pack, piece
+    from lmtier.kv import codec
+    from lmtier.transport.pieces import pack, piece
     from lmtier.v1 import cache_pb2
 
     stop = time.monotonic() + duration

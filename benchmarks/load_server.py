@@ -51,13 +51,13 @@ TOKENS = ("load-test-tenant-a-0123456789", "load-test-tenant-b-0123456789")
 
 
 def layout():
-    from lmtier.layout import KVLayout
+    from lmtier.kv.layout import KVLayout
 
     return KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype="float16")  # 4 KiB per token
 
 
 def namespace():
-    from lmtier.keys import Namespace
+    from lmtier.kv.keys import Namespace
 
     return Namespace(model="load-test", layout=layout(), chunk_tokens=32)  # 128 KiB chunks
 
@@ -72,10 +72,10 @@ def kv_of(key: bytes, shape) -> np.ndarray:
 def client(address: str, index: int, duration: float, shm: bool, tenants: int = 2) -> dict:
     import grpc
 
-    from lmtier.chunk import Chunk, release_all
     from lmtier.errors import IntegrityError, TierError
-    from lmtier.pieces import pack, piece
+    from lmtier.kv.chunk import Chunk, release_all
     from lmtier.tiers.base import open_tier
+    from lmtier.transport.pieces import pack, piece
     from lmtier.v1 import cache_pb2
 
     ns = namespace()

@@ -1,7 +1,7 @@
 """Engine adapters, importable as ``lmtier.connectors.*``.
 
 Each adapter is a thin layer over the engine-neutral core (``lmtier.store``,
-``lmtier.keys``, ``lmtier.transfer``): it translates the engine's calls and block tables,
+``lmtier.kv.keys``, ``lmtier.engine.transfer``): it translates the engine's calls and block tables,
 and holds no caching policy of its own.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from lmtier.keys import Namespace
+from lmtier.kv.keys import Namespace
 from lmtier.tiers.base import redact_url
 
 

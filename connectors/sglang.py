@@ -30,7 +30,7 @@ canonical layout (``[layers, K/V, tokens, kv_heads, head_dim]``, MLA ``[layers, 
 latent]``), so a page written from one host layout (layer-first, page-first,
 page-first-direct, page-head) reads back into any other. Keys: SGLang addresses pages by
 its own chained page hashes and never hands a backend token ids, so a page's key is
-``H(namespace || SGLang's page hash)`` (``lmtier.keys.named_keys``), where the namespace
+``H(namespace || SGLang's page hash)`` (``lmtier.kv.keys.named_keys``), where the namespace
 holds the model, the layout, the page size, the tensor-parallel rank and size (MHA: each
 rank stores its slice of the KV heads; MLA: one latent replicated on every rank, so rank 0
 writes and every rank reads), the pipeline stage and the salt.
@@ -63,13 +63,13 @@ import numpy as np
 import torch
 
 from lmtier import metrics
-from lmtier.chunk import Chunk, release_all
 from lmtier.config import StoreConfig, engine_config, engine_keys
 from lmtier.connectors import announce
 from lmtier.errors import ConfigError, LayoutError
-from lmtier.keys import Namespace, named_keys
-from lmtier.layout import KVLayout, canonical_dtype
-from lmtier.store import TieredStore, deadline_after, load_batch
+from lmtier.kv.chunk import Chunk, release_all
+from lmtier.kv.keys import Namespace, named_keys
+from lmtier.kv.layout import KVLayout, canonical_dtype
+from lmtier.store.tiered import TieredStore, deadline_after, load_batch
 from lmtier.tiers.base import TierContext
 
 try:

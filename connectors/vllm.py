@@ -8,7 +8,7 @@
 
 Extra-config keys (all optional): ``tiers``, ``chunk_tokens``, ``hash``, ``salt``,
 ``write_queue``, ``write_mode``, ``save_policy``, ``min_tokens`` (which chunks are
-stored where: ``lmtier.admission``), ``metrics_port`` (Prometheus ``/metrics`` from the
+stored where: ``lmtier.store.admission``), ``metrics_port`` (Prometheus ``/metrics`` from the
 engine's processes: the scheduler on this port, worker rank r on ``port + 1 + r``),
 ``load_deadline`` (seconds a step's loads may take; the rest is recomputed),
 ``layer_loads`` (GPU: copy loads layer by layer beside the forward pass),
@@ -55,7 +55,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmtier import metrics
-from lmtier.chunk import Chunk
 from lmtier.config import StoreConfig, resolve_chunk_tokens
 from lmtier.connectors import announce
 from lmtier.connectors.vllm_events import EventBook, WorkerEvents, group_specs
@@ -66,11 +65,12 @@ from lmtier.connectors.vllm_scheduler import SchedulerSide, _Request
 from lmtier.connectors.vllm_settings import EXTRA_KEYS, settings  # noqa: F401  (EXTRA_KEYS: the keys it takes)
 from lmtier.connectors.vllm_stats import Interval, LMTierPromMetrics, LMTierStats
 from lmtier.connectors.vllm_worker import WorkerSide, _typed  # noqa: F401  (_typed: for tests)
-from lmtier.keys import Namespace
-from lmtier.layout import KVLayout
-from lmtier.store import TieredStore
+from lmtier.engine.transfer import CopyEngine, HostBuffers, LayerLoad, check_chunk_size
+from lmtier.kv.chunk import Chunk
+from lmtier.kv.keys import Namespace
+from lmtier.kv.layout import KVLayout
+from lmtier.store.tiered import TieredStore
 from lmtier.tiers.base import TierContext
-from lmtier.transfer import CopyEngine, HostBuffers, LayerLoad, check_chunk_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -34,7 +34,7 @@ What each event says:
   cache server, another process sharing a disk) is not seen here: routers ask a shared
   tier (``lmtier match``, the server's ``Match``).
 
-Bounded: the store's queue (``lmtier.events``, drops counted), the book of token ids
+Bounded: the store's queue (``lmtier.store.events``, drops counted), the book of token ids
 (``BOOK_CHUNKS``), the pending tensor-parallel counts and the worker's key map.
 """
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lmtier.errors import ConfigError
-from lmtier.layout import KVLayout
+from lmtier.kv.layout import KVLayout
 
 
 @dataclass(frozen=True)

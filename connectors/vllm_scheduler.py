@@ -34,7 +34,7 @@ from lmtier.connectors.vllm_events import LMTierKVEvents
 from lmtier.connectors.vllm_pd import HANDOFF_KEYS, LOCAL_SCHEMES, RECHECK_S, Handoff, forwarded, handoff_params
 from lmtier.connectors.vllm_plans import LMTierMetadata, LMTierWorkerMeta, LoadPlan, SavePlan
 from lmtier.connectors.vllm_stats import hit_sources
-from lmtier.keys import chunk_keys
+from lmtier.kv.keys import chunk_keys
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -32,14 +32,14 @@ import numpy as np
 import torch
 
 from lmtier import metrics
-from lmtier.chunk import Chunk, release_all
 from lmtier.connectors.vllm_events import LMTierKVEvents, WorkerEvents
 from lmtier.connectors.vllm_groups import layer_index
 from lmtier.connectors.vllm_plans import LMTierMetadata, LMTierWorkerMeta, LoadPlan, SavePlan
 from lmtier.connectors.vllm_stats import LMTierStats
-from lmtier.layout import KVLayout
-from lmtier.store import deadline_after, load_batch
-from lmtier.transfer import CopyEngine, HostBuffers
+from lmtier.engine.transfer import CopyEngine, HostBuffers
+from lmtier.kv.chunk import Chunk, release_all
+from lmtier.kv.layout import KVLayout
+from lmtier.store.tiered import deadline_after, load_batch
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-from lmtier import shm
+from lmtier.transport import shm
 
 
 def locked_files(pid: int) -> set[str]:

@@ -2,12 +2,12 @@
 
 from lmtier import _moved  # noqa: F401  (old module names, deprecated)
 from lmtier.api import KVStore, open_store
-from lmtier.chunk import Chunk
 from lmtier.config import StoreConfig, load_config
 from lmtier.errors import IntegrityError, LayoutError, LmtierError
-from lmtier.keys import Namespace, chunk_keys
-from lmtier.layout import PRESETS, KVLayout, from_hf_config
-from lmtier.store import TieredStore
+from lmtier.kv.chunk import Chunk
+from lmtier.kv.keys import Namespace, chunk_keys
+from lmtier.kv.layout import PRESETS, KVLayout, from_hf_config
+from lmtier.store.tiered import TieredStore
 from lmtier.tiers.base import Tier, open_tier, register_tier
 
 __version__ = "0.1.0"

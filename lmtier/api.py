@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from lmtier.chunk import Chunk, release_all
 from lmtier.config import load_config, resolve_chunk_tokens
 from lmtier.errors import IntegrityError, LayoutError, MissingDependency
-from lmtier.keys import Namespace, as_token_array
-from lmtier.layout import KVLayout, canonical_dtype, preset
-from lmtier.store import TieredStore, deadline_after, load_batch
+from lmtier.kv.chunk import Chunk, release_all
+from lmtier.kv.keys import Namespace, as_token_array
+from lmtier.kv.layout import KVLayout, canonical_dtype, preset
+from lmtier.store.tiered import TieredStore, deadline_after, load_batch
 from lmtier.tiers.base import TierContext
 
 

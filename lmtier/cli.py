@@ -18,9 +18,9 @@ from urllib.parse import quote
 
 from lmtier.config import resolve_chunk_tokens
 from lmtier.errors import LmtierError, MissingDependency
-from lmtier.keys import HASHES, Namespace
-from lmtier.layout import PRESETS, KVLayout, from_hf_config, preset
-from lmtier.sizing import plan
+from lmtier.kv.keys import HASHES, Namespace
+from lmtier.kv.layout import PRESETS, KVLayout, from_hf_config, preset
+from lmtier.kv.sizing import plan
 from lmtier.units import format_bytes, parse_count, parse_size
 
 
@@ -417,8 +417,8 @@ def cmd_match(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """List a disk tier's chunks; with --verify read each one and check it."""
-    from lmtier import codec
     from lmtier.errors import IntegrityError
+    from lmtier.kv import codec
 
     root = Path(args.path)
     model = _layout(args) if args.model or args.config else None

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from lmtier.admission import POLICIES
 from lmtier.errors import ConfigError
-from lmtier.keys import HASHES
+from lmtier.kv.keys import HASHES
+from lmtier.store.admission import POLICIES
 from lmtier.units import parse_size
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class StoreConfig:
     # "back": lower tiers receive what the first tier evicts, and what it holds at close.
     # "auto": what the save policy asks for ("back" for reuse, else "through").
     write_mode: str = setting("auto", STRING)
-    # Which chunks earn a write (lmtier.admission): "always" (every chunk to every tier),
+    # Which chunks earn a write (lmtier.store.admission): "always" (every chunk to every tier),
     # "reuse" (every chunk to memory; to the lower tiers what proved it is reused, and new
     # chunks while such chunks measurably come back, written a few seconds after they land
     # or when memory lets them go; an engine in vLLM's multiprocess mode finds its own
@@ -308,7 +308,7 @@ class ServerConfig:
     metrics_token: str = setting("", STRING)
     # Same-host shared-memory data plane: the directory segments live in ("" turns it off).
     shm_dir: str = setting("/dev/shm", STRING)
-    # Other hosts' loads: a bulk data channel beside gRPC (lmtier/datachannel.py), on
+    # Other hosts' loads: a bulk data channel beside gRPC (lmtier/transport/datachannel.py), on
     # data_port (None: the gRPC port + 1, or any free port where that is 0; if it is
     # taken, the server runs without one, saying so). Same address and TLS as gRPC.
     data_channel: bool = setting(True, BOOL)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-from lmtier.chunk import Chunk
-from lmtier.keys import Namespace
-from lmtier.layout import KVLayout
+from lmtier.kv.chunk import Chunk
+from lmtier.kv.keys import Namespace
+from lmtier.kv.layout import KVLayout
 
 # Helper modules whose asserts are the tests' own: pytest shows their values on failure.
 pytest.register_assert_rewrite("manifests", "tier_contract")
@@ -107,7 +107,7 @@ def redis_cluster(tmp_path_factory):
 def assert_served_then_promoted(store, hot, p: Prompt) -> None:
     """``store.get`` hands back every chunk of ``p`` as it was stored, and the background
     promotion then puts them all in ``hot``, the faster tier."""
-    from lmtier.chunk import release_all
+    from lmtier.kv.chunk import release_all
 
     chunks = store.get(p.keys)
     assert [c.tobytes() for c in chunks] == [p.chunk_bytes(i) for i in range(len(p.keys))]

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from lmtier.admission import POLICIES, FrequencySketch, GhostFilter, SavePolicy
 from lmtier.config import StoreConfig
 from lmtier.errors import ConfigError
+from lmtier.store.admission import POLICIES, FrequencySketch, GhostFilter, SavePolicy
 
 _KEYS = random.Random(1)  # fixed: a run sees the same keys every time
 

@@ -29,14 +29,15 @@ import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_security import SERVICE, call, connection, puts, two_tenant_server
 
-from lmtier import codec, shm
 from lmtier.config import ServerConfig, parse_token, read_token_file
 from lmtier.errors import ConfigError
-from lmtier.pieces import Region, pack, piece
+from lmtier.kv import codec
 from lmtier.server import create_server
 from lmtier.server.auth import certificate_identity, tenant_tag
 from lmtier.server.leases import Leases
 from lmtier.testing.certs import make_certificates
+from lmtier.transport import shm
+from lmtier.transport.pieces import Region, pack, piece
 from lmtier.v1 import cache_pb2
 
 from conftest import eventually, make_prompt
@@ -640,7 +641,7 @@ def test_silent_releases_and_health_calls_hold_no_more_than_their_few_workers():
 
 def test_a_layout_past_any_model_is_refused():
     from lmtier.errors import LayoutError
-    from lmtier.layout import KVLayout
+    from lmtier.kv.layout import KVLayout
 
     with pytest.raises(LayoutError, match="past any model"):
         KVLayout(131_072, 1, 1, dtype="uint8")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmtier.admission import SavePolicy
+from lmtier.store.admission import SavePolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"  # CI has ../shared beside the checkout

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from lmtier.cli import main
-from lmtier.layout import from_hf_config
+from lmtier.kv.layout import from_hf_config
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.tiers.base import open_tier
 from lmtier.units import format_bytes

@@ -9,10 +9,10 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmtier import codec
-from lmtier.chunk import Chunk
 from lmtier.errors import ChecksumError, FormatError, IntegrityError, LayoutError, LayoutMismatch, NamespaceMismatch
-from lmtier.layout import KVLayout
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk
+from lmtier.kv.layout import KVLayout
 
 from conftest import fuzz
 

@@ -23,7 +23,7 @@ from lmtier.config import (
     resolve_chunk_tokens,
 )
 from lmtier.errors import ConfigError, MissingDependency, TierError
-from lmtier.store import TieredStore
+from lmtier.store.tiered import TieredStore
 from lmtier.testing.redis_server import free_port
 from lmtier.tiers.base import TierContext, TierURL, known_schemes, open_tier, register_tier
 from lmtier.tiers.deferred import DeferredTier

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError, LayoutError
+from lmtier.kv.chunk import Chunk, release_all
 from lmtier.tiers.base import TierContext, open_tier
 from lmtier.tiers.cpu import CpuTier
 
@@ -141,7 +141,7 @@ def _resident_bytes(array: np.ndarray) -> int:
 def test_warm_maps_the_first_pages_before_any_chunk_arrives(monkeypatch):
     """An engine warms its store when it starts: the slab's first ``PREFAULT_AHEAD`` bytes
     are mapped before the first load copies lower-tier hits into it, and no more."""
-    from lmtier.store import TieredStore
+    from lmtier.store.tiered import TieredStore
     from lmtier.tiers import cpu
 
     monkeypatch.setattr(cpu, "PREFAULT_AHEAD", 8 << 20)

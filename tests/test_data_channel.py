@@ -21,17 +21,18 @@ import time
 import grpc
 import pytest
 
-from lmtier import codec, metrics
-from lmtier.chunk import release_all
+from lmtier import metrics
 from lmtier.config import ServerConfig
-from lmtier.datachannel import END, ERROR, FRAME, HELLO, ITEM, REQUEST, Closed, encode_request, recv_exact
-from lmtier.layout import KVLayout
+from lmtier.kv import codec
+from lmtier.kv.chunk import release_all
+from lmtier.kv.layout import KVLayout
 from lmtier.server import create_server
 from lmtier.server import data as server_data
 from lmtier.server.auth import tenant_tag
 from lmtier.server.calls import Abort
 from lmtier.testing.certs import make_certificates
 from lmtier.tiers.base import open_tier
+from lmtier.transport.datachannel import END, ERROR, FRAME, HELLO, ITEM, REQUEST, Closed, encode_request, recv_exact
 from lmtier.v1 import cache_pb2
 
 from conftest import eventually, make_namespace, make_prompt

@@ -16,11 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_data_channel import answer, connect, data_get, leases, start, ticket
 
-from lmtier import codec, metrics
-from lmtier.chunk import release_all
-from lmtier.datachannel import END, ERROR, FRAME, HELLO, ITEM, REQUEST, Closed, recv_exact
+from lmtier import metrics
+from lmtier.kv import codec
+from lmtier.kv.chunk import release_all
 from lmtier.server.auth import tenant_tag
 from lmtier.tiers.base import open_tier
+from lmtier.transport.datachannel import END, ERROR, FRAME, HELLO, ITEM, REQUEST, Closed, recv_exact
 
 from conftest import FUZZ_EXAMPLES, eventually, make_prompt
 

@@ -12,13 +12,13 @@ import threading
 import pytest
 from test_data_channel import TOKENS, answer, connect, start, ticket
 
-from lmtier.chunk import release_all
-from lmtier.datachannel import HELLO, REQUEST, encode_request
+from lmtier.kv.chunk import release_all
 from lmtier.server import data as server_data
 from lmtier.server.auth import tenant_tag
 from lmtier.server.calls import Abort
 from lmtier.server.data_limits import Tickets
 from lmtier.tiers.base import open_tier
+from lmtier.transport.datachannel import HELLO, REQUEST, encode_request
 
 from conftest import eventually, make_prompt
 

@@ -15,7 +15,7 @@ import tomllib
 import pytest
 import yaml
 
-from lmtier import shm
+from lmtier.transport import shm
 
 from manifests import (
     DEPLOY,
@@ -204,7 +204,8 @@ def test_the_prestop_hook_waits_for_the_clients_of_other_processes_only(tmp_path
     directory = str(tmp_path)
     own = shm.Segment(directory, 65536, 65536)  # the server's memory tier
     engine = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from lmtier import shm; s = shm.Segment(sys.argv[1], 65536, 65536); "
+        [sys.executable, "-c", "import sys; from lmtier.transport import shm; "
+         "s = shm.Segment(sys.argv[1], 65536, 65536); "
          "print(s.name, flush=True); sys.stdin.read()", directory],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -12,13 +12,13 @@ import torch
 from vllm.v1 import kv_cache_interface as kv_interface
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from lmtier import layerload
-from lmtier.devicecopy import IndexCopier
+from lmtier.engine import layerload
+from lmtier.engine.devicecopy import IndexCopier
+from lmtier.engine.layerload import LayerLoad
+from lmtier.engine.transfer import CopyEngine
 from lmtier.errors import LayoutError
-from lmtier.layerload import LayerLoad
-from lmtier.layout import KVLayout
+from lmtier.kv.layout import KVLayout
 from lmtier.testing.layouts import ORDERS, paged_layers, strides
-from lmtier.transfer import CopyEngine
 
 LAYERS, BLOCKS, BLOCK = 3, 12, 4
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]

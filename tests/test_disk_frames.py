@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmtier import codec
 from lmtier.buffers import ALIGN, BufferPool
-from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError, IntegrityError
-from lmtier.layout import KVLayout
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk, release_all
+from lmtier.kv.layout import KVLayout
 from lmtier.tiers.disk import DiskTier
 
 from conftest import make_prompt

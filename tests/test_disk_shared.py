@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from lmtier import codec
-from lmtier.chunk import release_all
+from lmtier.kv import codec
+from lmtier.kv.chunk import release_all
 from lmtier.tiers.disk import DiskTier
 
 from conftest import make_prompt
@@ -52,8 +52,8 @@ def test_a_second_tier_and_a_second_process_see_the_first_ones_chunks(tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys, numpy as np
-    from lmtier.chunk import Chunk
-    from lmtier.layout import KVLayout
+    from lmtier.kv.chunk import Chunk
+    from lmtier.kv.layout import KVLayout
     from lmtier.tiers.disk import DiskTier
     path, size, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     layout = KVLayout(2, 2, 32, "float16")
@@ -128,8 +128,8 @@ def test_two_processes_sharing_a_directory_stay_consistent_and_bounded(tmp_path)
 
 OPENER = textwrap.dedent("""
     import sys, numpy as np
-    from lmtier.chunk import Chunk
-    from lmtier.layout import KVLayout
+    from lmtier.kv.chunk import Chunk
+    from lmtier.kv.layout import KVLayout
     from lmtier.tiers.disk import DiskTier
     root, me = sys.argv[1], int(sys.argv[2])
     layout = KVLayout(2, 2, 32, "float16")

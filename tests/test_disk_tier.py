@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmtier import codec
 from lmtier.buffers import ALIGN, round_up
-from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError, IntegrityError, TierError
-from lmtier.layout import KVLayout
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk, release_all
+from lmtier.kv.layout import KVLayout
 from lmtier.tiers.base import TierContext, open_tier
 from lmtier.tiers.disk import DiskTier
 

@@ -1,4 +1,4 @@
-"""Tier events (``lmtier.events``) from real tiers, and the vLLM adapter's bookkeeping
+"""Tier events (``lmtier.store.events``) from real tiers, and the vLLM adapter's bookkeeping
 (``connectors/vllm_events.py``): what each tier announces, bounds, tensor parallelism."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 
 from lmtier import metrics
-from lmtier.chunk import release_all
 from lmtier.config import ServerConfig
-from lmtier.events import TierEvents
+from lmtier.kv.chunk import release_all
 from lmtier.server import create_server
-from lmtier.store import TieredStore
+from lmtier.store.events import TierEvents
+from lmtier.store.tiered import TieredStore
 from lmtier.tiers.base import open_tier
 
 from conftest import eventually, make_prompt

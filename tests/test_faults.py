@@ -22,7 +22,7 @@ import torch
 
 from lmtier import metrics
 from lmtier.api import open_store
-from lmtier.layout import KVLayout
+from lmtier.kv.layout import KVLayout
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.redis_server import RedisServer, cli
 from lmtier.tiers.disk import files as disk_files

@@ -10,8 +10,8 @@ import traceback
 
 import pytest
 
-from lmtier.chunk import release_all
-from lmtier.store import TieredStore
+from lmtier.kv.chunk import release_all
+from lmtier.store.tiered import TieredStore
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.redis_cluster import RedisCluster
 from lmtier.testing.redis_server import RedisServer

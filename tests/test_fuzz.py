@@ -22,13 +22,23 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from lmtier import codec, shm
 from lmtier.buffers import BufferPool
 from lmtier.errors import FormatError, LmtierError
-from lmtier.layout import KVLayout
-from lmtier.pieces import FrameAssembler, FrameTooLarge, Region, _unpack_large, _unpack_small, pack, piece, unpack
+from lmtier.kv import codec
+from lmtier.kv.layout import KVLayout
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.redis_server import free_port
+from lmtier.transport import shm
+from lmtier.transport.pieces import (
+    FrameAssembler,
+    FrameTooLarge,
+    Region,
+    _unpack_large,
+    _unpack_small,
+    pack,
+    piece,
+    unpack,
+)
 from lmtier.v1 import cache_pb2
 
 from conftest import fuzz, make_namespace, make_prompt

@@ -1,4 +1,4 @@
-"""The published directory (lmtier.directory): a one-tenant server's memory tier read by
+"""The published directory (lmtier.transport.directory): a one-tenant server's memory tier read by
 same-host clients with no call. Real servers on port 0, real shared memory in tmp_path."""
 
 from __future__ import annotations
@@ -11,16 +11,18 @@ import numpy as np
 import pytest
 from test_grpc_tier import SERVICE, code_of, flip_a_stored_byte, read_back, start
 
-from lmtier import codec, directory, metrics
-from lmtier.chunk import release_all
+from lmtier import metrics
 from lmtier.config import ServerConfig
-from lmtier.directory import DirectoryReader, DirectoryWriter
 from lmtier.errors import ChecksumError, LmtierError
+from lmtier.kv import codec
+from lmtier.kv.chunk import release_all
 from lmtier.server import create_server
 from lmtier.server.auth import PROBE_TAG, tenant_tag
-from lmtier.shm import SegmentUnavailable
 from lmtier.tiers.base import open_tier
 from lmtier.tiers.grpc.published import _checked_length
+from lmtier.transport import directory
+from lmtier.transport.directory import DirectoryReader, DirectoryWriter
+from lmtier.transport.shm import SegmentUnavailable
 from lmtier.v1 import cache_pb2
 
 from conftest import eventually, make_prompt

@@ -14,14 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_grpc_tier import SERVICE, code_of, read_back, start
 
-from lmtier import codec
-from lmtier.chunk import Chunk, release_all
 from lmtier.config import ServerConfig
-from lmtier.pieces import Region, pack, piece
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk, release_all
 from lmtier.server import create_server
 from lmtier.server.auth import tenant_tag
-from lmtier.shm import Segment
 from lmtier.tiers.base import open_tier
+from lmtier.transport.pieces import Region, pack, piece
+from lmtier.transport.shm import Segment
 from lmtier.v1 import cache_pb2
 
 from conftest import eventually, fuzz, make_prompt

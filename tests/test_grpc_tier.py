@@ -23,17 +23,19 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from lmtier import codec, metrics, shm
-from lmtier.chunk import release_all
+from lmtier import metrics
 from lmtier.config import ServerConfig
 from lmtier.errors import RetryableError, TierError
-from lmtier.pieces import Region, pack, piece
+from lmtier.kv import codec
+from lmtier.kv.chunk import release_all
 from lmtier.server import create_server
 from lmtier.server.auth import tenant_tag
-from lmtier.store import TieredStore
+from lmtier.store.tiered import TieredStore
 from lmtier.testing.certs import make_certificates
 from lmtier.testing.redis_server import free_port
 from lmtier.tiers.base import open_tier
+from lmtier.transport import shm
+from lmtier.transport.pieces import Region, pack, piece
 from lmtier.v1 import cache_pb2
 
 from conftest import SMALL, eventually, make_namespace, make_prompt
@@ -469,9 +471,9 @@ _DYING_CLIENT = """
 import os, sys, time
 sys.path.insert(0, {tests!r})
 from conftest import make_prompt
-from lmtier import codec
-from lmtier.shm import Segment
-from lmtier.pieces import Region, pack, piece
+from lmtier.kv import codec
+from lmtier.transport.shm import Segment
+from lmtier.transport.pieces import Region, pack, piece
 import grpc
 segment = Segment({shm_dir!r}, 1 << 20, 256 << 10)
 chunk = make_prompt(1, seed=50).chunks()[0]

@@ -24,7 +24,7 @@ GUARD = HERE / "import_guard"
 NETWORK_LIBRARIES = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "redis", "hiredis")
 NETWORK_MODULES = (
     "lmtier.v1",
-    "lmtier.pieces",
+    "lmtier.transport.pieces",
     "lmtier.tiers.grpc",
     "lmtier.tiers.redis",
     "lmtier.server",

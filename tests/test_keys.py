@@ -14,8 +14,8 @@ import torch
 
 from lmtier.cli import main
 from lmtier.errors import LayoutError
-from lmtier.keys import Namespace, as_token_array, chunk_keys
-from lmtier.layout import KVLayout, preset
+from lmtier.kv.keys import Namespace, as_token_array, chunk_keys
+from lmtier.kv.layout import KVLayout, preset
 
 LAYOUT = preset("llama-3-8b")
 NS = Namespace(model="meta-llama/Meta-Llama-3-8B", layout=LAYOUT, chunk_tokens=256)
@@ -50,7 +50,7 @@ def test_keys_agree_across_processes_with_different_hash_seeds(tmp_path):
     prompt = tmp_path / "prompt.json"
     prompt.write_text(json.dumps(TOKENS))
     script = (
-        "import json, sys; from lmtier.keys import Namespace; from lmtier.layout import preset;"
+        "import json, sys; from lmtier.kv.keys import Namespace; from lmtier.kv.layout import preset;"
         "ns = Namespace(model='meta-llama/Meta-Llama-3-8B', layout=preset('llama-3-8b'), chunk_tokens=256);"
         "print(json.dumps([k.hex() for k in ns.keys(json.load(open(sys.argv[1])))]))"
     )

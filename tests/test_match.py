@@ -14,8 +14,8 @@ import pytest
 
 from lmtier.config import ServerConfig
 from lmtier.errors import TierError
-from lmtier.keys import Namespace, chained_keys
-from lmtier.layout import preset
+from lmtier.kv.keys import Namespace, chained_keys
+from lmtier.kv.layout import preset
 from lmtier.server import create_server
 from lmtier.tiers.base import open_tier
 

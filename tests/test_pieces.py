@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from lmtier.buffers import BufferPool
 from lmtier.errors import FormatError
-from lmtier.pieces import FrameAssembler, FrameTooLarge, Piece, Region, pack, piece, split, unpack
+from lmtier.transport.pieces import FrameAssembler, FrameTooLarge, Piece, Region, pack, piece, split, unpack
 from lmtier.v1 import cache_pb2
 
 sizes = st.integers(min_value=0, max_value=2**40)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from lmtier import metrics
-from lmtier.chunk import release_all
+from lmtier.kv.chunk import release_all
 from lmtier.testing.redis_cluster import RedisCluster
 from lmtier.tiers.base import open_tier
 

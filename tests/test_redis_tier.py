@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from lmtier.chunk import release_all
 from lmtier.errors import ConfigError, TierError
-from lmtier.store import TieredStore
+from lmtier.kv.chunk import release_all
+from lmtier.store.tiered import TieredStore
 from lmtier.testing.certs import make_certificates
 from lmtier.testing.redis_cluster import RedisCluster
 from lmtier.testing.redis_server import RedisServer

@@ -20,16 +20,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from test_data_channel import data_get
 
-from lmtier import codec, metrics
-from lmtier.chunk import release_all
+from lmtier import metrics
 from lmtier.config import ServerConfig
 from lmtier.errors import RetryableError
-from lmtier.pieces import Region, pack, piece, unpack
+from lmtier.kv import codec
+from lmtier.kv.chunk import release_all
 from lmtier.server import create_server
 from lmtier.server.auth import tenant_tag
-from lmtier.store import TieredStore
+from lmtier.store.tiered import TieredStore
 from lmtier.testing.certs import make_certificates
 from lmtier.tiers.base import open_tier
+from lmtier.transport.pieces import Region, pack, piece, unpack
 from lmtier.v1 import cache_pb2
 
 from conftest import disk_frames, eventually, make_prompt

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from lmtier import metrics
-from lmtier.chunk import release_all
 from lmtier.errors import RetryableError
-from lmtier.store import TieredStore
+from lmtier.kv.chunk import release_all
+from lmtier.store.tiered import TieredStore
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.tiers.base import open_tier
 
@@ -192,7 +192,7 @@ def test_a_second_server_on_a_taken_port_is_a_clear_error_and_leaves_nothing_beh
 def test_a_killed_servers_shared_memory_is_reclaimed_by_the_next_sweep(tmp_path):
     """SIGKILL leaves the server's slab behind; nothing holds its lock any more, so the
     sweep that every server runs removes it (and never a live server's)."""
-    from lmtier import shm
+    from lmtier.transport import shm
 
     segments = tmp_path / "shm"
     segments.mkdir()

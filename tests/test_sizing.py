@@ -8,8 +8,8 @@ import pytest
 
 from lmtier.cli import main
 from lmtier.errors import ConfigError
-from lmtier.layout import KVLayout, from_hf_config, preset
-from lmtier.sizing import plan
+from lmtier.kv.layout import KVLayout, from_hf_config, preset
+from lmtier.kv.sizing import plan
 from lmtier.units import parse_count, parse_size
 
 KiB, GiB = 1024, 1024**3

@@ -10,9 +10,9 @@ import pytest
 
 from lmtier import metrics
 from lmtier.breaker import Backoff, CircuitBreaker
-from lmtier.chunk import release_all
 from lmtier.errors import RetryableError, TierError
-from lmtier.store import TieredStore
+from lmtier.kv.chunk import release_all
+from lmtier.store.tiered import TieredStore
 from lmtier.tiers.base import Tier
 from lmtier.tiers.cpu import CpuTier
 
@@ -362,7 +362,7 @@ def test_a_lookup_follows_a_bounded_number_of_tier_changes(tmp_path):
     """A prefix that changes tier at every chunk would cost each lookup the square of its
     length (every run asks every tier about all the keys left): it ends after
     LOOKUP_RUNS runs, with the hits up to there."""
-    from lmtier.store import LOOKUP_RUNS
+    from lmtier.store.tiered import LOOKUP_RUNS
     from lmtier.tiers.cpu import CpuTier
 
     prompt = make_prompt(2 * LOOKUP_RUNS + 8, seed=11)
@@ -382,7 +382,7 @@ def test_the_write_queue_of_a_shared_store_serves_tenants_in_turn_and_keeps_room
     gets in, the flooder is refused past its share, and the writer serves them in turn."""
     import queue as queue_mod
 
-    from lmtier.fairqueue import FairQueue
+    from lmtier.store.fairqueue import FairQueue
 
     jobs = FairQueue(16, lambda job: job[0])
     flooded = 0

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import lmtier
-from lmtier.chunk import release_all
 from lmtier.errors import ConfigError
-from lmtier.store import TieredStore
+from lmtier.kv.chunk import release_all
+from lmtier.store.tiered import TieredStore
 from lmtier.tiers.cpu import CpuTier
 from lmtier.tiers.disk import DiskTier
 

@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from lmtier import codec
 from lmtier.buffers import ALIGN
-from lmtier.chunk import release_all
-from lmtier.store import TieredStore
+from lmtier.kv import codec
+from lmtier.kv.chunk import release_all
+from lmtier.store.tiered import TieredStore
 from lmtier.tiers.cpu import CpuTier
 from lmtier.tiers.disk import DiskTier
 

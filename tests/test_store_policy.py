@@ -1,4 +1,4 @@
-"""The store under a save policy (lmtier.admission): what reaches the lower tiers, when."""
+"""The store under a save policy (lmtier.store.admission): what reaches the lower tiers, when."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from lmtier.admission import SavePolicy
-from lmtier.chunk import release_all
-from lmtier.store import TieredStore
+from lmtier.kv.chunk import release_all
+from lmtier.store.admission import SavePolicy
+from lmtier.store.tiered import TieredStore
 from lmtier.tiers.cpu import CpuTier
 
 from conftest import eventually, make_prompt
@@ -108,7 +108,7 @@ def test_write_back_writes_memory_down_within_seconds_so_a_process_killed_with_s
             "-c",
             textwrap.dedent(f"""
             import sys, time
-            from lmtier.store import TieredStore
+            from lmtier.store.tiered import TieredStore
             from conftest import make_namespace, make_prompt
             from tier_contract import CHUNK_BYTES
             store = TieredStore.open(["cpu://?size=" + str(64 * CHUNK_BYTES) + "&slot=" + str(CHUNK_BYTES),

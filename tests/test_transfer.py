@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from lmtier.chunk import Chunk, checksum
+from lmtier.engine.transfer import CopyEngine, HostBuffers, check_chunk_size
 from lmtier.errors import LayoutError
-from lmtier.layout import KVLayout
-from lmtier.transfer import CopyEngine, HostBuffers, check_chunk_size
+from lmtier.kv.chunk import Chunk, checksum
+from lmtier.kv.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 BLOCKS, BLOCK = 10, 4

@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmtier import codec
 from lmtier.buffers import ALIGN
-from lmtier.chunk import Chunk
-from lmtier.layout import KVLayout
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk
+from lmtier.kv.layout import KVLayout
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.engine import compare_answers, prefill_problems, run_engine
 from lmtier.testing.redis_server import RedisServer

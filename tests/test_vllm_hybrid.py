@@ -24,10 +24,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.request import Request
 
-from lmtier.chunk import Chunk
 from lmtier.connectors.vllm import LMTierConnector
 from lmtier.connectors.vllm_groups import groups_of
 from lmtier.errors import ConfigError
+from lmtier.kv.chunk import Chunk
 from lmtier.testing.engine import prefill_problems, run_engine
 from lmtier.testing.tinymodel import build
 

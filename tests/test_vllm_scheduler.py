@@ -22,11 +22,11 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from lmtier.chunk import Chunk
 from lmtier.connectors.vllm import LMTierConnector, LMTierMetadata, _typed
-from lmtier.layout import KVLayout
+from lmtier.engine.transfer import CopyEngine
+from lmtier.kv.chunk import Chunk
+from lmtier.kv.layout import KVLayout
 from lmtier.testing.tinymodel import build
-from lmtier.transfer import CopyEngine
 
 from conftest import flip_byte
 

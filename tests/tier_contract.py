@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from lmtier.chunk import release_all
 from lmtier.errors import IntegrityError
-from lmtier.layout import KVLayout
+from lmtier.kv.chunk import release_all
+from lmtier.kv.layout import KVLayout
 from lmtier.tiers.base import Tier
 
 from conftest import SMALL, Prompt, make_namespace, make_prompt

@@ -26,7 +26,7 @@ def main(op: str, urls: str, seed: str) -> None:
 
     import lmtier.api
     from lmtier.api import open_store
-    from lmtier.layout import KVLayout
+    from lmtier.kv.layout import KVLayout
 
     where, registered = lmtier.api.__file__, None
     if op == "set":

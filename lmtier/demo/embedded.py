@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from lmtier.api import open_store
-from lmtier.layout import KVLayout, preset
-from lmtier.sizing import plan
+from lmtier.kv.layout import KVLayout, preset
+from lmtier.kv.sizing import plan
 from lmtier.tiers.disk import DiskTier
 from lmtier.units import format_bytes
 

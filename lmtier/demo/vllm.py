@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from lmtier.config import resolve_chunk_tokens
-from lmtier.layout import KVLayout
+from lmtier.kv.layout import KVLayout
 from lmtier.testing.engine import LOGPROB_TOLERANCE, compare_answers, run_engine
 from lmtier.testing.tinymodel import build
 

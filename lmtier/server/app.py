@@ -29,15 +29,16 @@ from pathlib import Path
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from lmtier import metrics, shm
+from lmtier import metrics
 from lmtier.config import ServerConfig, warn_weak_tokens
 from lmtier.server.auth import PROBE_TAG, TAG_BYTES, Authenticator
 from lmtier.server.chain import UpstreamTier
 from lmtier.server.data import DataChannel
 from lmtier.server.health import NOT_SERVING, SERVICE_NAME, SERVING, Health
 from lmtier.server.service import SERVICE, CacheService, Gate
-from lmtier.store import TieredStore
+from lmtier.store.tiered import TieredStore
 from lmtier.tiers.base import Tier, TierContext
+from lmtier.transport import shm
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmtier.breaker import Backoff
-from lmtier.chunk import Chunk
+from lmtier.kv.chunk import Chunk
 from lmtier.server.auth import TAG_BYTES
 from lmtier.tiers.base import Tier
 

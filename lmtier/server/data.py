@@ -1,5 +1,5 @@
 """``DataChannel``: the cache server's bulk data channel, for loads and saves of other hosts
-(the wire: ``lmtier.datachannel``).
+(the wire: ``lmtier.transport.datachannel``).
 
     DataChannel.open(service, config, grpc_port) -> DataChannel | None   as configured
     DataChannel(service, config, host, port, ssl_context)   listening, not yet serving
@@ -46,9 +46,14 @@ from collections import OrderedDict
 
 import grpc
 
-from lmtier import codec, metrics
-from lmtier.chunk import release_all
-from lmtier.datachannel import (
+from lmtier import metrics
+from lmtier.kv import codec
+from lmtier.kv.chunk import release_all
+from lmtier.server.calls import Abort
+from lmtier.server.data_limits import Places, Tickets
+from lmtier.server.data_saves import Pace, receive, recv_paced
+from lmtier.tiers.cpu import CpuTier
+from lmtier.transport.datachannel import (
     END,
     ERROR,
     FRAME,
@@ -65,10 +70,6 @@ from lmtier.datachannel import (
     recv_exact,
     send_parts,
 )
-from lmtier.server.calls import Abort
-from lmtier.server.data_limits import Places, Tickets
-from lmtier.server.data_saves import Pace, receive, recv_paced
-from lmtier.tiers.cpu import CpuTier
 
 log = logging.getLogger(__name__)
 

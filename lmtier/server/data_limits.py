@@ -23,8 +23,8 @@ from collections import OrderedDict
 
 import grpc
 
-from lmtier.datachannel import TICKET_BYTES
 from lmtier.server.calls import Abort
+from lmtier.transport.datachannel import TICKET_BYTES
 
 TICKETS = 4096  # tickets issued and not yet used, every tenant's
 

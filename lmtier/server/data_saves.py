@@ -29,13 +29,14 @@ from collections.abc import Callable
 import grpc
 import xxhash
 
-from lmtier import codec, metrics
-from lmtier.chunk import Chunk
-from lmtier.datachannel import FRAME, ITEM, Closed
+from lmtier import metrics
 from lmtier.errors import LmtierError
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk
 from lmtier.server.calls import Abort
 from lmtier.server.service import HEAD_READ, PUT_BATCH, PUT_BATCH_BYTES, _check_key
 from lmtier.tiers.cpu import CpuTier
+from lmtier.transport.datachannel import FRAME, ITEM, Closed
 
 SCRATCH = 1 << 20  # bytes read past at a time (a chunk held already)
 

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from lmtier.errors import FormatError
-from lmtier.pieces import read_varint, varint
+from lmtier.transport.pieces import read_varint, varint
 
 SERVICE_NAME = "grpc.health.v1.Health"
 UNKNOWN, SERVING, NOT_SERVING, SERVICE_UNKNOWN = 0, 1, 2, 3

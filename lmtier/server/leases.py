@@ -20,8 +20,8 @@ import os
 import threading
 import time
 
-from lmtier import shm
-from lmtier.chunk import Chunk, release_all
+from lmtier.kv.chunk import Chunk, release_all
+from lmtier.transport import shm
 
 
 class Leases:

@@ -12,9 +12,9 @@ import grpc
 import numpy as np
 
 from lmtier.errors import LayoutError
-from lmtier.keys import HASHES, chained_keys
+from lmtier.kv.keys import HASHES, chained_keys
 from lmtier.server.calls import Abort
-from lmtier.store import TieredStore
+from lmtier.store.tiered import TieredStore
 from lmtier.v1 import cache_pb2
 
 MATCH_RANKS = 64  # namespaces (tensor-parallel ranks) one Match may name

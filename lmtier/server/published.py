@@ -2,7 +2,7 @@
 
 Where every call is one tenant's and same-host clients may map the memory tier
 (``CacheServer.zero_copy``), the server publishes which of that tenant's chunks lie in
-which slot (``lmtier.directory``), under the keys the tenant knows them by (its tag taken
+which slot (``lmtier.transport.directory``), under the keys the tenant knows them by (its tag taken
 off), so that a same-host client loads them with no call. The memory tier tells it each
 chunk that becomes readable and each that stops being (``CpuTier.publisher``); the
 server's probe loop beats its heartbeat, and ``close`` takes it down with the server.
@@ -11,10 +11,10 @@ Chunks of the readiness probe, and keys of any other shape, are never published.
 
 from __future__ import annotations
 
-from lmtier import codec
-from lmtier.directory import HEAD_BYTES, DirectoryWriter
-from lmtier.layout import KVLayout
+from lmtier.kv import codec
+from lmtier.kv.layout import KVLayout
 from lmtier.tiers.cpu import CpuTier
+from lmtier.transport.directory import HEAD_BYTES, DirectoryWriter
 
 
 class Published:

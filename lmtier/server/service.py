@@ -15,7 +15,7 @@ checks its input and answers a clear status for anything wrong (``INVALID_ARGUME
 malformed message or key, ``RESOURCE_EXHAUSTED`` for a frame over the limit, ``DATA_LOSS``
 for a damaged one, ``FAILED_PRECONDITION`` for a shared-memory segment not on this host).
 
-Bulk bytes skip protobuf (``lmtier.pieces``): ``Put`` receives raw ``ChunkPiece`` bytes and
+Bulk bytes skip protobuf (``lmtier.transport.pieces``): ``Put`` receives raw ``ChunkPiece`` bytes and
 ``Get`` sends them. A frame is checked as it is stored (``codec.decode``, then the first
 tier hashes the payload while copying it in) and as it is served (the chunk is verified
 while it is encoded), so the server never keeps or hands out a damaged chunk.
@@ -42,12 +42,12 @@ from collections.abc import Callable, Iterator
 import grpc
 import xxhash
 
-from lmtier import codec, metrics
+from lmtier import metrics
 from lmtier.buffers import BufferPool
-from lmtier.chunk import Chunk, release_all
 from lmtier.config import Config, ServerConfig, public_view
 from lmtier.errors import IntegrityError, LayoutError, LmtierError
-from lmtier.pieces import PIECE_BYTES, FrameAssembler, FrameTooLarge, ReceiveBusy, Region, pack, piece, split, unpack
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk, release_all
 from lmtier.server.auth import Authenticator, tenant_tag
 from lmtier.server.budget import RECEIVING_CHUNKS, ReceiveBudget
 from lmtier.server.calls import Abort, Calls, refusal
@@ -55,9 +55,20 @@ from lmtier.server.leases import Leases
 from lmtier.server.match import match
 from lmtier.server.published import Published
 from lmtier.server.watchdog import Watchdog
-from lmtier.shm import SegmentFiles, SegmentUnavailable
-from lmtier.store import TieredStore
+from lmtier.store.tiered import TieredStore
 from lmtier.tiers.cpu import CpuTier
+from lmtier.transport.pieces import (
+    PIECE_BYTES,
+    FrameAssembler,
+    FrameTooLarge,
+    ReceiveBusy,
+    Region,
+    pack,
+    piece,
+    split,
+    unpack,
+)
+from lmtier.transport.shm import SegmentFiles, SegmentUnavailable
 from lmtier.v1 import cache_pb2
 
 log = logging.getLogger(__name__)
@@ -104,7 +115,7 @@ class CacheService:
         self.landing = first if isinstance(first, CpuTier) and self.maps is not None else None
         self.leases = Leases(first.capacity // 4, config.shm_dir, ttl=config.call_timeout)
         # One tenant, clients on this host: what the memory tier holds, published for reads
-        # with no call (lmtier.directory).
+        # with no call (lmtier.transport.directory).
         self.published: Published | None = None
         tenant = auth.only_tenant
         if self.maps is not None and self.shared is not None and tenant is not None and hasattr(first, "set_publisher"):
@@ -131,7 +142,7 @@ class CacheService:
             SERVICE,
             {
                 "Lookup": unary(self.Lookup, cache_pb2.LookupResponse, cache_pb2.LookupRequest),
-                # ChunkPiece bytes from lmtier.pieces, both ways
+                # ChunkPiece bytes from lmtier.transport.pieces, both ways
                 "Get": grpc.stream_stream_rpc_method_handler(self.calls.stream("Get", self.Get, cache_pb2.GetRequest)),
                 "Put": grpc.stream_unary_rpc_method_handler(
                     self.calls.uploads("Put", self.Put), response_serializer=cache_pb2.PutResponse.SerializeToString

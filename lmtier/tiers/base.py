@@ -27,7 +27,7 @@ so that promoting a hit costs no copy (a no-op and a plain ``get`` by default):
 Batches are in prompt order: ``keys[i]`` extends ``keys[i - 1]``. Tiers are thread-safe
 and synchronous; the ``TieredStore`` adds background work and failure handling on top.
 A tier may hand out unverified chunks that check their checksum when read (see
-``lmtier.chunk``); ``stats()`` reports at least ``capacity_bytes``, ``used_bytes``,
+``lmtier.kv.chunk``); ``stats()`` reports at least ``capacity_bytes``, ``used_bytes``,
 ``chunks`` and ``corrupt``, which the contract suite checks.
 
 One URL configures one tier: ``scheme://location?option=value``. Each tier class declares
@@ -50,9 +50,9 @@ from urllib.parse import parse_qsl, quote, urlsplit
 import numpy as np
 
 from lmtier.breaker import Backoff
-from lmtier.chunk import Chunk
 from lmtier.errors import ConfigError, MissingDependency, TierError
-from lmtier.layout import KVLayout
+from lmtier.kv.chunk import Chunk
+from lmtier.kv.layout import KVLayout
 
 PROBE_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16")  # a 1 KiB probe chunk
 

@@ -20,7 +20,7 @@ its last lease ends.
 
 Integrity: ``put`` records the xxh3-64 checksum of what it copied (hashing each block as it
 lands, while it is in cache). ``get`` hands out chunks that verify against it when they are
-read (see ``lmtier.chunk``): the reader's copy and the check are one pass over memory, which
+read (see ``lmtier.kv.chunk``): the reader's copy and the check are one pass over memory, which
 is what keeps a verified tier close to a bare ``memcpy``. A mismatch drops the entry.
 
 Write-back (a ``TieredStore`` whose lower tiers get what memory lets go): ``evict_hook`` is
@@ -48,11 +48,11 @@ import numpy as np
 
 from lmtier import metrics
 from lmtier.buffers import BufferPool, Prefault
-from lmtier.chunk import Chunk, checksum, iter_segments
 from lmtier.errors import ConfigError, IntegrityError, LayoutError, TierError
-from lmtier.layout import KVLayout
-from lmtier.shm import Segment
+from lmtier.kv.chunk import Chunk, checksum, iter_segments
+from lmtier.kv.layout import KVLayout
 from lmtier.tiers.base import Capabilities, Tier, TierContext, parse_bool
+from lmtier.transport.shm import Segment
 from lmtier.units import parse_size
 
 DEFAULT_SIZE = 1024**3

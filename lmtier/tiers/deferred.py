@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmtier.breaker import Backoff
-from lmtier.chunk import Chunk
 from lmtier.errors import TierError
+from lmtier.kv.chunk import Chunk
 from lmtier.tiers.base import Capabilities, Placement, Placer, Tier, TierContext, TierURL
 
 log = logging.getLogger(__name__)

@@ -13,10 +13,10 @@ import threading
 import pytest
 import torch
 
-from lmtier import layerload
-from lmtier.layout import KVLayout
+from lmtier.engine import layerload
+from lmtier.engine.transfer import CopyEngine, HostBuffers
+from lmtier.kv.layout import KVLayout
 from lmtier.testing.layouts import ORDERS, paged_layers
-from lmtier.transfer import CopyEngine, HostBuffers
 
 LAYERS, BLOCKS, BLOCK = 4, 64, 16
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]

@@ -53,12 +53,12 @@ from pathlib import Path
 
 import numpy as np
 
-from lmtier import codec
 from lmtier.buffers import ALIGN, BufferPool, round_up
-from lmtier.chunk import Chunk, iter_segments
 from lmtier.errors import IntegrityError
-from lmtier.shm import locked
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk, iter_segments
 from lmtier.tiers.disk import pagecache
+from lmtier.transport.shm import locked
 
 SUFFIX = ".seg"
 STALE_TEMP_S = 600.0  # a file in tmp/ untouched this long belongs to no live writer

@@ -32,9 +32,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lmtier import codec, metrics
+from lmtier import metrics
 from lmtier.buffers import round_up
 from lmtier.errors import ConfigError
+from lmtier.kv import codec
 from lmtier.tiers.disk.claim import legacy_chunk
 from lmtier.tiers.disk.files import MAX_FRAME, Frame, Writer, segment_name
 from lmtier.tiers.disk.index import Location, Segment, Txn

@@ -26,10 +26,11 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from lmtier import codec, metrics
+from lmtier import metrics
 from lmtier.buffers import ALIGN, round_up
-from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError, IntegrityError, TierError
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk, release_all
 from lmtier.tiers.base import Capabilities, Placement, Placer, Tier, TierContext, TierURL, parse_bool
 from lmtier.tiers.disk.claim import claim
 from lmtier.tiers.disk.files import MAX_FRAME, Frame, SegmentFiles, Writer

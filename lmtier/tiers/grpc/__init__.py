@@ -23,7 +23,7 @@ from ``retries``), opens its circuit breaker for a server that keeps failing, an
 what is left into misses: what the engine sees is misses, never errors. One channel per
 process is reused for every call (HTTP/2 multiplexes them), made anew after ``fork``.
 
-Same-host fast path (``lmtier.shm``): with ``shm=auto`` and a server on a loopback address,
+Same-host fast path (``lmtier.transport.shm``): with ``shm=auto`` and a server on a loopback address,
 the tier creates a shared-memory segment and moves frame bytes through it, gRPC carrying
 only slot references; a server on another host (it cannot see the segment) answers
 ``FAILED_PRECONDITION`` and the tier makes the call again over plain gRPC, trying shared

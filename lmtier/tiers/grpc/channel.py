@@ -9,7 +9,7 @@
     is_local(target) -> bool                    a loopback address: shared memory may work
 
 Bulk methods (``Get``'s answers, ``Put``'s requests) carry raw ``Pieces`` bytes
-(``lmtier.pieces``); every other message goes through the generated classes.
+(``lmtier.transport.pieces``); every other message goes through the generated classes.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``DataChannel``: a grpc tier's loads and saves through the server's bulk data channel
-(the wire: ``lmtier.datachannel``; the server: ``lmtier.server.data``).
+(the wire: ``lmtier.transport.datachannel``; the server: ``lmtier.server.data``).
 
     DataChannel(host, open_data, ssl_context, server_name, buffers, on_corrupt, tier, timeout)
         .get(keys) -> list[Chunk | None] | None    None: not through this channel, use gRPC
@@ -35,10 +35,11 @@ from typing import TypeVar
 
 import grpc
 
-from lmtier import codec
 from lmtier.buffers import BufferPool
-from lmtier.chunk import Chunk, release_all
-from lmtier.datachannel import (
+from lmtier.errors import IntegrityError, LmtierError
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk, release_all
+from lmtier.transport.datachannel import (
     END,
     ERROR,
     FRAME,
@@ -52,7 +53,6 @@ from lmtier.datachannel import (
     recv_exact,
     send_parts,
 )
-from lmtier.errors import IntegrityError, LmtierError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

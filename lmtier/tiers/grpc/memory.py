@@ -11,7 +11,7 @@ memory that it reads chunks from where they lie.
                                               its pages mapped in
         in_use -> str | None                  the segment's name while it is used (stats)
         published -> DirectoryReader | None   the server's published directory, while its
-                                              server beats (``lmtier.directory``)
+                                              server beats (``lmtier.transport.directory``)
         attach(name) / detach()               map the directory the server named / forget it
         forget(), close()                     after ``fork`` / at the end
     NoShm                                     a call's shared memory was refused: make the
@@ -30,10 +30,10 @@ import threading
 import time
 
 from lmtier.buffers import populate_read
-from lmtier.directory import DirectoryReader
 from lmtier.errors import LmtierError
-from lmtier.pieces import Region
-from lmtier.shm import Segment, SegmentMaps, SegmentUnavailable
+from lmtier.transport.directory import DirectoryReader
+from lmtier.transport.pieces import Region
+from lmtier.transport.shm import Segment, SegmentMaps, SegmentUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The grpc tier's reads through a same-host server's published directory (``lmtier.directory``).
+"""The grpc tier's reads through a same-host server's published directory (``lmtier.transport.directory``).
 
     DirectoryReads(memory, wanted, ask, send, on_damage, count)
         warm()                         map the pages of the chunks published now, in the
@@ -12,7 +12,7 @@ A server with one tenant publishes where its memory tier's chunks lie; the clien
 once for the directory's name (``ask``: the ``Directory`` call), maps it read-only with the
 slab it names (``SharedMemory.attach``) and from then on finds chunks there. A chunk read
 so is a view of the server's memory, like one lent by a ``Get``, but holds no lease: it is
-*volatile* (``lmtier.chunk``), checked where it is copied and only as it was copied. If
+*volatile* (``lmtier.kv.chunk``), checked where it is copied and only as it was copied. If
 the server evicts it before the engine copies it, the copy fails its checksum, or the
 entry's move is seen after the copy, and it is a miss (counted in ``directory_races``);
 a failed check of an entry that did not move is damage, and the server's copy is deleted
@@ -33,11 +33,11 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from lmtier import codec
-from lmtier.chunk import Chunk
-from lmtier.directory import DirectoryReader, Entry
 from lmtier.errors import IntegrityError, NamespaceMismatch
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk
 from lmtier.tiers.grpc.memory import SharedMemory
+from lmtier.transport.directory import DirectoryReader, Entry
 
 ASK_S = 5.0  # a server without a directory readable here is asked again after this long
 REPORT_KEYS = 1024  # chunks read through the directory reported in one call at most

@@ -27,13 +27,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from lmtier import codec
 from lmtier.buffers import BufferPool
-from lmtier.chunk import Chunk, Lease, release_all
 from lmtier.errors import IntegrityError, TierError
-from lmtier.pieces import FrameAssembler, Piece, Region, pack, piece, split, unpack
-from lmtier.shm import Segment
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk, Lease, release_all
 from lmtier.tiers.grpc.memory import SharedMemory
+from lmtier.transport.pieces import FrameAssembler, Piece, Region, pack, piece, split, unpack
+from lmtier.transport.shm import Segment
 from lmtier.v1 import cache_pb2
 
 log = logging.getLogger(__name__)

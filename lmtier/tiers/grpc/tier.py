@@ -42,9 +42,8 @@ import grpc
 from lmtier import metrics
 from lmtier.breaker import Backoff
 from lmtier.buffers import BufferPool
-from lmtier.chunk import Chunk
 from lmtier.errors import ConfigError, TierError
-from lmtier.pieces import PIECE_BYTES
+from lmtier.kv.chunk import Chunk
 from lmtier.tiers.base import DEFAULT_PORTS, Capabilities, Tier, TierContext, TierURL, parse_bool
 from lmtier.tiers.grpc.channel import MAX_MESSAGE, Channel, credentials, failure, is_local
 from lmtier.tiers.grpc.data import DataChannel
@@ -52,6 +51,7 @@ from lmtier.tiers.grpc.memory import NoShm, SharedMemory
 from lmtier.tiers.grpc.published import DirectoryReads
 from lmtier.tiers.grpc.stream import GetStream, finish_slots, put_messages
 from lmtier.tiers.options import TLS_OPTIONS, TlsFiles, positive_seconds
+from lmtier.transport.pieces import PIECE_BYTES
 from lmtier.units import parse_size
 from lmtier.v1 import cache_pb2
 

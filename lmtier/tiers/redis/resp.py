@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lmtier import codec
 from lmtier.buffers import BufferPool
 from lmtier.errors import RetryableError, TierError
+from lmtier.kv import codec
 
 CRLF = b"\r\n"
 IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)

@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote
 
-from lmtier import codec, metrics
+from lmtier import metrics
 from lmtier.buffers import BufferPool
-from lmtier.chunk import Chunk
 from lmtier.errors import ConfigError, IntegrityError, TierError
+from lmtier.kv import codec
+from lmtier.kv.chunk import Chunk
 from lmtier.tiers.base import DEFAULT_PORTS, Tier, TierContext, TierURL, parse_bool
 from lmtier.tiers.options import TLS_OPTIONS, TlsFiles, positive_seconds, seconds
 from lmtier.tiers.redis.cluster import Router

@@ -30,9 +30,9 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from lmtier import codec
 from lmtier.buffers import BufferPool
 from lmtier.errors import FormatError, LmtierError
+from lmtier.kv import codec
 from lmtier.v1.cache_pb2 import Pieces
 
 # Field tags: (field number << 3) | wire type (0 varint, 2 length-delimited).

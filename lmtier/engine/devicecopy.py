@@ -29,7 +29,7 @@ kernels eight times the share of the device that one moving bytes would.
       .staging(tokens, chunks=1)       an empty staging buffer on the cache's device
 
 Block ids are the engine's (manager) block ids in token order; each stands for
-``ratio`` consecutive kernel blocks, as in ``lmtier.transfer``; ``kernel_index(block_ids)``
+``ratio`` consecutive kernel blocks, as in ``lmtier.engine.transfer``; ``kernel_index(block_ids)``
 makes that index once, for calls that reuse it (``gather`` and ``scatter`` take either).
 """
 
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 
 from lmtier.errors import LayoutError
-from lmtier.layout import KVLayout
+from lmtier.kv.layout import KVLayout
 
 
 class IndexCopier:

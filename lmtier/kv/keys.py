@@ -23,7 +23,7 @@ import numpy as np
 import xxhash
 
 from lmtier.errors import ConfigError, LayoutError
-from lmtier.layout import KVLayout
+from lmtier.kv.layout import KVLayout
 
 FORMAT_VERSION = 1  # bump when the canonical chunk bytes change meaning
 HASHES = ("xxh3", "sha256")

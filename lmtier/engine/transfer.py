@@ -40,10 +40,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmtier.devicecopy import IndexCopier
+from lmtier.engine.devicecopy import IndexCopier
+from lmtier.engine.layerload import LayerLoad, LoadPlan
 from lmtier.errors import LayoutError
-from lmtier.layerload import LayerLoad, LoadPlan
-from lmtier.layout import KVLayout
+from lmtier.kv.layout import KVLayout
 
 
 def check_chunk_size(chunk_tokens: int, block_size: int) -> None:
@@ -279,7 +279,7 @@ class CopyEngine:
     def load_layers(self, items: Sequence[tuple[Sequence[int], torch.Tensor]]) -> LayerLoad:
         """Copy each item's canonical KV (a host tensor for ``len(block_ids)`` blocks; a
         token slice of a chunk is fine) into its blocks, layer by layer: every item's layer
-        0, then every item's layer 1, and so on (``lmtier.layerload.LoadPlan`` says how). On CUDA the
+        0, then every item's layer 1, and so on (``lmtier.engine.layerload.LoadPlan`` says how). On CUDA the
         copies go on the load stream, with an event after each layer, and are issued
         ``LOAD_AHEAD`` layers ahead of the one the forward pass waits for
         (``LayerLoad.wait(i)`` issues up to ``i + LOAD_AHEAD``, then makes the current,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmtier.layout import KVLayout
+from lmtier.kv.layout import KVLayout
 from lmtier.units import format_bytes, format_si
 
 

@@ -49,14 +49,14 @@ import msgpack
 import numpy as np
 import xxhash
 
-from lmtier.chunk import Chunk, iter_segments
 from lmtier.errors import (
     ChecksumError,
     FormatError,
     LayoutMismatch,
     NamespaceMismatch,
 )
-from lmtier.layout import KVLayout
+from lmtier.kv.chunk import Chunk, iter_segments
+from lmtier.kv.layout import KVLayout
 
 MAGIC = b"LMTK"
 FRAME_VERSION = 1
@@ -309,7 +309,7 @@ def decode(
     ``lazy`` the payload is verified when the returned chunk is read, not here.
     ``payload_checksum``: the payload's xxh3-64 as a reader computed it while the bytes
     arrived; it stands for the payload pass (a mismatch is a ``ChecksumError``).
-    ``on_release`` and ``on_corrupt`` are handed to the chunk (see ``lmtier.chunk``).
+    ``on_release`` and ``on_corrupt`` are handed to the chunk (see ``lmtier.kv.chunk``).
     """
     header, payload = read_header(frame, payload)
     if payload_checksum is not None:

@@ -27,7 +27,7 @@ Policy, in one place:
   writer also checkpoints: four times every ``writeback_after`` seconds it writes down
   the chunks that have been in memory that long and that the policy would write at their eviction
   (``SavePolicy.checkpoint``); their eviction then writes nothing.
-- What reaches the lower tiers at all is the save policy's call (``lmtier.admission``):
+- What reaches the lower tiers at all is the save policy's call (``lmtier.store.admission``):
   ``always`` writes every chunk; ``reuse`` (write-back) writes what memory lets go once it
   has proven itself (read while resident, or seen by two requests) and new chunks only
   while such chunks measurably come back. Every ``put`` and ``get`` is a sighting.
@@ -51,13 +51,13 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Literal, TypeVar
 
 from lmtier import metrics
-from lmtier.admission import SavePolicy
 from lmtier.breaker import CircuitBreaker, QuietWarning
-from lmtier.chunk import Chunk, release_all
 from lmtier.errors import ConfigError
-from lmtier.events import DEFAULT_LIMIT as DEFAULT_EVENTS
-from lmtier.events import TierEvents
-from lmtier.fairqueue import FairQueue
+from lmtier.kv.chunk import Chunk, release_all
+from lmtier.store.admission import SavePolicy
+from lmtier.store.events import DEFAULT_LIMIT as DEFAULT_EVENTS
+from lmtier.store.events import TierEvents
+from lmtier.store.fairqueue import FairQueue
 from lmtier.tiers.base import Placement, Tier, TierContext, open_tier
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ class TieredStore:
         tier's own context (the server's memory tier keeps its slab in shared memory).
         ``wrap``: what stands in the store for each tier opened (the server re-keys an
         upstream server's tier). ``save_policy`` and ``min_tokens``: which chunks the lower
-        tiers get (``lmtier.admission``; its memory is sized by the tiers' capacity).
+        tiers get (``lmtier.store.admission``; its memory is sized by the tiers' capacity).
 
         A misconfigured URL raises ``ConfigError`` (or ``MissingDependency``), as does a
         store that refuses its tiers; either way every tier already opened is closed
@@ -618,7 +618,7 @@ class TieredStore:
             self.checkpointed += len(landed)
 
     def watch(self, limit: int = DEFAULT_EVENTS) -> TierEvents:
-        """The queue of what lands in and leaves each tier (``lmtier.events``), made on the
+        """The queue of what lands in and leaves each tier (``lmtier.store.events``), made on the
         first call and connected to every tier; later calls return the same queue."""
         with self._counts_lock:
             if self.events is None:

@@ -46,7 +46,7 @@ import xxhash
 
 from lmtier.buffers import populate_read
 from lmtier.errors import FormatError, LmtierError
-from lmtier.shm import Segment, SegmentMaps, locked
+from lmtier.transport.shm import Segment, SegmentMaps, locked
 
 MAGIC = b"LMTDIR01"
 # magic, version, sets, ways, head bytes, slots, slot bytes, interval, heartbeat, slab name

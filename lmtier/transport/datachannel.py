@@ -12,7 +12,7 @@ then requests, each followed by its answer::
     load      REQUEST: op b"GET1", key count n (1..max_keys), length of what follows;
               then n times: u8 length + key
       answer  ITEM: kind, length
-                FRAME  length bytes: one chunk's frame (lmtier.codec), in the keys' order
+                FRAME  length bytes: one chunk's frame (lmtier.kv.codec), in the keys' order
                 END    length = frames sent: the leading run held ends here
                 ERROR  length bytes of UTF-8: why the server refused; it closes then
     save      REQUEST: op b"PUT1", frame count n (1..max_keys), 0;

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from lmtier.devicecopy import IndexCopier
-from lmtier.layout import KVLayout
+from lmtier.engine.devicecopy import IndexCopier
+from lmtier.kv.layout import KVLayout
 
 
 class LoadPlan:

@@ -38,7 +38,7 @@ import numpy as np
 import xxhash
 
 from lmtier.errors import ChecksumError, LayoutError
-from lmtier.layout import KVLayout
+from lmtier.kv.layout import KVLayout
 
 
 class Chunk:
