@@ -2,7 +2,8 @@
 
 from lmtier import _moved  # noqa: F401  (old module names, deprecated)
 from lmtier.api import KVStore, open_store
-from lmtier.config import StoreConfig, load_config
+from lmtier.config.loading import load_config
+from lmtier.config.schema import StoreConfig
 from lmtier.errors import IntegrityError, LayoutError, LmtierError
 from lmtier.kv.chunk import Chunk
 from lmtier.kv.keys import Namespace, chunk_keys

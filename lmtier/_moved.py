@@ -37,6 +37,14 @@ MOVED = {
     "lmtier.admission": "lmtier.store.admission",
     "lmtier.fairqueue": "lmtier.store.fairqueue",
     "lmtier.events": "lmtier.store.events",
+    "lmtier.connectors.vllm_scheduler": "lmtier.connectors.vllm.scheduler",
+    "lmtier.connectors.vllm_worker": "lmtier.connectors.vllm.worker",
+    "lmtier.connectors.vllm_events": "lmtier.connectors.vllm.events",
+    "lmtier.connectors.vllm_groups": "lmtier.connectors.vllm.groups",
+    "lmtier.connectors.vllm_pd": "lmtier.connectors.vllm.pd",
+    "lmtier.connectors.vllm_plans": "lmtier.connectors.vllm.plans",
+    "lmtier.connectors.vllm_settings": "lmtier.connectors.vllm.settings",
+    "lmtier.connectors.vllm_stats": "lmtier.connectors.vllm.stats",
 }
 
 

@@ -19,12 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from lmtier.config import load_config, resolve_chunk_tokens
+from lmtier.config.loading import load_config
+from lmtier.config.schema import resolve_chunk_tokens
 from lmtier.errors import IntegrityError, LayoutError, MissingDependency
 from lmtier.kv.chunk import Chunk, release_all
 from lmtier.kv.keys import Namespace, as_token_array
 from lmtier.kv.layout import KVLayout, canonical_dtype, preset
-from lmtier.store.tiered import TieredStore, deadline_after, load_batch
+from lmtier.store.readpath import deadline_after, load_batch
+from lmtier.store.tiered import TieredStore
 from lmtier.tiers.base import TierContext
 
 

@@ -482,7 +482,7 @@ def test_a_client_cannot_name_the_servers_own_segment(tmp_path):
 
 def test_a_lease_ends_after_its_time_whatever_its_owner(monkeypatch):
     leases = Leases(1 << 20, "/nonexistent", ttl=0.0)
-    monkeypatch.setattr(shm, "alive", lambda directory, name: True)  # an owner that never dies
+    monkeypatch.setattr("lmtier.server.leases.alive", lambda directory, name: True)  # an owner that never dies
     chunk = make_prompt(1, seed=406).chunks()[0]
     lease = leases.open(b"t" * 16, "lmtier-" + "ef" * 16)
     assert leases.hold(lease, chunk)
@@ -554,7 +554,7 @@ def test_a_bracketed_ipv6_host_is_its_address():
 
 
 def test_the_events_tenant_digest_is_salted_per_deployment_and_full_length(monkeypatch):
-    from connectors.vllm_events import tenant_digest, tier_labels
+    from lmtier.connectors.vllm.events import tenant_digest, tier_labels
 
     monkeypatch.delenv("LMTIER_EVENTS_SALT", raising=False)
     tenant_digest.cache_clear()

@@ -37,9 +37,9 @@ def test_every_subcommand_prints_its_help(command, tmp_path):
 def test_lmtier_bench_help_outside_a_checkout(tmp_path, monkeypatch, capsys):
     """An installed wheel has no benchmark runner to forward ``--help`` to: its own help,
     saying where the runner is, instead of an error."""
-    import lmtier.cli
+    import lmtier.cli.demo
 
-    monkeypatch.setattr(lmtier.cli, "_BENCH_RUNNERS", (tmp_path / "benchmarks" / "run.py",))
+    monkeypatch.setattr(lmtier.cli.demo, "_BENCH_RUNNERS", (tmp_path / "benchmarks" / "run.py",))
     for flag in ("--help", "-h"):
         assert main(["bench", flag]) == 0
         out = capsys.readouterr().out

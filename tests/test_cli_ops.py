@@ -286,9 +286,9 @@ def test_lmtier_bench_is_deprecated_and_forwards_to_the_runner(tmp_path):
 
 
 def test_lmtier_bench_outside_a_checkout_says_where_the_runner_lives(tmp_path, monkeypatch, capsys):
-    import lmtier.cli
+    import lmtier.cli.demo
 
-    monkeypatch.setattr(lmtier.cli, "_BENCH_RUNNERS", (tmp_path / "benchmarks" / "run.py",))  # an installed wheel
+    monkeypatch.setattr(lmtier.cli.demo, "_BENCH_RUNNERS", (tmp_path / "benchmarks" / "run.py",))  # an installed wheel
     assert main(["bench", "--short"]) == 2
     assert "source checkout" in capsys.readouterr().err
 

@@ -142,7 +142,7 @@ def test_warm_maps_the_first_pages_before_any_chunk_arrives(monkeypatch):
     """An engine warms its store when it starts: the slab's first ``PREFAULT_AHEAD`` bytes
     are mapped before the first load copies lower-tier hits into it, and no more."""
     from lmtier.store.tiered import TieredStore
-    from lmtier.tiers import cpu
+    from lmtier.tiers.cpu import slab as cpu
 
     monkeypatch.setattr(cpu, "PREFAULT_AHEAD", 8 << 20)
     tier = CpuTier(size=64 << 20, slot=1 << 20)
@@ -161,7 +161,7 @@ def test_warm_maps_the_first_pages_before_any_chunk_arrives(monkeypatch):
 
 
 def test_the_slab_is_faulted_in_ahead_of_the_slots_in_use_and_no_further(monkeypatch):
-    from lmtier.tiers import cpu
+    from lmtier.tiers.cpu import slab as cpu
 
     monkeypatch.setattr(cpu, "PREFAULT_AHEAD", 8 << 20)
     tier = CpuTier(size=64 << 20, slot=1 << 20)

@@ -92,7 +92,7 @@ def test_the_sidecar_agrees_with_lmtiers_configuration(tmp_path):
     volumes = {v["name"]: v for v in pod["volumes"]}
 
     # the connector: its settings parse, and it reads the mounted config file
-    from connectors.vllm import EXTRA_KEYS
+    from lmtier.connectors.vllm import EXTRA_KEYS
 
     arg = next(a for a in engine["args"] if a.startswith("--kv-transfer-config="))
     transfer = json.loads(arg.split("=", 1)[1])
@@ -231,7 +231,7 @@ def test_the_image_build_stage_has_all_it_needs_to_build_a_wheel_with_the_server
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = tmp_path.glob("lmtier-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "lmtier/server/app.py" in names and "lmtier/connectors/vllm.py" in names
+    assert "lmtier/server/app.py" in names and "lmtier/connectors/vllm/__init__.py" in names
 
 
 def test_kustomizations_are_read_in_full():

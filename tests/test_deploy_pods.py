@@ -162,7 +162,7 @@ def _flag(args: list[str], name: str) -> float:
 
 @pytest.mark.parametrize("directory", ["sidecar", "overlays/production"])
 def test_a_sidecar_pod_stops_engine_first_within_its_grace_period(directory, tmp_path):
-    from connectors.vllm import LMTierConnector
+    from lmtier.connectors.vllm import LMTierConnector
 
     docs = built(directory)
     pod = pod_spec(in_build(docs, "Deployment", "vllm-lmtier"))

@@ -121,7 +121,7 @@ def test_a_tier_that_opens_late_announces_through_the_listener_set_before(tmp_pa
 def test_the_event_book_turns_records_into_vllm_events_and_forgets_them_at_a_reset():
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    from lmtier.connectors.vllm_events import EventBook, LMTierKVEvents
+    from lmtier.connectors.vllm.events import EventBook, LMTierKVEvents
 
     tiers = ["cpu://?size=1GiB", "redis://cache:6379?password=secret"]
     book = EventBook(tiers, chunk_tokens=4, tp_size=2, specs=[("full_attention", None)])
@@ -148,7 +148,7 @@ def test_the_event_book_turns_records_into_vllm_events_and_forgets_them_at_a_res
 def test_ownership_names_what_is_shared_however_the_url_is_written(monkeypatch):
     """A router counts a shared chunk once per ownership: the same key space written three
     ways is one owner; another tenant, database or key prefix is another; no secret shows."""
-    from lmtier.connectors.vllm_events import tier_labels
+    from lmtier.connectors.vllm.events import tier_labels
 
     def owner(url):
         return tier_labels(url)[2]

@@ -544,7 +544,7 @@ def test_sweep_leaves_the_segments_of_live_clients_alone(tmp_path):
 def test_a_growing_segment_reserves_its_memory_as_its_slots_are_taken(tmp_path, monkeypatch):
     """A client's segment reserves its first step at once and the next ones as slots run
     low, on a thread of its own: every slot handed out lies in reserved memory."""
-    monkeypatch.setattr(shm, "GROW_STEP", 256 << 10)  # 4 slots a step
+    monkeypatch.setattr(shm.segment, "GROW_STEP", 256 << 10)  # 4 slots a step
     segment = shm.Segment(str(tmp_path), 1 << 20, 64 << 10, grow=True)
     try:
         assert os.stat(segment.path).st_blocks * 512 == 256 << 10  # one step, of a 1 MiB segment

@@ -17,7 +17,7 @@ from lmtier.testing.certs import make_certificates
 from lmtier.testing.redis_cluster import RedisCluster
 from lmtier.testing.redis_server import RedisServer
 from lmtier.tiers.base import open_tier
-from lmtier.tiers.deferred import DeferredTier
+from lmtier.tiers.deferred import DeferredTier, open_or_defer
 from lmtier.tiers.redis import RedisTier
 
 from conftest import eventually, make_namespace, make_prompt
@@ -294,7 +294,7 @@ def test_a_cluster_that_does_not_answer_at_start_misses_and_is_opened_once_it_do
         with pytest.raises(TierError):
             open_tier(url)  # without defer, as before: the caller decides
         with caplog.at_level(logging.WARNING):
-            tier = open_tier(url, defer=True)
+            tier = open_or_defer(url)
         assert isinstance(tier, DeferredTier)
         said = [r.getMessage() for r in caplog.records if r.name == "lmtier.tiers.deferred"]
         assert len(said) == 1 and "cannot be opened now" in said[0]
@@ -314,7 +314,7 @@ def test_a_cluster_that_does_not_answer_at_start_misses_and_is_opened_once_it_do
     finally:
         tier.close()
     with pytest.raises(ConfigError):
-        open_tier(redis_cluster.url + "?timeout=-1", defer=True)
+        open_or_defer(redis_cluster.url + "?timeout=-1")
 
 
 @pytest.mark.parametrize(
@@ -342,11 +342,11 @@ def test_a_cluster_node_that_is_not_ready_yet_is_retried_and_a_misconfigured_one
         url = f"redis+cluster://127.0.0.1:{fake.server_address[1]}?timeout=1"
         try:
             if opens == "deferred":
-                tier = open_tier(url, defer=True)
+                tier = open_or_defer(url)
                 assert isinstance(tier, DeferredTier) and tier.contains([b"k" * 16]) == 0
                 tier.close()
             else:
                 with pytest.raises(ConfigError):
-                    open_tier(url, defer=True)
+                    open_or_defer(url)
         finally:
             fake.shutdown()

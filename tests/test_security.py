@@ -588,9 +588,9 @@ def test_tenants_are_kept_apart_by_a_128_bit_cryptographic_digest_of_their_names
 
 def test_stats_counts_a_tenants_chunks_up_to_a_bound(monkeypatch):
     """Stats does not list a tenant's every key: it counts up to STATS_COUNT_LIMIT."""
-    from lmtier.server import service
+    from lmtier.server import service_control
 
-    monkeypatch.setattr(service, "STATS_COUNT_LIMIT", 4)
+    monkeypatch.setattr(service_control, "STATS_COUNT_LIMIT", 4)
     srv, address = two_tenant_server()
     channel = grpc.insecure_channel(address)
     try:

@@ -294,7 +294,7 @@ def test_unregistered_backend_misses_and_stats(tmp_path):
 
 def test_storage_metrics_keep_the_latest_samples_when_sglang_never_asks(monkeypatch):
     """Without --enable-storage-metrics SGLang never calls get_stats: the samples stay bounded."""
-    from lmtier.connectors import sglang as backend_module
+    from lmtier.connectors.sglang import storage as backend_module
 
     monkeypatch.setattr(backend_module, "METRIC_SAMPLES", 5)
     storage, pool = backend(["cpu://?size=16MiB"])

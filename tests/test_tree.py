@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 TOOLING = ("lmtier.demo", "lmtier.testing")
 # (importing module, function) pairs allowed to reach tooling: `lmtier demo` runs the demo.
-TOOLING_DOORS = {("lmtier.cli", "cmd_demo")}
+TOOLING_DOORS = {("lmtier.cli.demo", "cmd_demo")}
 LONGEST = 450  # lines of a product file
 
 

@@ -23,7 +23,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from lmtier.connectors.vllm import LMTierConnector
-from lmtier.connectors.vllm_settings import NOTE_ENV
+from lmtier.connectors.vllm.settings import NOTE_ENV
 from lmtier.errors import ConfigError
 from lmtier.testing.tinymodel import build
 

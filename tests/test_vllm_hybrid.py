@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request
 
 from lmtier.connectors.vllm import LMTierConnector
-from lmtier.connectors.vllm_groups import groups_of
+from lmtier.connectors.vllm.groups import groups_of
 from lmtier.errors import ConfigError
 from lmtier.kv.chunk import Chunk
 from lmtier.testing.engine import prefill_problems, run_engine

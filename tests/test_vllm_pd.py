@@ -21,7 +21,7 @@ from vllm.v1.request import Request
 
 from lmtier.config import StoreConfig
 from lmtier.connectors.vllm import LMTierConnector
-from lmtier.connectors.vllm_pd import Handoff, role_of
+from lmtier.connectors.vllm.pd import Handoff, role_of
 from lmtier.errors import ConfigError
 
 
@@ -257,7 +257,7 @@ def test_a_crowd_of_waiting_handoffs_costs_a_step_a_bounded_number_of_lookups(mo
     """Each waiting hand-off is a lookup in the shared tier; however many wait, a step
     makes at most HANDOFF_LOOKS_PER_STEP of them (and none for one looked at in the last
     RECHECK_S), so that a crowd cannot make every step wait on the network."""
-    from lmtier.connectors.vllm_scheduler import HANDOFF_LOOKS_PER_STEP
+    from lmtier.connectors.vllm.lookup import HANDOFF_LOOKS_PER_STEP
 
     scheduler, config = producer(model, redis)
     worker = worker_for(config)
@@ -332,11 +332,11 @@ def test_a_role_its_tiers_cannot_serve_is_told_as_the_engines_last_line(tmp_path
     import subprocess
     import sys
 
-    from lmtier.connectors.vllm_settings import NOTE_ENV
+    from lmtier.connectors.vllm.settings import NOTE_ENV
 
     note = tmp_path / "note"
     code = (
-        "from lmtier.connectors.vllm_settings import settings\n"
+        "from lmtier.connectors.vllm.settings import settings\n"
         "try:\n    settings({'tiers': ['cpu://?size=1MiB']}, 'kv_consumer')\n"
         "except Exception as e:\n    print(type(e).__name__)\n"
     )

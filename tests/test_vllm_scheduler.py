@@ -22,7 +22,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from lmtier.connectors.vllm import LMTierConnector, LMTierMetadata, _typed
+from lmtier.connectors.vllm import LMTierConnector, LMTierMetadata
+from lmtier.connectors.vllm.worker import _typed
 from lmtier.engine.transfer import CopyEngine
 from lmtier.kv.chunk import Chunk
 from lmtier.kv.layout import KVLayout
@@ -375,7 +376,7 @@ def test_prompts_shorter_than_min_tokens_are_not_saved(vllm_config):
 def test_cpu_engines_with_another_block_size_or_instruction_set_never_share_chunks(vllm_config):
     """vLLM's CPU cache keeps a block's K rows, then its V rows, and packs K for the CPU's
     attention instruction set: the bytes of a chunk depend on both, so both are in the keys."""
-    from lmtier.connectors.vllm import _engine_identity
+    from lmtier.connectors.vllm.connector import _engine_identity
 
     here = _engine_identity(vllm_config)
     assert here.startswith("vllm-cpu/block=64/isa=")

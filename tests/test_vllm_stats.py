@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lmtier.connectors.vllm import LMTierConnector
-from lmtier.connectors.vllm_stats import Interval, LMTierStats, hit_sources
+from lmtier.connectors.vllm.stats import Interval, LMTierStats, hit_sources
 
 
 def test_an_interval_reports_what_changed_then_starts_over():

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmtier.config import resolve_chunk_tokens
+from lmtier.config.schema import resolve_chunk_tokens
 from lmtier.kv.layout import KVLayout
 from lmtier.testing.engine import LOGPROB_TOLERANCE, compare_answers, run_engine
 from lmtier.testing.tinymodel import build

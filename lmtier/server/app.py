@@ -30,15 +30,17 @@ import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lmtier import metrics
-from lmtier.config import ServerConfig, warn_weak_tokens
+from lmtier.config.schema import ServerConfig
+from lmtier.config.tokens import warn_weak_tokens
 from lmtier.server.auth import PROBE_TAG, TAG_BYTES, Authenticator
+from lmtier.server.calls import Gate
 from lmtier.server.chain import UpstreamTier
 from lmtier.server.data import DataChannel
 from lmtier.server.health import NOT_SERVING, SERVICE_NAME, SERVING, Health
-from lmtier.server.service import SERVICE, CacheService, Gate
+from lmtier.server.service import SERVICE, CacheService
 from lmtier.store.tiered import TieredStore
 from lmtier.tiers.base import Tier, TierContext
-from lmtier.transport import shm
+from lmtier.transport.shm.segment import sweep
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +154,7 @@ class CacheServer:
                 raise OSError(f"cannot serve metrics on {where}: {exc}") from exc
             self.metrics_port = self._http.server_address[1]
         if self.config.shm_dir:  # segments of servers and clients that died (kill -9) since
-            shm.sweep(self.config.shm_dir)
+            sweep(self.config.shm_dir)
         self.store.warm()  # the memory tier's slab mapped, its first pages faulted in
         self._set_ready(self.probe())
         self.grpc.start()
@@ -245,7 +247,7 @@ class CacheServer:
                         metrics.TIER_USED_BYTES.labels(stats["tier"]).set(stats["used_bytes"])
                 if self.config.shm_dir and clock - swept_at >= SWEEP_EVERY_S:
                     swept_at = clock
-                    shm.sweep(self.config.shm_dir)
+                    sweep(self.config.shm_dir)
                     if self.service.maps is not None:  # a swept segment's memory comes back now
                         self.service.maps.prune()
             except Exception:  # the prober must outlive anything

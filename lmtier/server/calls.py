@@ -8,6 +8,7 @@ tenant resolved, admitted, counted, and any failure turned into a status.
         .uploads(name, fn) -> the same for a client-streaming method (Put)
         .bidi(name, fn) -> the same for one streaming both ways (gRPC reflection)
         .in_flight(tag) -> int
+    Gate(methods, auth)                     methods behind a check of the call's credentials
 
 Every behaviour is registered as request-streaming (``handlers``), whatever the method's
 shape on the wire: gRPC then runs it as soon as the call's headers are in, not once its
@@ -220,6 +221,26 @@ def refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
         yield from ()
 
     return grpc.stream_stream_rpc_method_handler(refuse)
+
+
+class Gate(grpc.GenericRpcHandler):
+    """The service's methods behind a check of the call's credentials as its headers
+    arrive: a call without a known token is refused there (``UNAUTHENTICATED``), before
+    gRPC gives it a worker or reads its request, however large."""
+
+    def __init__(self, methods: grpc.GenericRpcHandler, auth: Authenticator) -> None:
+        self.methods = methods
+        self.auth = auth
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = self.methods.service(handler_call_details)
+        if handler is None:
+            return None
+        reason = self.auth.refuse(handler_call_details.invocation_metadata)
+        if reason is None:
+            return handler
+        metrics.SERVER_REFUSED.inc()
+        return refusal(grpc.StatusCode.UNAUTHENTICATED, reason)
 
 
 def _parsed(request_type: Any, raw: Any) -> Any:

@@ -52,7 +52,7 @@ from lmtier.kv.chunk import release_all
 from lmtier.server.calls import Abort
 from lmtier.server.data_limits import Places, Tickets
 from lmtier.server.data_saves import Pace, receive, recv_paced
-from lmtier.tiers.cpu import CpuTier
+from lmtier.tiers.cpu.tier import CpuTier
 from lmtier.transport.datachannel import (
     END,
     ERROR,

@@ -34,8 +34,9 @@ from lmtier.errors import LmtierError
 from lmtier.kv import codec
 from lmtier.kv.chunk import Chunk
 from lmtier.server.calls import Abort
-from lmtier.server.service import HEAD_READ, PUT_BATCH, PUT_BATCH_BYTES, _check_key
-from lmtier.tiers.cpu import CpuTier
+from lmtier.server.service_checks import check_key
+from lmtier.server.service_saves import HEAD_READ, PUT_BATCH, PUT_BATCH_BYTES
+from lmtier.tiers.cpu.tier import CpuTier
 from lmtier.transport.datachannel import FRAME, ITEM, Closed
 
 SCRATCH = 1 << 20  # bytes read past at a time (a chunk held already)
@@ -138,7 +139,7 @@ def _one(service, landing, sock, tag, length, head, damaged, pace):
 def _land(landing, sock, tag, header, start, view, length, damaged, pace):
     """The frame's payload straight into the memory tier's slots; None where it cannot
     land (no run of slots free: the usual way)."""
-    _check_key(header.key, "the chunk key")
+    check_key(header.key, "the chunk key")
     key, first = tag + header.key, len(view)
     placement = landing.place(key, length - start, written=False)
     if placement is None:

@@ -21,7 +21,7 @@ import threading
 import time
 
 from lmtier.kv.chunk import Chunk, release_all
-from lmtier.transport import shm
+from lmtier.transport.shm.segment import alive
 
 
 class Leases:
@@ -71,7 +71,7 @@ class Leases:
         holds memory that long at most); everything at shutdown."""
         with self._lock:
             owners = {e["owner"] for e in self._leases.values() if e["ended"]}
-        gone = owners if everything else {o for o in owners if not shm.alive(self.shm_dir, o)}
+        gone = owners if everything else {o for o in owners if not alive(self.shm_dir, o)}
         old = time.monotonic() - self.ttl
         with self._lock:
             for lease in [

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from lmtier.kv import codec
 from lmtier.kv.layout import KVLayout
-from lmtier.tiers.cpu import CpuTier
+from lmtier.tiers.cpu.tier import CpuTier
 from lmtier.transport.directory import HEAD_BYTES, DirectoryWriter
 
 

@@ -350,26 +350,15 @@ def check_tier_url(url: str) -> None:
     parsed.typed_options(tier_class(parsed.scheme).OPTIONS)  # type: ignore[attr-defined]
 
 
-def open_tier(url: str, context: TierContext | None = None, *, defer: bool = False) -> Tier:
+def open_tier(url: str, context: TierContext | None = None) -> Tier:
     """Build the tier a URL names: ``open_tier("cpu://?size=8GiB")``.
 
-    A misconfigured URL raises ``ConfigError`` (or ``MissingDependency``). With ``defer``
-    a tier that is configured well but cannot be opened now (a server down, a directory
-    locked) comes back as a ``DeferredTier`` that misses and opens it again later, instead
-    of raising: what an engine wants at start (``lmtier.tiers.deferred``). A configured
-    list of tiers is opened by ``TieredStore.open``, which closes the tiers it opened when
-    a later one fails.
+    A misconfigured URL raises ``ConfigError`` (or ``MissingDependency``); a tier that is
+    configured well but cannot be opened now (a server down, a directory locked) raises
+    what it raised, for the caller to decide: ``lmtier.tiers.deferred.open_or_defer``
+    returns a ``DeferredTier`` instead, what an engine wants at start. A configured list
+    of tiers is opened by ``TieredStore.open``, which closes the tiers it opened when a
+    later one fails.
     """
     parsed = TierURL.parse(url)
-    cls = tier_class(parsed.scheme)
-    context = context or TierContext()
-    if not defer:
-        return cls.from_url(parsed, context)  # type: ignore[attr-defined]
-    from lmtier.tiers.deferred import MISCONFIGURED, DeferredTier
-
-    try:
-        return cls.from_url(parsed, context)  # type: ignore[attr-defined]
-    except MISCONFIGURED:
-        raise
-    except Exception as exc:  # unreachable for now: retried
-        return DeferredTier(cls, parsed, context, exc)
+    return tier_class(parsed.scheme).from_url(parsed, context or TierContext())  # type: ignore[attr-defined]

@@ -3,8 +3,8 @@
 A misconfigured tier (a bad URL, an unknown option, a bad value, a missing extra) is an
 error at start: nothing will fix it but the operator. An *unreachable* one is not: Redis
 restarting, the cache server not up yet, a disk directory locked by another process that
-is opening it too. An engine must not die of that. ``open_tier(url, defer=True)`` then
-returns a ``DeferredTier``, which
+is opening it too. An engine must not die of that. ``open_or_defer(url)`` then returns a
+``DeferredTier``, which
 
 - says so in one warning,
 - misses (``contains`` 0, ``get`` all None, ``put`` dropped and counted, ``delete`` a
@@ -12,6 +12,9 @@ returns a ``DeferredTier``, which
 - opens the real tier again in a background thread, at most once per backoff interval
   (doubling up to ``MAX_BACKOFF_S``), triggered by the calls it gets,
 - and once that succeeds hands every call to the real tier.
+
+    open_or_defer(url, context) -> Tier     ``open_tier``, or a DeferredTier for an unreachable one
+    DeferredTier(cls, url, context, error)  misses until its real tier opens
 """
 
 from __future__ import annotations
@@ -27,13 +30,29 @@ from typing import Any
 from lmtier.breaker import Backoff
 from lmtier.errors import TierError
 from lmtier.kv.chunk import Chunk
-from lmtier.tiers.base import Capabilities, Placement, Placer, Tier, TierContext, TierURL
+from lmtier.tiers.base import Capabilities, Placement, Placer, Tier, TierContext, TierURL, tier_class
 
 log = logging.getLogger(__name__)
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 # What a constructor raises for a configuration that can never work: not retried.
 MISCONFIGURED = (ValueError, TypeError, ImportError)
+
+
+def open_or_defer(url: str, context: TierContext | None = None) -> Tier:
+    """The tier a URL names (``open_tier``), or, where it is configured well but cannot be
+    opened now (a server down, a directory locked), a ``DeferredTier`` that misses and
+    opens it again later, instead of raising. A misconfigured URL still raises
+    ``ConfigError`` (or ``MissingDependency``)."""
+    parsed = TierURL.parse(url)
+    cls = tier_class(parsed.scheme)
+    context = context or TierContext()
+    try:
+        return cls.from_url(parsed, context)  # type: ignore[attr-defined]
+    except MISCONFIGURED:
+        raise
+    except Exception as exc:  # unreachable for now: retried
+        return DeferredTier(cls, parsed, context, exc)
 
 
 class DeferredTier(Tier):

@@ -46,7 +46,8 @@ import xxhash
 
 from lmtier.buffers import populate_read
 from lmtier.errors import FormatError, LmtierError
-from lmtier.transport.shm import Segment, SegmentMaps, locked
+from lmtier.transport.shm.access import SegmentMaps
+from lmtier.transport.shm.segment import Segment, locked
 
 MAGIC = b"LMTDIR01"
 # magic, version, sets, ways, head bytes, slots, slot bytes, interval, heartbeat, slab name

@@ -1,7 +1,12 @@
 """``file:///mnt/nvme/lmtier?size=500GiB``: chunks in log-structured segment files.
 
-    tier       DiskTier: the Tier primitives, reads and appends, the size bound
+    tier       DiskTier: the Tier primitives, construction, stats, reconcile on open
+    write      WritePath: a batch's appends, room made for it, its commit within the bound
+    read       ReadPath: keys located, runs of frames read with preadv, damage healed
+    segment    OwnSegment: the segment this process appends to (made, replaced, sealed)
     space      Space: eviction, compaction, crash recovery, the old layout's migration
+    shares     Shares: tenants' fair shares, where tenants share the tier
+    claim      whether a directory is the tier's; which names in it are ours
     files      SegmentFiles: segment names, appends, preadv of consecutive frames, scans
     pagecache  whether a run is in the page cache; starting writeback
     index      DiskIndex: SQLite beside the segments (where each chunk lies, recency, sizes)

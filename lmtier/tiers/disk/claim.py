@@ -1,7 +1,12 @@
-"""Which directory a disk tier may take as its own: checked before anything in it is
-touched (``DiskTier`` calls ``claim`` first).
+"""Which directory a disk tier may take as its own, and which names in it are the tier's:
+checked before anything in it is touched (``DiskTier`` calls ``claim`` first), and asked
+again wherever the tier removes or adopts a file, so that it never touches a stranger.
 
-    claim(root)       ConfigError unless ``root`` is the tier's to use
+    claim(root)              ConfigError unless ``root`` is the tier's to use
+    segment_name(name)       a segment's name as ``files`` makes them (anything else is a stranger)
+    temporary(name)          a name a writer gives what it makes in tmp/
+    legacy_chunk(entry)      a chunk file of the one-file-per-chunk layout
+    index_kind(path)         "ours", "unknown", or what the database there is instead
 """
 
 from __future__ import annotations
@@ -11,8 +16,8 @@ import re
 from pathlib import Path
 
 from lmtier.errors import ConfigError
-from lmtier.tiers.disk.files import segment_name
 
+_NAME = re.compile(r"[0-9]+-[0-9a-f]{12}-[0-9]+\.seg")  # SegmentFiles.new_name's
 # what writers leave in tmp/: a segment being made, an O_DIRECT probe, a chunk file of the
 # one-file-per-chunk layout being written
 _TEMP = re.compile(r"[0-9]+-(?:[0-9a-f]{12}-[0-9]+\.(?:seg|tmp)|odirect-probe\.tmp)")
@@ -66,6 +71,11 @@ def claim(root: Path) -> None:
         raise ConfigError(
             f"{root} holds files a disk tier did not write ({shown}): give the tier a directory of its own"
         )
+
+
+def segment_name(name: str) -> bool:
+    """Whether a name in segments/ is one a writer of the tier gives its segments."""
+    return _NAME.fullmatch(name) is not None
 
 
 def temporary(name: str) -> bool:

@@ -17,7 +17,6 @@ alignment, buffers and O_DIRECT rules; split, each part would re-derive them.
       .remove_dead_temporaries()          what crashed writers left in tmp/
     Writer.append(frames) -> [offset]     one sequential write at the segment's end
     Writer.write_at(frames, offset)       one pwritev at a place taken already (a batch's pieces)
-    segment_name(name) -> bool            a name this tier made (anything else is a stranger)
 
 A segment is a sequence of codec frames, each starting at a multiple of ``ALIGN`` and
 padded with zeros to the next one. Aligned frames cost at most 4 KiB each (1.5% of a
@@ -33,7 +32,8 @@ asked per run), where the filesystem supports O_DIRECT; the measurements behind 
 docs/architecture.md ("The disk tier").
 
 Names are ``<pid>-<random>-<n>.seg`` (unique across processes, hosts and PID namespaces
-sharing the directory); no key ever reaches a path. A writer makes its segment under
+sharing the directory; ``claim.segment_name`` tells them from strangers); no key ever
+reaches a path. A writer makes its segment under
 ``tmp/``, takes an exclusive ``flock`` on it and renames it into ``segments/``, so any
 process can tell a live writer's segment (locked) from a dead one's (free: the kernel
 drops the lock with the process, SIGKILL included), whatever PID namespace it lives in.
@@ -45,7 +45,6 @@ import errno
 import fcntl
 import itertools
 import os
-import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -58,18 +57,14 @@ from lmtier.errors import IntegrityError
 from lmtier.kv import codec
 from lmtier.kv.chunk import Chunk, iter_segments
 from lmtier.tiers.disk import pagecache
-from lmtier.transport.shm import locked
+from lmtier.tiers.disk.claim import temporary
+from lmtier.transport.shm.segment import locked
 
 SUFFIX = ".seg"
 STALE_TEMP_S = 600.0  # a file in tmp/ untouched this long belongs to no live writer
 MAX_FRAME = 1 << 31  # a frame claiming more is not ours: refuse before allocating
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
-_NAME = re.compile(r"[0-9]+-[0-9a-f]{12}-[0-9]+\.seg")
 _ZEROS = bytes(ALIGN)
-
-
-def segment_name(name: str) -> bool:
-    return _NAME.fullmatch(name) is not None
 
 
 @dataclass
@@ -279,8 +274,6 @@ class SegmentFiles:
         cutoff = time.time() - STALE_TEMP_S
         if self.tmp.is_symlink():  # replaced since the tier claimed it: never follow it
             return
-        from lmtier.tiers.disk.claim import temporary
-
         for entry in os.scandir(self.tmp):
             try:
                 if temporary(entry.name) and entry.stat(follow_symlinks=False).st_mtime < cutoff:

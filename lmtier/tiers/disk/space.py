@@ -2,11 +2,11 @@
 copied forward to make that room, and what crashes and the older layout left behind.
 Everything here runs inside one of the tier's index transactions (under its write lock).
 
-    Space(tier)
+    Space(files, own, capacity, tenant_prefix, name, count, announce)
       .room(txn, keep, writer) -> int         the most bytes a put may add now
       .earn(nbytes)                           a put's credit for copying forward
       .free(txn, short, keep, writer, batch)  evict and reclaim until ``short`` more bytes are free
-    Shares                                    tenants' fair shares, where tenants share the tier
+                                              (where tenants share the tier, by ``shares``)
       .reap(txn, segs, own)                   remove segments nothing live is left in
       .recover(txn) -> (adopted, forgotten)   the index in line with the segment files
       .migrate(txn) -> int                    the one-file-per-chunk layout, adopted
@@ -28,23 +28,20 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from lmtier import metrics
 from lmtier.buffers import round_up
 from lmtier.errors import ConfigError
 from lmtier.kv import codec
-from lmtier.tiers.disk.claim import legacy_chunk
-from lmtier.tiers.disk.files import MAX_FRAME, Frame, Writer, segment_name
+from lmtier.tiers.disk.claim import legacy_chunk, segment_name
+from lmtier.tiers.disk.files import MAX_FRAME, Frame, SegmentFiles, Writer
 from lmtier.tiers.disk.index import Location, Segment, Txn
+from lmtier.tiers.disk.segment import OwnSegment
+from lmtier.tiers.disk.shares import Shares
 
 log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from lmtier.tiers.disk.tier import DiskTier
-
 COMPACT_RATIO = 0.5  # bytes compaction may copy forward per byte stored, over time
 CREDIT_PUTS = 4  # see ``Space.earn``
 COPY_PIECE = 32 << 20  # a compaction copies this much at a time (memory it holds)
@@ -52,16 +49,33 @@ LEGACY_SUFFIX = ".lmt"  # chunks/<byte>/<hex key>.lmt: one file per chunk (lmtie
 
 
 class Space:
-    def __init__(self, tier: DiskTier) -> None:
-        self.tier = tier
-        self.files = tier.files
+    def __init__(
+        self,
+        files: SegmentFiles,
+        own: OwnSegment,
+        *,
+        capacity: int,
+        tenant_prefix: int,
+        name: str,
+        count: Callable[[str, int], None],
+        announce: Callable[[str, Sequence[bytes]], None],
+    ) -> None:
+        """``own``: this process's segment (never reclaimed while open; compactions copy
+        into it). ``count`` and ``announce``: the tier's counters and its listener."""
+        self.files = files
+        self.own = own
+        self.capacity = capacity
+        self.tenant_prefix = tenant_prefix
+        self.name = name
+        self.count = count
+        self.announce = announce
         self.credit = 0.0  # bytes compaction may still copy (see ``free``)
 
     # -- room for a put -------------------------------------------------------------------
     def reclaimable(self, txn: Txn, writer: Writer | None) -> list[Segment]:
         """Segments no live writer appends to: sealed ones, and a dead writer's (whose
         uncommitted tail is cut off, and which is sealed now)."""
-        own = self.tier._writer
+        own = self.own.writer
         out = []
         for seg in txn.segments():
             if (writer is not None and seg.id == writer.id) or (own is not None and seg.id == own.id):
@@ -81,13 +95,13 @@ class Space:
         segs = self.reclaimable(txn, writer)
         ids = {s.id for s in segs}
         kept = sum(round_up(loc.len) for loc in txn.locate(list(keep)).values() if loc.seg in ids)
-        return max(0, self.tier.capacity - txn.usage() + sum(s.size for s in segs) - kept)
+        return max(0, self.capacity - txn.usage() + sum(s.size for s in segs) - kept)
 
     def earn(self, nbytes: int) -> None:
         """A put of ``nbytes``: credit for ``COMPACT_RATIO`` times as many bytes of copying,
         kept up to a segment's worth (or four such puts', in a tier of tiny segments),
         which bounds what one put may copy."""
-        cap = math.inf if math.isinf(COMPACT_RATIO) else max(self.tier.segment_bytes, CREDIT_PUTS * nbytes)
+        cap = math.inf if math.isinf(COMPACT_RATIO) else max(self.own.segment_bytes, CREDIT_PUTS * nbytes)
         self.credit = min(self.credit + COMPACT_RATIO * nbytes, cap)  # inf: exact LRU, whatever it copies
 
     def free(self, txn: Txn, short: int, keep: set[bytes], writer: Writer | None, batch: int | None) -> int:
@@ -100,13 +114,13 @@ class Space:
         tenants share the tier, only chunks ``Shares`` allows are evicted. Returns what is
         still short (the caller stores less)."""
         segs = {s.id: [s.size, s.live] for s in self.reclaimable(txn, writer)}
-        shares = Shares.of(txn, self.tier.tenant_prefix, self.tier.capacity, keep, batch or 0)
+        shares = Shares.of(txn, self.tenant_prefix, self.capacity, keep, batch or 0)
         budget = float("inf") if batch is None else self.credit  # a reopen (None) copies what it must
         if shares is not None:
             # Tenants: evict what the chunks themselves take over the capacity, by the
             # shares' rule, and compact whatever that costs: evicting more to spare copying
             # would take it from whoever the rule allows, not from whoever is least recent.
-            over = sum(shares.usage.values()) + shares.incoming - self.tier.capacity
+            over = sum(shares.usage.values()) + shares.incoming - self.capacity
             if over > 0:
                 victims = self._victims(txn, 1 << 30, over, keep, shares)
                 if victims:
@@ -161,14 +175,14 @@ class Space:
         """Remove the segments of ``segs`` with nothing live left in them that no live
         writer appends to; ``own``: this process's open one too (the caller holds the
         tier's write lock)."""
-        writer = self.tier._writer
+        writer = self.own.writer
         for sid in segs:
             seg = txn.segment(sid)
             if seg is None or seg.live > 0:
                 continue
             if writer is not None and sid == writer.id:
                 if own:
-                    self.tier._writer = None
+                    self.own.writer = None
                     writer.close()
                     _unlink(self.files.path(seg.name))
                     txn.drop_segments([sid])
@@ -193,12 +207,12 @@ class Space:
 
     def _evict(self, txn: Txn, victims: list[tuple[bytes, Location]], segs: dict[int, list[int]]) -> None:
         txn.remove([key for key, _ in victims])
-        self.tier._announce("removed", [key for key, _ in victims])  # before the commit: never late
+        self.announce("removed", [key for key, _ in victims])  # before the commit: never late
         for _, loc in victims:
             if loc.seg in segs:
                 segs[loc.seg][1] -= round_up(loc.len)
-        self.tier._count("evictions", len(victims))
-        metrics.EVICTIONS.labels(self.tier.name).inc(len(victims))
+        self.count("evictions", len(victims))
+        metrics.EVICTIONS.labels(self.name).inc(len(victims))
 
     def _reclaim(self, txn: Txn, sid: int, writer: Writer | None) -> tuple[int, int]:
         """Copy a segment's live chunks forward and delete it: (bytes freed, copied)."""
@@ -208,7 +222,7 @@ class Space:
         live = txn.chunks_in(sid)
         copied = 0
         if live:
-            writer = writer or self.tier.registered_writer(txn)
+            writer = writer or self.own.registered(txn)
             path = self.files.path(seg.name)
             piece: list[tuple[bytes, Location]] = []
             for item in live:
@@ -218,7 +232,7 @@ class Space:
                     piece = []
         _unlink(self.files.path(seg.name))  # before the commit: the index never outlives a file
         txn.drop_segments([sid])
-        self.tier._count("compacted_bytes", copied)
+        self.count("compacted_bytes", copied)
         return seg.size - copied, copied
 
     def _copy(self, txn: Txn, path: str, piece: list[tuple[bytes, Location]], writer: Writer) -> int:
@@ -253,7 +267,7 @@ class Space:
         finally:
             self.files.release(frames)
         txn.remove(lost)
-        self.tier._announce("removed", lost)
+        self.announce("removed", lost)
         return sum(f.padded for f in frames)
 
     # -- after a crash, a lost index, an older layout ----------------------------------------
@@ -304,7 +318,7 @@ class Space:
         so it becomes a segment of one frame by a rename (no copy), with the recency the
         old index gave it. Anything else under ``chunks/`` is left as it is."""
         atimes = txn.legacy_rows()
-        old = self.tier.root / "chunks"
+        old = self.files.root / "chunks"
         if not old.is_dir():
             return 0
         moved = 0
@@ -329,61 +343,6 @@ class Space:
             _rmdir(sub.path)  # once empty: what is not ours stays, with its directory
         _rmdir(str(old))
         return moved
-
-
-class Shares:
-    """Each tenant's fair share of a tier that tenants share (the cache server's, whose
-    keys begin with the tenant's tag): the capacity over the tenants with chunks here.
-    The memory tier's rule (``cpu``), for a batch: a put within its tenant's share evicts
-    from the tenants over theirs first, then its tenant's own; a put that takes its tenant
-    over its share evicts from the tenants over theirs only up to its share, then its
-    tenant's own chunks, then more of theirs. Never a chunk of another tenant within its
-    share: where what is left to evict is not enough, segments are compacted past the
-    copying budget (the room is there: fragmentation, not chunks), or the put stores less."""
-
-    def __init__(self, usage: dict[bytes, int], prefix: int, capacity: int, tenant: bytes, incoming: int) -> None:
-        self.usage = usage
-        self.prefix = prefix
-        self.tenant = tenant
-        self.share = capacity // max(1, len(usage) + (tenant not in usage))
-        self.incoming = incoming
-        self.taken_from_others = 0  # bytes of other tenants' evicted for this put
-
-    @classmethod
-    def of(cls, txn: Txn, prefix: int, capacity: int, keep: set[bytes], incoming: int) -> Shares | None:
-        """The shares for a put of ``keep`` (its keys, one tenant's), None where the tier
-        is one pool (no ``prefix``) or nothing says whose the put is (a reopen)."""
-        if not prefix or not keep:
-            return None
-        return cls(txn.usage_by_prefix(prefix), prefix, capacity, next(iter(keep))[:prefix], incoming)
-
-    def _over(self, tenant: bytes) -> bool:
-        return tenant != self.tenant and self.usage.get(tenant, 0) > self.share
-
-    def candidates(self, txn: Txn, keep: set[bytes]) -> Iterator[tuple[bytes, Location]]:
-        """The chunks this put may evict, in the order it should: passes over the chunks,
-        least recent first, each taking one kind (the first, in a put over its share, only
-        while what it took from others leaves its tenant within its share)."""
-        mine = self.usage.get(self.tenant, 0)
-        own = lambda t: t == self.tenant  # noqa: E731
-        if mine + self.incoming <= self.share:
-            passes = [(self._over, False), (own, False)]
-        else:
-            passes = [(self._over, True), (own, False), (self._over, False)]
-        seen: set[bytes] = set()
-        for allowed, bounded in passes:
-            for key, loc in txn.by_age(keep):
-                if bounded and self.taken_from_others >= self.share - mine:
-                    break
-                if key not in seen and allowed(key[: self.prefix]):
-                    seen.add(key)
-                    yield key, loc
-
-    def taken(self, key: bytes, nbytes: int) -> None:
-        tenant = key[: self.prefix]
-        self.usage[tenant] = self.usage.get(tenant, 0) - nbytes
-        if tenant != self.tenant:
-            self.taken_from_others += nbytes
 
 
 def _legacy_key(name: str) -> bytes | None:

@@ -33,7 +33,8 @@ from lmtier.buffers import populate_read
 from lmtier.errors import LmtierError
 from lmtier.transport.directory import DirectoryReader
 from lmtier.transport.pieces import Region
-from lmtier.transport.shm import Segment, SegmentMaps, SegmentUnavailable
+from lmtier.transport.shm.access import SegmentMaps, SegmentUnavailable
+from lmtier.transport.shm.segment import Segment
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from lmtier.kv import codec
 from lmtier.kv.chunk import Chunk, Lease, release_all
 from lmtier.tiers.grpc.memory import SharedMemory
 from lmtier.transport.pieces import FrameAssembler, Piece, Region, pack, piece, split, unpack
-from lmtier.transport.shm import Segment
+from lmtier.transport.shm.segment import Segment
 from lmtier.v1 import cache_pb2
 
 log = logging.getLogger(__name__)

@@ -1,52 +1,11 @@
-"""``LMTierStorage``: lmtier as the L3 storage backend of SGLang's hierarchical cache.
+"""``LMTierStorage``: the backend SGLang's HiCache calls (see ``lmtier.connectors.sglang``
+for its configuration). One class answers both of SGLang's interfaces, v1 (straight
+between the tiers and the host pool) and legacy (flat pages), over one store opened when
+the host pool registers; its pages map onto chunks as ``connectors/sglang/pages.py`` says.
 
-    python -m sglang.launch_server ... --enable-hierarchical-cache \\
-        --hicache-storage-backend dynamic \\
-        --hicache-storage-backend-extra-config '{"backend_name": "lmtier",
-            "module_path": "lmtier.connectors.sglang", "class_name": "LMTierStorage",
-            "interface_v1": 1,
-            "tiers": ["file:///var/lib/lmtier?size=100GiB", "redis://cache:6379"]}'
-
-``"interface_v1": 1`` matters: without it SGLang calls the legacy ``batch_get`` /
-``batch_set`` with a flat copy of every page (one more copy each way); with it SGLang calls
-``batch_get_v1`` / ``batch_set_v1``, and lmtier copies straight between its tiers and
-SGLang's host pool. Both work.
-
-Longer than 400 lines: SGLang's backend is one class answering both interfaces (v1 and
-legacy), beside the mapping of its host layouts onto the canonical chunk.
-
-Extra-config keys of lmtier's own (all optional): ``tiers``, ``hash``, ``salt`` (tenant:
-stores with different salts never share), ``write_queue``, ``write_mode``, ``save_policy``
-(not ``min_tokens``, refused: SGLang's storage calls carry pages, not prompts),
-``metrics_port`` (Prometheus ``/metrics``, TP rank r on ``port + r``),
-``load_deadline`` (seconds a batch_get may take; the rest is recomputed), ``config`` (a
-config file), ``model_id`` (the model's name in the namespace; default: SGLang's model
-name). Unset keys come from ``LMTIER_*`` environment variables, then lmtier's defaults.
-SGLang's own keys (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``)
-are ignored; any other key is an error at start.
-
-What is stored: each SGLang page as one lmtier chunk of ``page_size`` tokens in the
-canonical layout (``[layers, K/V, tokens, kv_heads, head_dim]``, MLA ``[layers, tokens,
-latent]``), so a page written from one host layout (layer-first, page-first,
-page-first-direct, page-head) reads back into any other. Keys: SGLang addresses pages by
-its own chained page hashes and never hands a backend token ids, so a page's key is
-``H(namespace || SGLang's page hash)`` (``lmtier.kv.keys.named_keys``), where the namespace
-holds the model, the layout, the page size, the tensor-parallel rank and size (MHA: each
-rank stores its slice of the KV heads; MLA: one latent replicated on every rank, so rank 0
-writes and every rank reads), the pipeline stage and the salt.
-
-SGLang and vLLM instances of the same model do not share chunks: the bytes would be the
-same canonical chunks, but vLLM's keys hash token ids, and SGLang gives a backend only its
-page hashes (sha256 over its own token encoding and namespace seed), from which no token
-key can be computed. Two SGLang instances of the same model, page size and parallel
-layout share everything, through any tier.
-
-Failures are misses: a missing, damaged (checksum) or mislaid (wrong layout) chunk, a dead
-tier or a bad argument make the call report ``False`` / ``None`` / a shorter hit, logged
-and counted, and SGLang recomputes. Nothing raises into SGLang's cache controller once the
-backend is attached; a configuration it cannot serve (an unknown key, the
-``page_unified`` host layout, which is not addressable page by page) is refused at attach
-with a clear error.
+Failures are misses: nothing raises into SGLang's cache controller once the backend is
+attached. lmtier's own counters and SGLang's storage metrics (``get_stats``) are kept
+here, bounded (``METRIC_SAMPLES``).
 """
 
 from __future__ import annotations
@@ -56,20 +15,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from lmtier import metrics
-from lmtier.config import StoreConfig, engine_config, engine_keys
+from lmtier.config.loading import engine_config, engine_keys
+from lmtier.config.schema import StoreConfig
 from lmtier.connectors import announce
+from lmtier.connectors.sglang.pages import PageShape, byte_view, page_shape
 from lmtier.errors import ConfigError, LayoutError
 from lmtier.kv.chunk import Chunk, release_all
 from lmtier.kv.keys import Namespace, named_keys
-from lmtier.kv.layout import KVLayout, canonical_dtype
-from lmtier.store.tiered import TieredStore, deadline_after, load_batch
+from lmtier.kv.layout import KVLayout
+from lmtier.store.readpath import deadline_after, load_batch
+from lmtier.store.tiered import TieredStore
 from lmtier.tiers.base import TierContext
 
 try:
@@ -77,75 +38,11 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without sglang installed
     raise ImportError("lmtier.connectors.sglang needs SGLang (pip install 'lmtier[sglang]')") from exc
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lmtier.connectors.sglang")  # the name users configure: the package's
 
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
 OWN_KEYS = engine_keys(chunk_tokens=False, roles=False)  # the page size is SGLang's; no kv_role
 ENGINE = "sglang"
-
-
-@dataclass(frozen=True)
-class PageShape:
-    """How one page of a host pool maps onto the canonical chunk.
-
-    ``block``: the shape of ``get_data_page(i, flat=False)`` (and of a flat page
-    reshaped); ``squeeze``: that block with its size-1 page axes removed; ``perm``: the
-    permutation that turns the squeezed block into canonical order.
-    """
-
-    block: tuple[int, ...]
-    squeeze: tuple[int, ...]
-    perm: tuple[int, ...]
-
-    def canonical(self, block: torch.Tensor) -> torch.Tensor:
-        return block.reshape(self.squeeze).permute(self.perm)
-
-
-def page_shape(pool: Any) -> tuple[KVLayout, PageShape]:
-    """The canonical layout of one rank's pages, and how ``pool``'s layout holds them."""
-    layout_name = getattr(pool, "layout", None)
-    P, L = int(pool.page_size), int(pool.layer_num)
-    dtype = canonical_dtype(pool.dtype)
-    if hasattr(pool, "kv_cache_dim"):  # MLA: [layers, tokens, latent]
-        C = int(pool.kv_cache_dim)
-        shapes = {
-            "layer_first": ((L, P, 1, C), (L, P, C), (0, 1, 2)),
-            "page_first": ((P, L, 1, C), (P, L, C), (1, 0, 2)),
-            "page_first_direct": ((1, L, P, 1, C), (L, P, C), (0, 1, 2)),
-        }
-        layout = KVLayout(L, 1, C, dtype, mla=True)
-    else:  # MHA / GQA: [layers, 2, tokens, heads, head_dim]
-        H, D = int(pool.head_num), int(pool.head_dim)
-        if int(getattr(pool, "v_head_dim", D)) != D:
-            raise LayoutError(f"lmtier stores K and V of one width; this model has K {D} and V {pool.v_head_dim}")
-        shapes = {
-            "layer_first": ((2, L, P, H, D), (2, L, P, H, D), (1, 0, 2, 3, 4)),
-            "page_first": ((2, P, L, H, D), (2, P, L, H, D), (2, 0, 1, 3, 4)),
-            "page_first_direct": ((2, 1, L, P, H, D), (2, L, P, H, D), (1, 0, 2, 3, 4)),
-            "page_head": ((2, 1, H, P, L, D), (2, H, P, L, D), (3, 0, 2, 1, 4)),
-        }
-        layout = KVLayout(L, H, D, dtype)
-    if layout_name not in shapes:
-        raise LayoutError(
-            f"lmtier cannot address SGLang's {layout_name!r} host layout page by page; "
-            f"use --hicache-mem-layout with one of {', '.join(shapes)}"
-        )
-    return layout, PageShape(*shapes[layout_name])
-
-
-def byte_view(canonical: torch.Tensor, layout: KVLayout) -> np.ndarray | None:
-    """The canonical tensor as the chunk's 4-d byte view ``[layers, kv, tokens, row]``,
-    sharing memory; None when its strides cannot express that (heads not adjacent)."""
-    raw = canonical.view(torch.uint8)  # last axis contiguous in every host layout
-    if layout.mla:
-        raw = raw.unsqueeze(1)
-    try:
-        raw = raw.view(layout.byte_shape(raw.shape[2]))
-    except RuntimeError:
-        return None
-    return raw.numpy()
-
-
 METRIC_SAMPLES = 4096  # per list: SGLang collects them only with --enable-storage-metrics
 
 

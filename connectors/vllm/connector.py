@@ -1,41 +1,15 @@
-"""``LMTierConnector``: lmtier as a vLLM (v1, 0.32) KV connector.
+"""Where ``LMTierConnector`` is put together: its halves joined, the state both read, one
+store per process and configuration, and the connector in vLLM's registry by name.
 
-    --kv-transfer-config '{"kv_connector": "LMTierConnector",
-                           "kv_connector_module_path": "lmtier.connectors.vllm",
-                           "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"tiers": ["cpu://?size=4GiB",
-                                                                   "file:///var/lib/lmtier?size=100GiB"]}}'
+vLLM makes the one class in each of its processes; the scheduler half
+(``connectors/vllm/scheduler.py``, on ``connectors/vllm/lookup.py``) acts in the engine
+core, the worker half (``connectors/vllm/worker.py``, on ``connectors/vllm/saves.py``) in
+each worker. ``__init__`` reads the settings (``connectors/vllm/settings.py``), the
+engine's layout and KV cache groups (``connectors/vllm/groups.py``), makes the namespaces
+of every lane and rank, and opens the store that the process's connectors share.
 
-Extra-config keys (all optional): ``tiers``, ``chunk_tokens``, ``hash``, ``salt``,
-``write_queue``, ``write_mode``, ``save_policy``, ``min_tokens`` (which chunks are
-stored where: ``lmtier.store.admission``), ``metrics_port`` (Prometheus ``/metrics`` from the
-engine's processes: the scheduler on this port, worker rank r on ``port + 1 + r``),
-``load_deadline`` (seconds a step's loads may take; the rest is recomputed),
-``layer_loads`` (GPU: copy loads layer by layer beside the forward pass),
-``handoff_timeout`` and ``save_decoded`` (prefill/decode disaggregation:
-``connectors/vllm_pd.py``), ``config`` (a config file), ``model_id`` (the model's name in
-the namespace; default: the engine's model path or name). Unset keys come from
-``LMTIER_*`` environment variables, then lmtier's defaults.
-
-``kv_role``: ``kv_both`` caches as a colocated engine does (looks up, loads, stores);
-``kv_producer`` (a prefill instance) only stores, and answers once its chunks are
-readable; ``kv_consumer`` (a decode instance) only loads (``connectors/vllm_pd.py``).
-
-Deciding and moving live apart, as vLLM splits them: the scheduler half
-(``connectors/vllm_scheduler.py``, the engine-core process) looks up and plans; the
-worker half (``connectors/vllm_worker.py``, each worker process) copies between the
-paged cache and the tiers; the plans they pass are in ``connectors/vllm_plans.py``.
-
-A request can opt out with ``kv_transfer_params`` (``SamplingParams(extra_args=
-{"kv_transfer_params": {"lmtier": {"save": false}}})``, or the same field in an OpenAI
-API request): ``"save": false`` keeps its KV out of the store (private documents),
-``"load": false`` makes it ignore stored KV.
-
-Failure is a recompute, never wrong output: a chunk that is missing, fails verification
-or does not arrive is reported through ``get_block_ids_with_load_errors``, and vLLM
-recomputes those blocks. Set ``kv_load_failure_policy="recompute"`` in the
-``KVTransferConfig`` (``--kv-transfer-config '{..., "kv_load_failure_policy": "recompute"}'``);
-lmtier sets it itself when the engine lets it.
+    LMTierConnector    the connector class vLLM loads
+    flush_all          every save of this process's connectors in every tier (tests, demo)
 """
 
 from __future__ import annotations
@@ -55,16 +29,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmtier import metrics
-from lmtier.config import StoreConfig, resolve_chunk_tokens
+from lmtier.config.schema import StoreConfig, resolve_chunk_tokens
 from lmtier.connectors import announce
-from lmtier.connectors.vllm_events import EventBook, WorkerEvents, group_specs
-from lmtier.connectors.vllm_groups import Group, groups_of
-from lmtier.connectors.vllm_pd import role_of
-from lmtier.connectors.vllm_plans import LMTierMetadata, LMTierWorkerMeta, LoadPlan, SavePlan  # noqa: F401  (their home for importers)
-from lmtier.connectors.vllm_scheduler import SchedulerSide, _Request
-from lmtier.connectors.vllm_settings import EXTRA_KEYS, settings  # noqa: F401  (EXTRA_KEYS: the keys it takes)
-from lmtier.connectors.vllm_stats import Interval, LMTierPromMetrics, LMTierStats
-from lmtier.connectors.vllm_worker import WorkerSide, _typed  # noqa: F401  (_typed: for tests)
+from lmtier.connectors.vllm.events import EventBook, WorkerEvents, group_specs
+from lmtier.connectors.vllm.groups import Group, groups_of
+from lmtier.connectors.vllm.lookup import _Request
+from lmtier.connectors.vllm.pd import role_of
+from lmtier.connectors.vllm.scheduler import SchedulerSide
+from lmtier.connectors.vllm.settings import settings
+from lmtier.connectors.vllm.stats import Interval, LMTierPromMetrics, LMTierStats
+from lmtier.connectors.vllm.worker import WorkerSide
 from lmtier.engine.transfer import CopyEngine, HostBuffers, LayerLoad, check_chunk_size
 from lmtier.kv.chunk import Chunk
 from lmtier.kv.keys import Namespace
@@ -118,8 +92,8 @@ def _shared_store(cfg: StoreConfig, chunk_bytes: int) -> TieredStore:
 
 class LMTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA):
     """One class, as vLLM makes it in each of its processes: the scheduler half
-    (``connectors/vllm_scheduler.py``) in the engine core, the worker half
-    (``connectors/vllm_worker.py``) in each worker. The state both read is made here."""
+    (``connectors/vllm/scheduler.py``) in the engine core, the worker half
+    (``connectors/vllm/worker.py``) in each worker. The state both read is made here."""
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -153,7 +127,7 @@ class LMTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
         model_id = extra.get("model_id") or str(model.model)
         engine = _engine_identity(vllm_config)
         # Lanes: one chain of chunks for the whole model, or one per KV cache group of a
-        # hybrid model (connectors/vllm_groups.py), each under its own namespace.
+        # hybrid model (connectors/vllm/groups.py), each under its own namespace.
         self.lanes = groups_of(kv_cache_config, self.layout) or [Group(0, (), self.layout)]
         self.lane_namespaces = [
             [
@@ -191,7 +165,7 @@ class LMTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
         if hasattr(self._kv_transfer_config, "kv_load_failure_policy"):
             try:
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            except Exception:  # a frozen config: the user must set it (see the module docstring)
+            except Exception:  # a frozen config: the user must set it (see lmtier.connectors.vllm)
                 pass
         # KV events for routers (vLLM's KVEventsConfig): lmtier's tiers in vLLM's stream
         events = getattr(vllm_config, "kv_events_config", None)
@@ -234,7 +208,7 @@ class LMTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
         self._copy_cond = threading.Condition()
         _CONNECTORS.add(self)
 
-    # -- lmtier's figures in vLLM's metrics (lmtier.connectors.vllm_stats) ---------------
+    # -- lmtier's figures in vLLM's metrics (lmtier.connectors.vllm.stats) ---------------
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LMTierStats:
         return LMTierStats(dict(data or {}))

@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lmtier.config import StoreConfig
+from lmtier.config.schema import StoreConfig
 from lmtier.errors import ConfigError
 from lmtier.tiers.base import TierURL
 

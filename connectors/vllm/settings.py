@@ -28,7 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lmtier.config import StoreConfig, engine_config, engine_keys
+from lmtier.config.loading import engine_config, engine_keys
+from lmtier.config.schema import StoreConfig
 from lmtier.errors import ConfigError, MissingDependency
 
 # kv_connector_extra_config keys: the engine-side settings (lmtier.config.StoreConfig) a
@@ -43,7 +44,7 @@ def settings(extra: Mapping[str, Any] | None, kv_role: str | None = None) -> Sto
     try:
         config = engine_config(dict(extra or {}), EXTRA_KEYS, "kv_connector_extra_config")
         if kv_role is not None:
-            from lmtier.connectors.vllm_pd import role_of
+            from lmtier.connectors.vllm.pd import role_of
 
             role_of(kv_role, config)
         return config

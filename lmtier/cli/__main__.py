@@ -1,0 +1,5 @@
+import sys
+
+from lmtier.cli.parser import main
+
+sys.exit(main())
