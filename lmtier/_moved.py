@@ -45,6 +45,8 @@ MOVED = {
     "lmtier.connectors.vllm_plans": "lmtier.connectors.vllm.plans",
     "lmtier.connectors.vllm_settings": "lmtier.connectors.vllm.settings",
     "lmtier.connectors.vllm_stats": "lmtier.connectors.vllm.stats",
+    "lmtier.server.data_limits": "lmtier.server.data.limits",
+    "lmtier.server.data_saves": "lmtier.server.data.saves",
 }
 
 

@@ -1,4 +1,4 @@
-"""The cache server's bulk data channel (lmtier/server/data.py, lmtier/tiers/grpc/data.py):
+"""The cache server's bulk data channel (lmtier/server/data/channel.py, lmtier/tiers/grpc/data.py):
 loads and saves of other hosts without gRPC's per-message costs, against real servers on
 port 0.
 
@@ -27,9 +27,9 @@ from lmtier.kv import codec
 from lmtier.kv.chunk import release_all
 from lmtier.kv.layout import KVLayout
 from lmtier.server import create_server
-from lmtier.server import data as server_data
 from lmtier.server.auth import tenant_tag
 from lmtier.server.calls import Abort
+from lmtier.server.data import channel as server_data
 from lmtier.testing.certs import make_certificates
 from lmtier.tiers.base import open_tier
 from lmtier.transport.datachannel import END, ERROR, FRAME, HELLO, ITEM, REQUEST, Closed, encode_request, recv_exact

@@ -1,4 +1,4 @@
-"""The bulk data channel's limits (lmtier/server/data_limits.py, data.py), against real
+"""The bulk data channel's limits (lmtier/server/data/limits.py, data.py), against real
 servers on port 0: tickets bounded per tenant and in all; connections that show no ticket
 take no thread and, from another address, lock no one out; a tenant holds at most its
 limit and, on a server running short, its share of the connections; idle connections
@@ -13,10 +13,10 @@ import pytest
 from test_data_channel import TOKENS, answer, connect, start, ticket
 
 from lmtier.kv.chunk import release_all
-from lmtier.server import data as server_data
 from lmtier.server.auth import tenant_tag
 from lmtier.server.calls import Abort
-from lmtier.server.data_limits import Tickets
+from lmtier.server.data import channel as server_data
+from lmtier.server.data.limits import Tickets
 from lmtier.tiers.base import open_tier
 from lmtier.transport.datachannel import HELLO, REQUEST, encode_request
 

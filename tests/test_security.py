@@ -588,7 +588,7 @@ def test_tenants_are_kept_apart_by_a_128_bit_cryptographic_digest_of_their_names
 
 def test_stats_counts_a_tenants_chunks_up_to_a_bound(monkeypatch):
     """Stats does not list a tenant's every key: it counts up to STATS_COUNT_LIMIT."""
-    from lmtier.server import service_control
+    from lmtier.server.methods import control as service_control
 
     monkeypatch.setattr(service_control, "STATS_COUNT_LIMIT", 4)
     srv, address = two_tenant_server()

@@ -35,7 +35,7 @@ from lmtier.config.tokens import warn_weak_tokens
 from lmtier.server.auth import PROBE_TAG, TAG_BYTES, Authenticator
 from lmtier.server.calls import Gate
 from lmtier.server.chain import UpstreamTier
-from lmtier.server.data import DataChannel
+from lmtier.server.data.channel import DataChannel
 from lmtier.server.health import NOT_SERVING, SERVICE_NAME, SERVING, Health
 from lmtier.server.service import SERVICE, CacheService
 from lmtier.store.tiered import TieredStore

@@ -44,11 +44,11 @@ from lmtier.server.auth import Authenticator, tenant_tag
 from lmtier.server.budget import RECEIVING_CHUNKS, ReceiveBudget
 from lmtier.server.calls import Calls, Gate
 from lmtier.server.leases import Leases
+from lmtier.server.methods.checks import KEY_LENGTHS
+from lmtier.server.methods.control import ControlMethods
+from lmtier.server.methods.reads import ReadMethods
+from lmtier.server.methods.saves import SaveMethods
 from lmtier.server.published import Published
-from lmtier.server.service_checks import KEY_LENGTHS
-from lmtier.server.service_control import ControlMethods
-from lmtier.server.service_reads import ReadMethods
-from lmtier.server.service_saves import SaveMethods
 from lmtier.server.watchdog import Watchdog
 from lmtier.store.tiered import TieredStore
 from lmtier.tiers.cpu.tier import CpuTier

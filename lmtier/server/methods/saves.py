@@ -30,7 +30,7 @@ from lmtier.errors import IntegrityError, LayoutError, LmtierError
 from lmtier.kv import codec
 from lmtier.kv.chunk import Chunk
 from lmtier.server.calls import Abort
-from lmtier.server.service_checks import RequestChecks, check_key
+from lmtier.server.methods.checks import RequestChecks, check_key
 from lmtier.transport.pieces import FrameAssembler, FrameTooLarge, ReceiveBusy, unpack
 from lmtier.v1 import cache_pb2
 

@@ -24,7 +24,7 @@ from lmtier.errors import IntegrityError
 from lmtier.kv import codec
 from lmtier.kv.chunk import Chunk, release_all
 from lmtier.server.calls import Abort
-from lmtier.server.service_checks import RequestChecks
+from lmtier.server.methods.checks import RequestChecks
 from lmtier.transport.pieces import PIECE_BYTES, Region, pack, piece, split
 from lmtier.v1 import cache_pb2
 

@@ -34,8 +34,8 @@ from lmtier.errors import LmtierError
 from lmtier.kv import codec
 from lmtier.kv.chunk import Chunk
 from lmtier.server.calls import Abort
-from lmtier.server.service_checks import check_key
-from lmtier.server.service_saves import HEAD_READ, PUT_BATCH, PUT_BATCH_BYTES
+from lmtier.server.methods.checks import check_key
+from lmtier.server.methods.saves import HEAD_READ, PUT_BATCH, PUT_BATCH_BYTES
 from lmtier.tiers.cpu.tier import CpuTier
 from lmtier.transport.datachannel import FRAME, ITEM, Closed
 

@@ -19,7 +19,7 @@ import grpc
 
 from lmtier.server.calls import Abort
 from lmtier.server.match import match
-from lmtier.server.service_checks import RequestChecks
+from lmtier.server.methods.checks import RequestChecks
 from lmtier.v1 import cache_pb2
 
 STATS_COUNT_LIMIT = 100_000  # Stats counts a tenant's chunks up to this many (a bounded listing)

@@ -5,7 +5,7 @@
     DataChannel(service, config, host, port, ssl_context)   listening, not yet serving
         .start(), .stop(), .port, .tls
         .issue(tag) -> ticket              for OpenData: good once, for TICKET_TTL_S
-    (its limits, tickets and connection places: ``data_limits``; saves: ``data_saves``)
+    (its limits, tickets and connection places: ``limits``; saves: ``saves``)
 
 Python gRPC costs a fixed ~0.2 ms per message and more per call on each side, whatever the
 bytes; a connection of its own carries frames at the link's rate: the server sends each
@@ -50,8 +50,8 @@ from lmtier import metrics
 from lmtier.kv import codec
 from lmtier.kv.chunk import release_all
 from lmtier.server.calls import Abort
-from lmtier.server.data_limits import Places, Tickets
-from lmtier.server.data_saves import Pace, receive, recv_paced
+from lmtier.server.data.limits import Places, Tickets
+from lmtier.server.data.saves import Pace, receive, recv_paced
 from lmtier.tiers.cpu.tier import CpuTier
 from lmtier.transport.datachannel import (
     END,
