@@ -23,7 +23,7 @@ target: p99 within 3x), her failed calls, and how many of her chunks she still f
 ``--nice`` runs the attacker's process at the lowest CPU priority, as a client on its own
 host would be: what is then measured is the server's isolation, not the share of a small
 machine's cores the attacker's own process takes from Alice's client.
-``tests/test_availability.py`` runs it (shorter) and asserts what is not a time.
+``tests/test_availability_calls.py`` runs it (shorter) and asserts what is not a time.
 """
 
 from __future__ import annotations

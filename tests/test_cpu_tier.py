@@ -23,7 +23,7 @@ class TestCpuTier(EvictingTierContract):
 
     def corrupt(self, tier, key):
         entry = tier._index[key]
-        tier._slab[entry.slots[0] * tier.slot_bytes + 7] ^= 0x01
+        tier.slab.array[entry.slots[0] * tier.slot_bytes + 7] ^= 0x01
 
 
 class TestCpuTierWithSmallSlots(TestCpuTier):
@@ -96,7 +96,7 @@ def test_get_hands_out_views_of_the_slab_without_copying():
     a = make_prompt(1, seed=1)
     tier.put(a.chunks())
     with tier.get(a.keys)[0] as chunk:
-        assert np.shares_memory(chunk.data, tier._slab)
+        assert np.shares_memory(chunk.data, tier.slab.array)
 
 
 def test_forked_child_starts_empty_and_parent_keeps_its_chunks():
@@ -146,11 +146,11 @@ def test_warm_maps_the_first_pages_before_any_chunk_arrives(monkeypatch):
 
     monkeypatch.setattr(cpu, "PREFAULT_AHEAD", 8 << 20)
     tier = CpuTier(size=64 << 20, slot=1 << 20)
-    assert tier._slab is None  # nothing is mapped until asked
+    assert tier.slab.array is None  # nothing is mapped until asked
     store = TieredStore([tier])
     store.warm()
-    assert eventually(lambda: tier._prefault.done >= 8 << 20)
-    assert 8 << 20 <= _resident_bytes(tier._slab) < 32 << 20
+    assert eventually(lambda: tier.slab.prefault.done >= 8 << 20)
+    assert 8 << 20 <= _resident_bytes(tier.slab.array) < 32 << 20
     p = make_prompt(2)
     store.put(p.chunks())
     got = store.get(p.keys)
@@ -167,14 +167,14 @@ def test_the_slab_is_faulted_in_ahead_of_the_slots_in_use_and_no_further(monkeyp
     tier = CpuTier(size=64 << 20, slot=1 << 20)
     p = make_prompt(4)
     tier.put(p.chunks())  # slots 0-3 in use: pages up to 4 + 8 MiB are faulted in
-    assert eventually(lambda: tier._prefault.done >= 12 << 20)
-    assert 12 << 20 <= _resident_bytes(tier._slab) < 32 << 20  # not the whole slab
+    assert eventually(lambda: tier.slab.prefault.done >= 12 << 20)
+    assert 12 << 20 <= _resident_bytes(tier.slab.array) < 32 << 20  # not the whole slab
     got = tier.get(p.keys)  # prefaulting never changes a byte
     assert [c.tobytes() for c in got] == [p.chunk_bytes(i) for i in range(4)]
     release_all(got)
-    prefault = tier._prefault
+    prefault = tier.slab.prefault
     tier.close()
-    assert prefault._stopped and tier._prefault is None  # stopped, and the mapping let go
+    assert prefault._stopped and tier.slab.prefault is None  # stopped, and the mapping let go
 
 
 @pytest.mark.parametrize("fails", ["reserving", "writing"])

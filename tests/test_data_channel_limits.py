@@ -10,7 +10,7 @@ import socket
 import threading
 
 import pytest
-from test_data_channel import TOKENS, answer, connect, start, ticket
+from test_data_channel import TOKENS, answer, connect, start, tenant_of, ticket
 
 from lmtier.kv.chunk import release_all
 from lmtier.server.auth import tenant_tag
@@ -71,19 +71,38 @@ def test_connections_without_a_ticket_take_no_thread_and_lock_no_one_out(server,
         writer.close()
 
 
-def busy(port: int, ticket: bytes) -> socket.socket:
-    """A connection in the middle of a request (a save whose frame has not come yet)."""
-    sock = connect(port, ticket)
+def busy(srv, token: str = "") -> socket.socket:
+    """A connection in the middle of a request (a save whose frame has not come yet), once
+    the server has read the request: the call is admitted, so the connection is no longer
+    idle (before that, a newcomer could take its place)."""
+    tag = tenant_of(token)
+    before = srv.service.calls_in_flight(tag)
+    sock = connect(srv.service.data.port, ticket(srv, token))
     sock.sendall(REQUEST.pack(b"PUT1", 1, 0))
+    assert eventually(lambda: srv.service.calls_in_flight(tag) == before + 1)
     return sock
 
 
-def idle(port: int, ticket: bytes) -> socket.socket:
-    """A connection waiting for its next request, as a client keeps one."""
-    sock = connect(port, ticket)
+def idle(srv, token: str = "") -> socket.socket:
+    """A connection waiting for its next request, as a client keeps one, once the server
+    holds it as idle (its answer comes a moment before the server waits again)."""
+    sock = connect(srv.service.data.port, ticket(srv, token))
     sock.sendall(encode_request([b"\x02" * 16]))
     assert answer(sock) == ([], None)
+    assert eventually(lambda: idle_on_server(srv, sock))
     return sock
+
+
+def idle_on_server(srv, sock: socket.socket) -> bool:
+    """Whether the server holds the connection of this client socket as idle."""
+    me = sock.getsockname()
+    for theirs in list(srv.service.data.places._idle):
+        try:
+            if theirs.getpeername() == me:
+                return True
+        except OSError:  # closed meanwhile
+            pass
+    return False
 
 
 def closed(sock: socket.socket) -> bool:
@@ -103,13 +122,13 @@ def test_a_tenant_gets_its_share_of_the_data_connections_and_no_more():
     held = []
     try:
         assert srv.service.data.places.per_tenant == 2  # of 4: a tenant never holds them all
-        held += [busy(port, ticket(srv, "alice-secret")) for _ in range(2)]
+        held += [busy(srv, "alice-secret") for _ in range(2)]
         assert eventually(lambda: srv.service.data.places.total == 2)
         with connect(port, ticket(srv, "alice-secret")) as third:
             frames, error = answer(third)
             assert frames == [] and "this tenant has 2 data connections open" in error
-        held.append(busy(port, ticket(srv, "bob-secret")))  # the others still find one
-        held.append(busy(port, ticket(srv, "carol-secret")))
+        held.append(busy(srv, "bob-secret"))  # the others still find one
+        held.append(busy(srv, "carol-secret"))
         assert eventually(lambda: srv.service.data.places.total == 4)
         with connect(port, ticket(srv, "bob-secret")) as more:  # every one busy: none for anybody
             frames, error = answer(more)
@@ -136,26 +155,25 @@ def test_idle_connections_make_room_for_new_ones():
     one for a newcomer (its own first, else the oldest of the tenant holding the most),
     never one whose closing would not make room."""
     srv, _ = start(tokens=THREE, workers=4, max_calls_per_tenant=2, max_data_connections=4)
-    port = srv.service.data.port
     held = []
     try:
-        alice = [idle(port, ticket(srv, "alice-secret")) for _ in range(2)]
-        held += alice + [busy(port, ticket(srv, "bob-secret")) for _ in range(2)]
+        alice = [idle(srv, "alice-secret") for _ in range(2)]
+        held += alice + [busy(srv, "bob-secret") for _ in range(2)]
         assert eventually(lambda: srv.service.data.places.total == 4)
-        carol = idle(port, ticket(srv, "carol-secret"))  # a full server: alice's oldest went for her
+        carol = idle(srv, "carol-secret")  # a full server: alice's oldest went for her
         held.append(carol)
         assert closed(alice[0]) and srv.service.data.places.total == 4
-        again = idle(port, ticket(srv, "carol-secret"))  # she has her share: her own idle one goes
+        again = idle(srv, "carol-secret")  # she has her share: her own idle one goes
         held.append(again)
         assert closed(carol) and srv.service.data.places.total == 4
         bob = held[2]
         bob.close()  # a busy one ends: every other is idle now
         assert eventually(lambda: srv.service.data.places.total == 3)
-        held.append(idle(port, ticket(srv, "alice-secret")))  # her share: her own idle one goes, not carol's
+        held.append(idle(srv, "alice-secret"))  # her share: her own idle one goes, not carol's
         assert closed(alice[1])
         again.sendall(encode_request([b"\x04" * 16]))
         assert answer(again) == ([], None)  # carol's is still served
-        held.append(busy(port, ticket(srv, "bob-secret")))  # nearly full: an idle one of another goes
+        held.append(busy(srv, "bob-secret"))  # nearly full: an idle one of another goes
         assert eventually(lambda: srv.service.data.places.held(tenant_tag("bob")) == 2)
         assert srv.service.data.places.total == 3 and srv.service.data.places.idle_count() == 1
     finally:
@@ -167,13 +185,13 @@ def test_idle_connections_make_room_for_new_ones():
 def test_a_tenant_at_its_limit_closes_its_own_idle_connection_for_a_new_one():
     srv, _ = start(max_data_connections=2)
     port = srv.service.data.port
-    held = [idle(port, ticket(srv)) for _ in range(2)]
+    held = [idle(srv) for _ in range(2)]
     try:
-        held.append(idle(port, ticket(srv)))  # the third: its own oldest idle one goes
+        held.append(idle(srv))  # the third: its own oldest idle one goes
         assert closed(held[0]) and srv.service.data.places.total == 2
-        held.append(busy(port, ticket(srv)))  # the fourth: the next idle one goes
+        held.append(busy(srv))  # the fourth: the next idle one goes
         assert closed(held[1])
-        held.append(busy(port, ticket(srv)))  # and the fifth, the last idle one
+        held.append(busy(srv))  # and the fifth, the last idle one
         assert closed(held[2]) and eventually(lambda: srv.service.data.places.total == 2)
         with connect(port, ticket(srv)) as fifth:  # none idle: refused
             frames, error = answer(fifth)

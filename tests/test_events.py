@@ -57,7 +57,7 @@ def test_memory_and_disk_announce_stores_evictions_deletes_and_damage(tmp_path):
         assert ("stored", 0, a.keys[:1]) in records(events)
         memory = store.tiers[0]
         entry = memory._index[a.keys[0]]
-        memory._slab[entry.slots[0] * memory.slot_bytes + 7] ^= 1  # damaged in memory
+        memory.slab.array[entry.slots[0] * memory.slot_bytes + 7] ^= 1  # damaged in memory
         got = store.tiers[0].get(a.keys[:1])
         try:
             got[0].tobytes()

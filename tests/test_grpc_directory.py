@@ -9,7 +9,6 @@ import struct
 import grpc
 import numpy as np
 import pytest
-from test_grpc_tier import SERVICE, code_of, flip_a_stored_byte, read_back, start
 
 from lmtier import metrics
 from lmtier.config import ServerConfig
@@ -26,6 +25,7 @@ from lmtier.transport.shm import SegmentUnavailable
 from lmtier.v1 import cache_pb2
 
 from conftest import eventually, make_prompt
+from grpc_servers import SERVICE, code_of, flip_a_stored_byte, read_back, start
 
 SLOT = 8192  # one chunk of make_prompt's layout per slot
 

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_grpc_tier import SERVICE, code_of, read_back, start
 
 from lmtier.config import ServerConfig
 from lmtier.kv import codec
@@ -25,6 +24,7 @@ from lmtier.transport.shm import Segment
 from lmtier.v1 import cache_pb2
 
 from conftest import eventually, fuzz, make_prompt
+from grpc_servers import SERVICE, code_of, read_back, start
 
 SLOT = 8192  # one chunk of make_prompt's layout per slot
 TAG = tenant_tag("default")

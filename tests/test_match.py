@@ -1,6 +1,6 @@
 """The router lookup: a cache server's ``Match`` (token ids and an engine's namespace
 digests in; the leading tokens held and their tiers out) and ``lmtier match``, against a
-real server on port 0. Tenant isolation is in test_security.py's catalogue of every RPC."""
+real server on port 0. Tenant isolation is in test_security_access.py's catalogue of every RPC."""
 
 from __future__ import annotations
 

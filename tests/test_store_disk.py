@@ -122,7 +122,7 @@ def test_write_back_with_a_full_queue_loses_chunks_but_never_memory(tmp_path):
     disk.gate.set()
     assert store.flush()
     assert all(e.leases == 0 for e in hot._index.values())
-    assert len(hot._free) + sum(len(e.slots) for e in hot._index.values()) == hot.num_slots  # no slot leaked
+    assert len(hot.slab.free) + sum(len(e.slots) for e in hot._index.values()) == hot.num_slots  # no slot leaked
     store.close()
 
 
@@ -178,7 +178,7 @@ def test_bytes_damaged_in_memory_never_reach_the_disk(tmp_path):
     with TieredStore([hot, slow]) as store:
         store.put(p.chunks())  # the write-through job waits at the gate
         entry = hot._index[p.keys[2]]
-        hot._slab[entry.slots[0] * hot.slot_bytes + 11] ^= 0x10  # memory goes bad meanwhile
+        hot.slab.array[entry.slots[0] * hot.slot_bytes + 11] ^= 0x10  # memory goes bad meanwhile
         slow.gate.set()
         assert store.flush()
     assert slow.contains(p.keys) == 2

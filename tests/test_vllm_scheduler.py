@@ -344,7 +344,7 @@ def test_one_damaged_layer_of_one_chunk_fails_exactly_that_chunk(vllm_config, la
     memory = worker.store.tiers[0]  # the scheduler's tier too: one store per process
     entry = memory._index[load.keys[0][2]]
     layer_bytes = worker.layout.chunk_bytes(CHUNK) // worker.layout.num_layers
-    memory._slab[entry.slots[0] * memory.slot_bytes + 1 * layer_bytes + 5] ^= 0x10  # layer 1 of chunk 2
+    memory.slab.array[entry.slots[0] * memory.slot_bytes + 1 * layer_bytes + 5] ^= 0x10  # layer 1 of chunk 2
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     for name in LAYERS:

@@ -10,7 +10,7 @@ messages are one field each (``HealthCheckRequest.service``, ``HealthCheckRespon
 so they are encoded here by hand rather than taken from grpcio-health-checking: that
 package pins a grpcio and a protobuf as new as itself, and pip would move an engine's own
 grpcio and protobuf to install it beside lmtier. Checked against grpcio-health-checking's
-own client in tests/test_grpc_tier.py.
+own client in tests/test_grpc_tier_faults.py.
 
 Check answers at once, without a token (probes carry none) and for any caller: it says
 only whether the server is ready. Watch holds a worker thread for as long as the watcher

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lmtier import metrics
-from lmtier.buffers import BufferPool, Prefault
+from lmtier.buffers import BufferPool
 from lmtier.errors import ConfigError, IntegrityError, LayoutError, TierError
 from lmtier.kv.chunk import Chunk, checksum
 from lmtier.kv.layout import KVLayout
@@ -393,19 +393,6 @@ class CpuTier(Placing, Tier):
                 self._drop(key)
             self._counts["corrupt"] += 1
         metrics.INTEGRITY_FAILURES.labels(self.name).inc()
-
-    # -- the slab's state, under the names tests and debuggers look for ------------------
-    @property
-    def _slab(self) -> np.ndarray | None:
-        return self.slab.array
-
-    @property
-    def _prefault(self) -> Prefault | None:
-        return self.slab.prefault
-
-    @property
-    def _free(self) -> list[int]:
-        return self.slab.free
 
 
 class Publisher(Protocol):
