@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv system demo test lint wheel unit user-envs bench bench-peer gpu-check fuzz clean
+.PHONY: venv system demo test check lint wheel unit user-envs bench bench-peer gpu-check fuzz clean
 
 venv:
 	@./scripts/setup-venv.sh
@@ -17,6 +17,12 @@ demo: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The inner loop (CONTRIBUTING.md): lint and every test that starts no vLLM engine, a few
+# minutes. A process that starts an engine fails under it (tests/engine_guard): a test that
+# needs one carries @pytest.mark.engine, and `make test` runs it.
+check: lint system
+	PYTHONPATH=tests/engine_guard $(PY) -m pytest -q -m "not engine" $(PYTEST_ARGS)
 
 unit: venv system
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -44,9 +44,11 @@ def test_console_script_is_installed():
     assert json.loads(run.stdout)["total_bytes"] == 1024**3
 
 
-# The suite's first test pays for the whole benchmark run (minutes on a slow 2-core machine,
-# more than pytest's default 300 s): the tests that use it get the run's own bound.
-SUITE_TIMEOUT = pytest.mark.timeout(1600)
+def suite_test(test):
+    """A test of the benchmark run. The first one pays for the whole run (minutes on a slow
+    2-core machine, more than pytest's default 300 s): the tests that use it get the run's
+    own bound. The run starts vLLM engines (its vLLM benchmarks): ``make check`` leaves it out."""
+    return pytest.mark.engine(pytest.mark.timeout(1600)(test))
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,7 @@ def report_of(suite, name: str) -> tuple[dict, str]:
     return summary["benchmarks"][name], (out / f"{name}.txt").read_text()
 
 
-@SUITE_TIMEOUT
+@suite_test
 def test_the_suite_writes_json_a_table_of_every_target_and_plots(suite):
     out, summary, stdout = suite
     assert summary["mode"] == "short" and set(summary["benchmarks"]) == set(HERE)
@@ -94,7 +96,7 @@ def test_the_suite_writes_json_a_table_of_every_target_and_plots(suite):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@SUITE_TIMEOUT
+@suite_test
 def test_cpu_benchmark_reports_both_sides_and_their_ratio(suite):
     report, stdout = report_of(suite, "cpu")
     results = report["results"]
@@ -106,7 +108,7 @@ def test_cpu_benchmark_reports_both_sides_and_their_ratio(suite):
     assert "| cpu_tier |" in stdout  # the table follows the JSON
 
 
-@SUITE_TIMEOUT
+@suite_test
 def test_disk_benchmark_measures_dd_and_the_tier_in_the_same_run(suite):
     report, stdout = report_of(suite, "disk")
     for direction in ("write", "read"):
@@ -117,7 +119,7 @@ def test_disk_benchmark_measures_dd_and_the_tier_in_the_same_run(suite):
     assert "| read |" in stdout
 
 
-@SUITE_TIMEOUT
+@suite_test
 def test_redis_benchmark_measures_redis_benchmark_lmtier_and_redis_py_on_one_server(suite):
     report, stdout = report_of(suite, "redis")
     assert [(r["chunk_mib"], r["op"]) for r in report["rows"]] == [(1, "set"), (1, "get"), (1, "set+get")]
@@ -128,7 +130,7 @@ def test_redis_benchmark_measures_redis_benchmark_lmtier_and_redis_py_on_one_ser
     assert "| 1 MiB | GET |" in stdout and "| 1 MiB | SET+GET |" in stdout
 
 
-@SUITE_TIMEOUT
+@suite_test
 def test_grpc_benchmark_measures_echo_memcpy_redis_and_both_transports_in_one_run(suite):
     report, stdout = report_of(suite, "grpc")
     ops = [r["op"] for r in report["rows"]]
@@ -141,7 +143,7 @@ def test_grpc_benchmark_measures_echo_memcpy_redis_and_both_transports_in_one_ru
     assert "| 0.5 MiB | LOAD |" in stdout
 
 
-@SUITE_TIMEOUT
+@suite_test
 @pytest.mark.skipif(NETNS is not None, reason=f"no network namespaces here: {NETNS}")
 def test_the_cross_host_benchmark_measures_raw_tcp_echo_and_the_tier_on_one_link(suite):
     report, stdout = report_of(suite, "netns")
@@ -153,7 +155,7 @@ def test_the_cross_host_benchmark_measures_raw_tcp_echo_and_the_tier_on_one_link
     assert "| 0.5 MiB | LOAD |" in stdout
 
 
-@SUITE_TIMEOUT
+@suite_test
 def test_the_load_benchmark_times_every_clients_loads_on_one_server(suite):
     report, stdout = report_of(suite, "server_load")
     (run,) = report["runs"]
@@ -164,6 +166,7 @@ def test_the_load_benchmark_times_every_clients_loads_on_one_server(suite):
     assert "| client | data plane |" in stdout
 
 
+@pytest.mark.engine
 def test_the_vllm_demo_runs_two_engines_and_checks_its_own_answers(tmp_path):
     run = subprocess.run(
         [
@@ -192,7 +195,7 @@ def test_the_vllm_demo_runs_two_engines_and_checks_its_own_answers(tmp_path):
     assert (tmp_path / "out" / "ttft.png").stat().st_size > 1000
 
 
-@SUITE_TIMEOUT
+@suite_test
 def test_ttft_benchmark_measures_every_configuration(suite):
     report, _ = report_of(suite, "vllm")
     (row,) = report["rows"]
@@ -204,7 +207,7 @@ def test_ttft_benchmark_measures_every_configuration(suite):
     assert report["no_reuse_throughput"]["ratio"] > 0
 
 
-@SUITE_TIMEOUT
+@suite_test
 def test_every_tier_is_timed_inside_the_engine_against_vllms_own_hit(suite):
     report, stdout = report_of(suite, "vllm_tiers")
     assert [r["tier"] for r in report["rows"]] == ["memory", "disk", "redis", "server", "memory_disk"]
@@ -216,7 +219,7 @@ def test_every_tier_is_timed_inside_the_engine_against_vllms_own_hit(suite):
     assert "| lmtier server |" in stdout and "(memory floor)" in stdout
 
 
-@SUITE_TIMEOUT
+@suite_test
 def test_the_pd_benchmark_times_producer_and_decode_instance_against_their_references(suite):
     report, stdout = report_of(suite, "vllm_pd")
     (row,) = report["rows"]
@@ -227,7 +230,7 @@ def test_the_pd_benchmark_times_producer_and_decode_instance_against_their_refer
     assert "| 512 |" in stdout
 
 
-@SUITE_TIMEOUT
+@suite_test
 def test_cluster_ops_benchmark_reports_each_event_with_nothing_wrong(suite):
     report, stdout = report_of(suite, "cluster_ops")
     assert [e["event"] for e in report["events"]] == ["kill", "failover"]

@@ -82,6 +82,7 @@ def test_on_a_cpu_engine_the_connector_checks_its_settings_before_it_opens_anyth
     assert not (tmp_path / "disk").exists()  # refused before any tier was opened
 
 
+@pytest.mark.engine
 @pytest.mark.timeout(900)
 def test_vllm_serve_on_a_cpu_ends_with_lmtiers_one_line_when_a_setting_is_bad(model, tmp_path):
     """``vllm serve`` as a script starts it: the connector finds the bad tier in an engine

@@ -40,6 +40,8 @@ from lmtier.tiers.base import open_tier
 from conftest import disk_frames, flip_byte
 from test_imports import guarded, loaded, none_loaded
 
+pytestmark = pytest.mark.engine  # every test here starts vLLM engines: `make check` leaves them out
+
 CHUNK, BLOCK = 128, 64
 OFF = {"lmtier": {"load": False, "save": False}}
 

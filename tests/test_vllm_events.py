@@ -25,6 +25,8 @@ from lmtier.testing.engine import run_engine
 from lmtier.testing.redis_server import free_port
 from lmtier.testing.tinymodel import build
 
+pytestmark = pytest.mark.engine  # every test here starts vLLM engines: `make check` leaves them out
+
 CHUNK, BLOCK = 128, 64
 CHUNK_BYTES = 4 * 2 * 256 * CHUNK  # the tiny model: layers x kv heads x 256 bytes per token
 OFF = {"lmtier": {"load": False, "save": False}}

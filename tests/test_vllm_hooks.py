@@ -150,6 +150,7 @@ def test_an_idle_engine_holds_no_block_so_its_cache_reset_succeeds(vllm_config, 
     assert scheduler.schedule().kv_connector_metadata.released == []
 
 
+@pytest.mark.engine
 def test_a_real_idle_engine_resets_and_loads_nothing_stored_before(model, tmp_path):
     """The flow after a weight update on a real single-process engine (an offline LLM takes
     no step between two generate calls): the reset succeeds, and the same prompt is then

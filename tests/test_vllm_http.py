@@ -20,6 +20,8 @@ from lmtier.testing.vllm_serve import BLOCK, CHUNK, VllmServer  # noqa: F401  (B
 
 from conftest import disk_frames
 
+pytestmark = pytest.mark.engine  # every test here starts vLLM engines: `make check` leaves them out
+
 # 1060 tokens: lmtier holds 8 whole chunks (1024 tokens) of it, and vLLM's own prefix
 # cache hits the same 1024 (whole blocks before the last token): the same computation.
 PROMPT = [int(x) for x in np.random.default_rng(7).integers(5, 500, 1060)]

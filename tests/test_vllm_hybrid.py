@@ -260,6 +260,7 @@ SCENARIO = [
 ]
 
 
+@pytest.mark.engine
 def test_a_hybrid_model_in_real_engines_answers_as_vllms_own_prefix_cache(tmp_path, model):
     disk = tmp_path / "disk"
     tiers = {"tiers": ["cpu://?size=256MiB", f"file://{disk}?size=1GiB"], "chunk_tokens": CHUNK}

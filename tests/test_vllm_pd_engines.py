@@ -30,6 +30,8 @@ from lmtier.testing.slow_link import SlowLink
 from lmtier.testing.tinymodel import build
 from lmtier.testing.vllm_serve import BLOCK, CHUNK, VllmServer
 
+pytestmark = pytest.mark.engine  # every test here starts vLLM engines: `make check` leaves them out
+
 LENGTHS = (BLOCK - 1, BLOCK, BLOCK + 1, CHUNK, CHUNK + 1, 3 * CHUNK, 3 * CHUNK + 65)
 GRPC_LENGTHS = (BLOCK + 1, CHUNK + 1, 3 * CHUNK)
 

@@ -26,6 +26,8 @@ from lmtier.tiers.disk import DiskTier
 
 from conftest import eventually
 
+pytestmark = pytest.mark.engine  # every test here starts vLLM engines: `make check` leaves them out
+
 PROMPT_TOKENS = 1060  # 8 whole chunks of 128
 
 
