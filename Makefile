@@ -18,26 +18,30 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The inner loop (CONTRIBUTING.md): lint and every test that starts no vLLM engine, a few
-# minutes. A process that starts an engine fails under it (tests/engine_guard): a test that
-# needs one carries @pytest.mark.engine, and `make test` runs it.
+# The inner loop (CONTRIBUTING.md): lint and every test that starts no vLLM engine, spread
+# over the cores (a file's tests on one worker: they share its servers). A process that
+# starts an engine fails under it (tests/engine_guard): a test that needs one carries
+# @pytest.mark.engine, and `make test` runs it.
+CHECK_WORKERS ?= auto
 check: lint system
-	PYTHONPATH=tests/engine_guard $(PY) -m pytest -q -m "not engine" $(PYTEST_ARGS)
+	PYTHONPATH=tests/engine_guard $(PY) -m pytest -q -m "not engine" -n $(CHECK_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 unit: venv system
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The wheel as a user installs it: every module in it, `lmtier serve` started from it.
 wheel: venv
 	@./scripts/check-wheel.sh
 
-# The unit tests and, beside them at a lower priority, lmtier installed into engines' own
-# environments (tests/user_envs.py: the environments made or reused, then each cell); the
-# matrix's report is printed after the unit tests'.
+# The whole suite, spread over the cores (a file's tests on one worker: they share its
+# engines and servers; the longest files first, tests/conftest.py), and beside it lmtier
+# installed into engines' own environments (tests/user_envs.py: the environments made or
+# reused, then each cell); the matrix's report is printed after the suite's.
+TEST_WORKERS ?= auto
 test: lint wheel system
 	@mkdir -p build/userenv; \
-	nice -n 10 $(PY) tests/user_envs.py >build/userenv/matrix.log 2>&1 & matrix=$$!; \
-	$(PY) -m pytest -q $(PYTEST_ARGS); unit=$$?; \
+	$(PY) tests/user_envs.py >build/userenv/matrix.log 2>&1 & matrix=$$!; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); unit=$$?; \
 	wait $$matrix; envs=$$?; \
 	cat build/userenv/matrix.log; \
 	exit $$(( unit || envs ))

@@ -160,7 +160,9 @@ def redis_py_worker(spec: dict[str, Any]) -> None:
 
 # -- the driver ------------------------------------------------------------------------------
 class Workers:
-    def __init__(self, workdir: Path, url: str, n: int, redis_py: bool, load_deadline: float, read_only: bool):
+    def __init__(
+        self, workdir: Path, url: str, n: int, redis_py: bool, load_deadline: float, read_only: bool, pause: float
+    ):
         import subprocess
 
         self.stop_file = workdir / "stop"
@@ -170,7 +172,7 @@ class Workers:
         kinds = [f"lmtier-{i}" for i in range(n)] + (["redis-py"] if redis_py else [])
         for i, name in enumerate(kinds):
             spec = {"url": url, "seed": 100 + i, "out": str(workdir / f"{name}.jsonl"), "stop": str(self.stop_file),
-                    "load_deadline": load_deadline, "pause": 0.02, "timeout": 1.0, "read_only": read_only,
+                    "load_deadline": load_deadline, "pause": pause, "timeout": 1.0, "read_only": read_only,
                     "kind": name}  # fmt: skip
             (workdir / f"{name}.json").write_text(json.dumps(spec))
             self.logs[name] = Path(spec["out"])
@@ -242,8 +244,12 @@ def measure(records: list[list], t_event: float, t_healthy: float, t_end: float)
     }
 
 
-def run_event(cluster: RedisCluster, workers: Workers, event: str, log=print) -> dict[str, Any]:
-    """Do ``event`` to the running cluster; returns when its effects are measured."""
+def run_event(
+    cluster: RedisCluster, workers: Workers, event: str, log=print, moved_slots: int | None = None
+) -> dict[str, Any]:
+    """Do ``event`` to the running cluster; returns when its effects are measured.
+    ``moved_slots``: the slots a reshard moves (there and back) or a new master takes; by
+    default a third and a quarter of them."""
     timeout_s = cluster.node_timeout_ms / 1000
     workers.wait_warm()
     time.sleep(SETTLE_S)
@@ -258,12 +264,12 @@ def run_event(cluster: RedisCluster, workers: Workers, event: str, log=print) ->
         cluster.failover(cluster.replica_of(victim))
     elif event == "reshard":
         other = next(m for m in masters if m is not victim)
-        cluster.reshard(victim, other, 16384 // 3)
+        cluster.reshard(victim, other, moved_slots or 16384 // 3)
         cluster.wait_healthy(120)
-        cluster.reshard(other, victim, 16384 // 3)
+        cluster.reshard(other, victim, moved_slots or 16384 // 3)
     elif event == "add":
         new = cluster.add_master()
-        cluster.reshard(victim, new, 16384 // 4)
+        cluster.reshard(victim, new, moved_slots or 16384 // 4)
     elif event == "cut":
         cluster.cut(victim)  # measured while it is away; then it comes back, as a replica
         after = lambda: cluster.mend(victim)  # noqa: E731
@@ -295,14 +301,14 @@ def run_event(cluster: RedisCluster, workers: Workers, event: str, log=print) ->
             "target_back_s": None if event == "maxmemory" else 2 * timeout_s, "clients": figures}  # fmt: skip
 
 
-def replica_reads(workdir: Path, cluster: RedisCluster, seconds: float) -> dict[str, Any]:
+def replica_reads(workdir: Path, cluster: RedisCluster, seconds: float, pause: float = 0.02) -> dict[str, Any]:
     """Loads only (every prompt stored first), from masters only and then from replicas."""
     out = {}
     for mode in ("masters", "replicas"):
         url = cluster.url + ("?replica_reads=true" if mode == "replicas" else "")
         sub = workdir / f"reads-{mode}"
         sub.mkdir()
-        workers = Workers(sub, url, 2, False, 0.0, read_only=False)  # all hits once warm: reads only
+        workers = Workers(sub, url, 2, False, 0.0, False, pause)  # all hits once warm: reads only
         try:
             workers.wait_warm()
             t0 = time.time()
@@ -329,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis-py", action="store_true")
     ap.add_argument("--reads-seconds", type=float, default=5.0, help="0: no replica-read comparison")
     ap.add_argument("--loopback", action="store_true", help="nodes on loopback ports, not hosts of their own")
+    ap.add_argument("--pause", type=float, default=0.02, help="seconds a client waits between its loads")
+    ap.add_argument("--moved-slots", type=int, help="slots a reshard moves (default: a third; a new master: a quarter)")
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
     if args.worker:
@@ -341,13 +349,14 @@ def main(argv: list[str] | None = None) -> int:
                                node_timeout_ms=args.node_timeout_ms)  # fmt: skip
         try:
             url = f"{cluster.url}?timeout=1&connect_timeout=0.5"
-            workers = Workers(work, url, args.workers, args.redis_py, args.load_deadline, read_only=False)
+            workers = Workers(work, url, args.workers, args.redis_py, args.load_deadline, False, args.pause)
             try:
-                events = [run_event(cluster, workers, e, log=lambda m: print(m, file=sys.stderr)) for e in args.events]
+                say = lambda m: print(m, file=sys.stderr)  # noqa: E731
+                events = [run_event(cluster, workers, e, say, args.moved_slots) for e in args.events]
             finally:
                 workers.close()
             cluster.flush()
-            reads = replica_reads(work, cluster, args.reads_seconds) if args.reads_seconds else None
+            reads = replica_reads(work, cluster, args.reads_seconds, args.pause) if args.reads_seconds else None
         finally:
             cluster.stop()
     report = {"where": cluster.where, "node_timeout_ms": args.node_timeout_ms, "load_deadline_s": args.load_deadline,

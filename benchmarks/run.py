@@ -56,7 +56,12 @@ SUITE: dict[str, tuple[str, list[str], list[str]]] = {
     "netns": ("bench_netns.py", ["--sizes-mib", "0.5", "--total-mib", "8", "--rounds", "1"], []),
     "server_load": ("load_server.py", ["--duration", "10", "--tenants", "1"], ["--tenants", "1", "2"]),
     "trace": ("bench_trace.py", ["--quick"], []),
-    "cluster_ops": ("bench_cluster_ops.py", ["--events", "kill", "failover", "--reads-seconds", "2"], ["--redis-py"]),
+    # short: one event (every event is tests/test_redis_cluster_ops.py's own run)
+    "cluster_ops": (
+        "bench_cluster_ops.py",
+        ["--events", "failover", "--reads-seconds", "2", "--pause", "0.1"],
+        ["--redis-py"],
+    ),
     "vllm_tiers": ("bench_vllm_tiers.py", ["--tokens", "256", "--docs", "1", "--layers", "2", "--kv-heads", "2"], []),
     "vllm_pd": ("bench_vllm_pd.py", ["--lengths", "512", "--docs", "1", "--layers", "2"], []),
     "vllm": (

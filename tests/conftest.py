@@ -20,6 +20,30 @@ pytest.register_assert_rewrite("manifests", "tier_contract")
 # suite collects it only to keep it importable (test_gpu_check.py).
 collect_ignore = [] if os.environ.get("LMTIER_GPU_CHECK") else ["gpu"]
 
+# The longest test files, longest first (the 30 slowest of a run say which): under
+# `pytest -n N --dist loadfile` (make test, make check) each file goes whole to one worker,
+# in collection order, so these start first and no worker is left alone with one at the end.
+LONGEST_FIRST = (
+    "test_demo_and_bench.py",
+    "test_vllm_engine.py",
+    "test_redis_cluster_ops.py",
+    "test_vllm_pd_engines.py",
+    "test_vllm_http.py",
+    "test_vllm_stop.py",
+    "test_vllm_hybrid.py",
+    "test_vllm_config.py",
+    "test_vllm_events.py",
+    "test_sglang_backend.py",
+    "test_imports.py",
+    "test_server_load.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 # Small enough to make many chunks per test, large enough to span several pages.
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
 CHUNK_TOKENS = 16

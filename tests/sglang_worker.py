@@ -1,14 +1,15 @@
 """One SGLang engine's L3 side in a process of its own (tests/test_sglang_backend.py,
 tests/user_envs.py):
 
-    sglang_worker.py set|get TIER_URL[,TIER_URL...] mha|mla HOST_LAYOUT SEED
+    sglang_worker.py set|get TIER_URL[,TIER_URL...] mha|mla HOST_LAYOUT SEED [TIER_URLS KIND LAYOUT SEED ...]
 
 ``set`` fills 8 pages with random KV from SEED and stores them through one backend over
 all the tiers given (every tier gets every page); ``get`` reads them back through one
 backend per tier given, each into its own host pool. Both print one JSON line: per tier,
 the per-page results and a sha256 of the pages in canonical order, read through SGLang's
 own per-layer views, so that two processes with different host layouts can be compared
-(for one tier, those fields at the top level).
+(for one tier, those fields at the top level). Several jobs (four arguments each) run one
+after another in the one process, a line each: SGLang is imported once (ten seconds).
 """
 
 from __future__ import annotations
@@ -20,8 +21,15 @@ import sys
 import sglang_env
 
 
-def main(op: str, urls: str, kind: str, layout: str, seed: str) -> None:
+def main(op: str, *jobs: str) -> None:
+    if op not in ("set", "get") or not jobs or len(jobs) % 4:
+        raise SystemExit(__doc__)
     sglang_env.use()
+    for urls, kind, layout, seed in zip(*[iter(jobs)] * 4, strict=True):
+        job(op, urls, kind, layout, seed)
+
+
+def job(op: str, urls: str, kind: str, layout: str, seed: str) -> None:
     import torch
 
     from sglang_env import alloc, backend, page_keys, token_kv
@@ -47,7 +55,7 @@ def main(op: str, urls: str, kind: str, layout: str, seed: str) -> None:
     import lmtier.connectors.sglang
 
     result = outs[0] if len(outs) == 1 else {"tiers": outs}
-    print(json.dumps({**result, "connector": lmtier.connectors.sglang.__file__}))
+    print(json.dumps({**result, "connector": lmtier.connectors.sglang.__file__}), flush=True)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def test_the_suite_writes_json_a_table_of_every_target_and_plots(suite):
         assert "netns" in summary["skipped"] and NETNS in summary["skipped"]["netns"]
     benches = [t["benchmark"] for t in summary["targets"]]
     counts = {"cpu": 1, "disk": 2, "redis": 6, "grpc": 4, "netns": 4, "server_load": 2, "trace": 9, "vllm": 6,
-              "vllm_tiers": 6, "vllm_pd": 2, "cluster_ops": 4}  # fmt: skip
+              "vllm_tiers": 6, "vllm_pd": 2, "cluster_ops": 2}  # fmt: skip
     counts = {b: n for b, n in counts.items() if b in HERE}
     assert {b: benches.count(b) for b in set(benches)} == counts
     for t in summary["targets"]:
@@ -233,12 +233,12 @@ def test_the_pd_benchmark_times_producer_and_decode_instance_against_their_refer
 @suite_test
 def test_cluster_ops_benchmark_reports_each_event_with_nothing_wrong(suite):
     report, stdout = report_of(suite, "cluster_ops")
-    assert [e["event"] for e in report["events"]] == ["kill", "failover"]
+    assert [e["event"] for e in report["events"]] == ["failover"]
     for e in report["events"]:
         assert set(e["clients"]) == {"lmtier-0", "lmtier-1"}
         assert all(f["wrong"] == 0 and f["loads"] > 0 for f in e["clients"].values())
     assert report["replica_reads"]["replicas"]["wrong"] == 0
-    assert "| kill | lmtier-0 |" in stdout and "replicas / masters" in stdout
+    assert "| failover | lmtier-0 |" in stdout and "replicas / masters" in stdout
 
 
 def test_the_readme_results_page_is_a_full_run_copied_unedited():

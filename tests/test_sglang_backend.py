@@ -311,25 +311,40 @@ def test_storage_metrics_keep_the_latest_samples_when_sglang_never_asks(monkeypa
 # ------------------------------------------------------------------------------------------
 # Two processes
 # ------------------------------------------------------------------------------------------
-def run_worker(*args: str) -> dict:
+def run_worker(*args: str) -> list[dict]:
+    """tests/sglang_worker.py's lines, one per job."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, str(HERE / "sglang_worker.py"), *args], capture_output=True, text=True, env=env, timeout=240
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_two_processes_share_pages(redis_server, tmp_path, kind):
+KINDS = ("mha", "mla")
+
+
+@pytest.fixture(scope="module")
+def two_processes(redis_server, tmp_path_factory):
+    """One process stores pages of each kind through a disk tier and Redis; another, with
+    another host layout, reads them back (two processes for both kinds: SGLang's import
+    is most of their time)."""
+    redis_server.call("FLUSHALL")
+    tmp = tmp_path_factory.mktemp("pages")
+    urls = {kind: f"file://{tmp}/{kind}?size=64MiB,{redis_server.url}" for kind in KINDS}
+    wrote = run_worker("set", *(a for kind in KINDS for a in (urls[kind], kind, "page_first", "11")))
+    read = run_worker("get", *(a for kind in KINDS for a in (urls[kind], kind, "layer_first", "11")))
+    return dict(zip(KINDS, wrote, strict=True)), dict(zip(KINDS, read, strict=True))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_processes_share_pages(two_processes, kind):
     """One process stores pages through a disk tier and Redis; another, with another host
     layout, reads them through each tier alone."""
-    redis_server.call("FLUSHALL")
-    urls = f"file://{tmp_path}/l3?size=64MiB,{redis_server.url}"
-    wrote = run_worker("set", urls, kind, "page_first", "11")
-    read = run_worker("get", urls, kind, "layer_first", "11")
+    wrote, read = (by_kind[kind] for by_kind in two_processes)
     assert wrote["results"] == [True] * 8
-    for tier in read["tiers"]:  # the disk, then Redis
+    assert [t["exists"] for t in read["tiers"]] == [8, 8]  # the disk, then Redis
+    for tier in read["tiers"]:
         assert tier["exists"] == 8
         assert tier["results"] == [True] * 8
         assert tier["canonical_sha256"] == wrote["canonical_sha256"]
