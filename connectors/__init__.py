@@ -1,8 +1,12 @@
 """Engine adapters, importable as ``lmtier.connectors.*``.
 
+    vllm/     the vLLM v1 KV connector (``kv_connector_module_path: lmtier.connectors.vllm``)
+    sglang/   SGLang's HiCache storage backend (``lmtier.connectors.sglang.LMTierStorage``)
+    announce  the one line each adapter logs at start, here because both say it alike
+
 Each adapter is a thin layer over the engine-neutral core (``lmtier.store``,
-``lmtier.kv.keys``, ``lmtier.engine.transfer``): it translates the engine's calls and block tables,
-and holds no caching policy of its own.
+``lmtier.kv.keys``, ``lmtier.engine.transfer``): it translates the engine's calls and block
+tables, and holds no caching policy of its own.
 """
 
 from __future__ import annotations

@@ -1,6 +1,13 @@
-"""Module names of earlier releases, still importable (and runnable with ``python -m``) for a
-release, with a DeprecationWarning naming the new home. Tooling left the product's top
-level (``lmtier.testing``, ``lmtier.demo``); two modules were renamed for what they hold.
+"""Names of earlier releases, still importable for a release with a DeprecationWarning
+naming the new home (CHANGELOG.md lists them).
+
+    MOVED           old module name -> new one (importable, and runnable with ``python -m``)
+    NAMES           module -> {name that left it -> the module that holds it now}
+    forward(module) the ``__getattr__`` a module of NAMES sets, finding each name that left it
+
+Modules moved into packages by role, long ones were split (a name that left a module
+whose name stayed is found through ``forward``), tooling left the product's top level
+(``lmtier.testing``, ``lmtier.demo``).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ import importlib.abc
 import importlib.util
 import sys
 import warnings
+from collections.abc import Callable
 from types import CodeType, ModuleType
 
 MOVED = {
@@ -48,6 +56,118 @@ MOVED = {
     "lmtier.server.data_limits": "lmtier.server.data.limits",
     "lmtier.server.data_saves": "lmtier.server.data.saves",
 }
+
+
+def _all(module: str, *names: str) -> dict[str, str]:
+    return dict.fromkeys(names, module)
+
+
+NAMES: dict[str, dict[str, str]] = {
+    "lmtier.store": {
+        **_all("lmtier.store.readpath", "LOAD_BATCH_BYTES", "READ_AHEAD", "deadline_after", "load_batch"),
+        **_all(
+            "lmtier.store.writeback",
+            "CHECKPOINTS_PER_WAIT",
+            "CHECKPOINT_BATCH",
+            "CHECKPOINT_KEYS",
+            "DEMOTE_BYTES",
+            "WRITEBACK_AFTER_S",
+        ),
+        **_all("lmtier.store.tiered", "LOOKUP_RUNS", "WRITE_MODES"),
+    },
+    "lmtier.config": {
+        **_all(
+            "lmtier.config.schema",
+            "AUTO_CHUNK_MIN_BYTES",
+            "DEFAULT_CHUNK_TOKENS",
+            "WRITE_MODES",
+            "default_server_tiers",
+        ),
+        **_all(
+            "lmtier.config.parsers",
+            "BOOL",
+            "CHUNK_TOKENS",
+            "INTEGER",
+            "NUMBER",
+            "OPTIONAL_INTEGER",
+            "SIZE",
+            "STRING",
+            "STRINGS",
+            "TOKENS",
+            "setting",
+        ),
+        **_all(
+            "lmtier.config.loading",
+            "ENV_PREFIX",
+            "OTHER_ENV",
+            "ROLE_KEYS",
+            "SERVER_ENV_PREFIX",
+            "from_env",
+            "read_file",
+        ),
+        **_all("lmtier.config.tokens", "WEAK_TOKEN"),
+    },
+    "lmtier.cli": {
+        **_all("lmtier.cli.demo", "cmd_bench", "cmd_demo"),
+        **_all("lmtier.cli.reports", "cmd_inspect", "cmd_match", "cmd_stats"),
+        **_all("lmtier.cli.keys", "cmd_keys"),
+        **_all("lmtier.cli.serve", "cmd_serve"),
+        **_all("lmtier.cli.size", "cmd_size"),
+    },
+    "lmtier.tiers.cpu": {
+        **_all("lmtier.tiers.cpu.tier", "DEFAULT_SIZE", "DEFAULT_SLOT", "PROBE_WAIT_S", "Publisher"),
+        **_all("lmtier.tiers.cpu.placement", "PAGE"),
+        **_all("lmtier.tiers.cpu.slab", "PREFAULT_AHEAD"),
+    },
+    "lmtier.tiers.disk.tier": {
+        **_all("lmtier.tiers.disk.read", "READ_FRAMES", "READ_PIECE", "TOUCH_WAIT_S"),
+        **_all("lmtier.tiers.disk.write", "WRITE_PIECE"),
+    },
+    "lmtier.tiers.disk.files": _all("lmtier.tiers.disk.claim", "segment_name"),
+    "lmtier.server.service": {
+        **_all("lmtier.server.methods.reads", "GET_BATCH"),
+        **_all("lmtier.server.methods.saves", "HEAD_READ", "PUT_BATCH", "PUT_BATCH_BYTES"),
+        **_all("lmtier.server.methods.control", "STATS_CACHED", "STATS_COUNT_LIMIT", "STATS_REFRESH_S"),
+    },
+    "lmtier.server.data": _all(
+        "lmtier.server.data.channel",
+        "ACCEPT_PAUSE_S",
+        "DataChannel",
+        "GET_BATCH",
+        "HANDSHAKE_S",
+        "IDLE_S",
+        "PENDING",
+        "PENDING_PER_SOURCE",
+        "WARN_EVERY_S",
+    ),
+    "lmtier.connectors.vllm.scheduler": _all(
+        "lmtier.connectors.vllm.lookup", "ENGINE", "HANDOFF_LOOKS_PER_STEP", "WINDOW_TRIES"
+    ),
+    "lmtier.connectors.vllm.worker": _all("lmtier.connectors.vllm.saves", "MAX_COPY_REPORTS", "SAVE_BUFFER_BYTES"),
+    "lmtier.connectors.sglang": {
+        **_all("lmtier.connectors.sglang.storage", "ENGINE", "METRIC_SAMPLES", "OWN_KEYS", "SGLANG_KEYS"),
+        **_all("lmtier.connectors.sglang.pages", "PageShape", "byte_view", "page_shape"),
+    },
+}
+
+
+def forward(module: str) -> Callable[[str], object]:
+    """The ``__getattr__`` of ``module`` (a key of NAMES): a name that left it is found where
+    it lives now, with a DeprecationWarning saying where (a module's ``__getattr__`` is asked
+    only for names it lacks)."""
+    moved = NAMES[module]
+
+    def __getattr__(name: str) -> object:
+        if name not in moved:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(
+            f"{module}.{name} is now {moved[name]}.{name}; the old name goes away in a later release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(moved[name]), name)
+
+    return __getattr__
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):

@@ -12,9 +12,9 @@ PYTHON=${PYTHON:-python3}
 OUT=build/wheel-check
 pip=(--quiet --disable-pip-version-check)
 
-# setuptools reuses build/lib: a module left there by an older build would hide one that
-# the packaging lost.
-rm -rf "$OUT/dist" "$OUT/run" build/lib build/bdist.*
+# A build as a user makes it, over what an earlier build left in build/ (setup.py starts
+# from a fresh build/lib: the wheel must hold the sources' modules, no more, no fewer).
+rm -rf "$OUT/dist" "$OUT/run"
 mkdir -p "$OUT/dist" "$OUT/run"
 "$VENV/bin/python" -m pip wheel "${pip[@]}" --no-deps --no-build-isolation -w "$OUT/dist" . >/dev/null
 wheel=$(ls "$OUT"/dist/lmtier-*.whl)
@@ -29,6 +29,9 @@ want |= {f"lmtier/connectors/{p.relative_to('connectors')}" for p in Path("conne
 missing = sorted(w for w in want if w not in names and "__pycache__" not in w)
 if missing:
     sys.exit("check-wheel: the wheel lacks " + ", ".join(missing))
+stale = sorted(n for n in names if n.endswith(".py") and n.startswith("lmtier/") and n not in want)
+if stale:  # a module the sources no longer have (an old name would load it, not its warned alias)
+    sys.exit("check-wheel: the wheel holds modules the sources do not: " + ", ".join(stale))
 strays = sorted({n.split("/")[0] for n in names} - {"lmtier"} - {n.split("/")[0] for n in names if ".dist-info/" in n})
 if strays:
     sys.exit("check-wheel: the wheel installs top-level names besides lmtier: " + ", ".join(strays))

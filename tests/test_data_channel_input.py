@@ -1,5 +1,5 @@
 """What a client sends on the cache server's bulk data channel (lmtier/server/data/channel.py,
-data_saves.py): saves, landed in the memory tier's slots or taken the usual way, scoped to
+data/saves.py): saves, landed in the memory tier's slots or taken the usual way, scoped to
 the ticket's tenant; a damaged, oversized or cut-off save stores the whole chunks before it
 and nothing of itself; malformed requests and fuzzed bytes end the connection with a clear
 error and leave the server serving, with no lease, slot or receive buffer left taken.

@@ -1,4 +1,4 @@
-"""The bulk data channel's limits (lmtier/server/data/limits.py, data.py), against real
+"""The bulk data channel's limits (lmtier/server/data/limits.py, channel.py), against real
 servers on port 0: tickets bounded per tenant and in all; connections that show no ticket
 take no thread and, from another address, lock no one out; a tenant holds at most its
 limit and, on a server running short, its share of the connections; idle connections

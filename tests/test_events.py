@@ -1,5 +1,5 @@
 """Tier events (``lmtier.store.events``) from real tiers, and the vLLM adapter's bookkeeping
-(``connectors/vllm_events.py``): what each tier announces, bounds, tensor parallelism."""
+(``connectors/vllm/events.py``): what each tier announces, bounds, tensor parallelism."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import lmtier
 from lmtier.errors import ConfigError, TierError
 from lmtier.kv.chunk import release_all
 from lmtier.store.tiered import TieredStore
@@ -301,6 +302,10 @@ def test_a_cluster_that_does_not_answer_at_start_misses_and_is_opened_once_it_do
         tier.put(chunks)
         assert tier.contains(keys) == 0 and tier.get(keys) == [None] * 3
         assert tier.stats()["state"] == "unavailable" and tier.stats()["dropped_puts"] == 3
+        with pytest.warns(DeprecationWarning, match="open_or_defer"):  # as earlier releases wrote it
+            old = lmtier.open_tier(url, defer=True)
+        assert isinstance(old, DeferredTier)
+        old.close()
     finally:
         for node in redis_cluster.nodes:
             os.kill(node.proc.pid, signal.SIGCONT)

@@ -25,7 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Lowest first. A module belongs to the first layer with a prefix of its name.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundations", ("lmtier.errors", "lmtier.units", "lmtier.metrics", "lmtier.breaker", "lmtier.buffers")),
+    (
+        "foundations",
+        ("lmtier.errors", "lmtier.units", "lmtier.metrics", "lmtier.breaker", "lmtier.buffers", "lmtier._moved"),
+    ),
     ("the KV and its format", ("lmtier.kv",)),
     ("the wire", ("lmtier.transport", "lmtier.v1")),
     ("tiers", ("lmtier.tiers",)),
@@ -33,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("configuration", ("lmtier.config",)),
     ("embedded API", ("lmtier.api",)),
     ("server and adapters", ("lmtier.server", "lmtier.connectors")),
-    ("entry points", ("lmtier.cli", "lmtier.__main__", "lmtier._moved", "lmtier")),
+    ("entry points", ("lmtier.cli", "lmtier.__main__", "lmtier")),
 ]
 TOOLING = ("lmtier.demo", "lmtier.testing")
 # (importing module, function) pairs allowed to reach tooling: `lmtier demo` runs the demo.
@@ -252,9 +255,10 @@ def test_every_module_says_its_job_and_none_only_re_exports():
 
 
 def test_old_module_names_still_import_with_a_deprecation_warning(tmp_path):
-    """Every module that moved in the restructuring answers to its old name for a release,
+    """Every module that moved in a restructuring answers to its old name for a release,
     as the same module object, and ``python -m`` runs it (the README once said
-    ``python -m lmtier.tinymodel DIR``)."""
+    ``python -m lmtier.tinymodel DIR``); every name that left a module whose name stayed
+    is found through it, with a warning naming its new home."""
     import importlib
     import warnings
 
@@ -267,6 +271,16 @@ def test_old_module_names_still_import_with_a_deprecation_warning(tmp_path):
             module = importlib.import_module(old)
         assert module is importlib.import_module(new)
         assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught), old
+    from lmtier._moved import NAMES
+
+    for old, moved in NAMES.items():
+        module = importlib.import_module(old)
+        for name, new in moved.items():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                value = getattr(module, name)
+            assert value is getattr(importlib.import_module(new), name), (old, name)
+            assert any(issubclass(w.category, DeprecationWarning) and f"{new}.{name}" in str(w.message) for w in caught)
     out = subprocess.run(
         [sys.executable, "-m", "lmtier.tinymodel", str(tmp_path / "model")], capture_output=True, text=True, cwd=ROOT
     )

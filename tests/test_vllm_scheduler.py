@@ -2,7 +2,7 @@
 whole-prompt hits, preemption, a worker whose load fails, and saves that copy blocks
 after the step (held blocks, reported copies, the fence after a preemption).
 
-Longer than 400 lines: every behaviour of the scheduler half runs on one fixture (vLLM's
+One file: every behaviour of the scheduler half runs on one fixture (vLLM's
 real Scheduler), and its helpers serve the PD and hybrid-model tests too."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""lmtier's figures for vLLM's metrics (lmtier.connectors.vllm_stats): what a worker
+"""lmtier's figures for vLLM's metrics (lmtier.connectors.vllm.stats): what a worker
 reports per interval, how vLLM adds workers up, what /metrics counts, and where an
 external hit came from. The end-to-end check (vLLM's /metrics after a hit) is in
 test_vllm_http.py."""

@@ -49,6 +49,9 @@ with a clear error.
     pages     how each host layout's pages map onto the canonical chunk
 """
 
+from lmtier._moved import forward
 from lmtier.connectors.sglang.storage import LMTierStorage
 
 __all__ = ["LMTierStorage"]
+
+__getattr__ = forward(__name__)  # names of the previous release, found where they live now (CHANGELOG.md)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 
+from lmtier._moved import forward
 from lmtier.connectors import announce
 from lmtier.connectors.vllm.events import LMTierKVEvents
 from lmtier.connectors.vllm.lookup import Lookups, _Request
@@ -224,3 +225,6 @@ class SchedulerSide(Lookups):
         """``request_finished`` of a hybrid model (``SupportsHMA``): every group's blocks
         stay until the copies reading them are done."""
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+
+__getattr__ = forward(__name__)  # names of the previous release, found where they live now (CHANGELOG.md)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from lmtier import metrics
+from lmtier._moved import forward
 from lmtier.connectors.vllm.events import LMTierKVEvents, WorkerEvents
 from lmtier.connectors.vllm.groups import layer_index
 from lmtier.connectors.vllm.plans import LMTierMetadata, LoadPlan
@@ -266,3 +267,6 @@ def _as_tensor(data: np.ndarray, layout: KVLayout) -> torch.Tensor:
     """Contiguous canonical bytes as a tensor in the canonical layout (a view: no copy)."""
     flat = torch.from_numpy(data.reshape(-1)).view(getattr(torch, layout.dtype))
     return flat.reshape(layout.tensor_shape(data.shape[2]))
+
+
+__getattr__ = forward(__name__)  # names of the previous release, found where they live now (CHANGELOG.md)

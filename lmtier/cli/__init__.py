@@ -12,6 +12,9 @@ brings it); ``--json`` where a program reads the output. ``lmtier = "lmtier.cli:
     demo     demo, and bench (deprecated): the commands that run tooling
 """
 
+from lmtier._moved import forward
 from lmtier.cli.parser import build_parser, main
 
 __all__ = ["build_parser", "main"]
+
+__getattr__ = forward(__name__)  # names of the previous release, found where they live now (CHANGELOG.md)

@@ -22,6 +22,7 @@ value is a ``ConfigError`` naming the key and where it came from.
     loading   load and its engine / server sides: files, ``LMTIER_*`` variables, public_view
 """
 
+from lmtier._moved import forward
 from lmtier.config.loading import (
     SERVER_EXTRA_KEYS,
     engine_config,
@@ -52,3 +53,5 @@ __all__ = [
     "resolve_chunk_tokens",
     "warn_weak_tokens",
 ]
+
+__getattr__ = forward(__name__)  # names of the previous release, found where they live now (CHANGELOG.md)

@@ -76,7 +76,7 @@ class StoreConfig:
     # are complete before the forward pass starts. A CPU engine runs the same path with
     # every layer landed before the forward pass (whole-chunk verification first).
     layer_loads: bool = setting(False, BOOL)
-    # Prefill/decode disaggregation (vLLM's kv_role; connectors/vllm_pd.py): how long a
+    # Prefill/decode disaggregation (vLLM's kv_role; connectors/vllm/pd.py): how long a
     # producer's step holds its answer for its writes to land, and how long a consumer
     # waits for the chunks a forwarded hand-off names, in seconds; past it, recompute.
     handoff_timeout: float = setting(5.0, NUMBER)

@@ -22,12 +22,15 @@ while it is encoded), so the server never keeps or hands out a damaged chunk.
 
 The methods are one object, whose state (the store, the client segments it maps, the
 memory tier it lends and lands saves in, its buffers and budgets) they all use, written
-by family, one module each; this one builds that state and registers the methods:
+by family, one module each of ``lmtier.server.methods``; this one builds that state and
+registers the methods:
 
-    service_reads     Lookup, Get (through shared memory or as bytes), Release, Directory
-    service_saves     Put: frames received, or landed in place from a client's slot
-    service_control   Delete, List, Stats, Match, OpenData
-    service_checks    the input checks they share: a tenant's keys, a client's segment
+    methods.reads     Lookup, Get (through shared memory or as bytes), Release, Directory
+    methods.saves     Put: frames received, or landed in place from a client's slot
+    methods.control   Delete, List, Stats, Match, OpenData
+    methods.checks    the input checks they share: a tenant's keys, a client's segment
+
+(Other hosts' loads and saves also go through the bulk data channel, ``lmtier.server.data``.)
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import threading
 
 import grpc
 
+from lmtier._moved import forward
 from lmtier.buffers import BufferPool
 from lmtier.config.loading import public_view
 from lmtier.config.schema import Config, ServerConfig
@@ -137,3 +141,6 @@ class CacheService(ReadMethods, SaveMethods, ControlMethods):
 
     def calls_in_flight(self, tag: bytes) -> int:
         return self.calls.in_flight(tag)
+
+
+__getattr__ = forward(__name__)  # names of the previous release, found where they live now (CHANGELOG.md)

@@ -9,6 +9,9 @@ fairqueue  FairQueue: the bounded write queue that serves its producers (tenants
 events     TierEvents: which chunks landed in or left each tier, for routers
 """
 
+from lmtier._moved import forward
 from lmtier.store.tiered import TieredStore
 
 __all__ = ["TieredStore"]
+
+__getattr__ = forward(__name__)  # names of the previous release, found where they live now (CHANGELOG.md)

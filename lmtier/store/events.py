@@ -10,7 +10,7 @@ A store's tiers announce what they do to their own contents (``Tier.listener``):
 that stored chunks, an eviction, a delete, a chunk dropped because it failed its check.
 ``TieredStore.watch`` connects every tier of a store to one queue; an engine adapter
 drains it once per step and turns the records into its engine's events (vLLM's
-``BlockStored`` / ``BlockRemoved``: ``connectors/vllm_events.py``).
+``BlockStored`` / ``BlockRemoved``: ``connectors/vllm/events.py``).
 
 What a tier cannot see it cannot announce: a chunk a shared tier (Redis, a cache server)
 evicts on its own, or one another process evicts from a shared disk directory. Routers

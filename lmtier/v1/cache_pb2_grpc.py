@@ -158,7 +158,7 @@ class CacheServiceServicer(object):
 
     def Directory(self, request, context):
         """Same host, one tenant: the shared-memory segment where the server publishes which
-        chunks its memory tier holds and where (lmtier/directory.py), so that the client
+        chunks its memory tier holds and where (lmtier/transport/directory.py), so that the client
         reads them with no call; "" when it publishes none. `read` names the chunks the
         client read through it since its last call: the server counts them as used.
         """
@@ -169,7 +169,7 @@ class CacheServiceServicer(object):
     def OpenData(self, request, context):
         """Another host: a ticket for the server's bulk data channel, a plain TCP (or TLS)
         connection beside gRPC that carries Get's frames with no per-message framing of
-        gRPC's (lmtier/datachannel.py). The ticket opens one connection, within a few seconds,
+        gRPC's (lmtier/transport/datachannel.py). The ticket opens one connection, within a few seconds,
         as the caller's tenant; UNIMPLEMENTED or FAILED_PRECONDITION where the server runs none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -52,6 +52,7 @@ from lmtier.kv.chunk import release_all
 from lmtier.server.calls import Abort
 from lmtier.server.data.limits import Places, Tickets
 from lmtier.server.data.saves import Pace, receive, recv_paced
+from lmtier.server.methods.reads import GET_BATCH  # a load reads as Get does
 from lmtier.tiers.cpu.tier import CpuTier
 from lmtier.transport.datachannel import (
     END,
@@ -79,7 +80,6 @@ ACCEPT_PAUSE_S = 0.1  # the listener unwatched after a failed accept (out of des
 WARN_EVERY_S = 10.0
 HANDSHAKE_S = 5.0
 IDLE_S = 60.0
-GET_BATCH = 8
 
 
 class DataChannel:

@@ -36,8 +36,8 @@ def check_key(key: bytes, what: str) -> None:
 
 
 class RequestChecks:
-    """The base of the service's methods (``service_reads``, ``service_saves``,
-    ``service_control``), built by ``CacheService``; uses its ``config`` (``max_keys``),
+    """The base of the service's methods (``reads``, ``saves``, ``control``), built by
+    ``CacheService``; uses its ``config`` (``max_keys``),
     ``maps`` (the client segments it maps, None where it maps none), ``shared`` (the
     memory tier, where it lends it) and ``_no_shm`` (why it maps none)."""
 

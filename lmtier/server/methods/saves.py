@@ -2,7 +2,7 @@
 same-host client's segment, checked, and stored in batches.
 
     SaveMethods    Put, and the frame checks the data channel's saves share
-                   (``_accept``, ``_keep_landed``; ``data_saves``)
+                   (``_accept``, ``_keep_landed``; ``lmtier.server.data.saves``)
     PUT_BATCH, PUT_BATCH_BYTES   a batch stored at once: chunks, bytes
     HEAD_READ      a save's first read of a client's slot
 

@@ -35,6 +35,9 @@ offered each chunk evicted, and the store writes the chunks it wants down before
 only what arrived in its last seconds. A chunk placed here from a lower tier is written.
 """
 
+from lmtier._moved import forward
 from lmtier.tiers.cpu.tier import CpuTier
 
 __all__ = ["CpuTier"]
+
+__getattr__ = forward(__name__)  # names of the previous release, found where they live now (CHANGELOG.md)

@@ -1,8 +1,8 @@
 """``file:///mnt/nvme/lmtier?size=500GiB``: chunks in log-structured segment files.
 
     tier       DiskTier: the Tier primitives, construction, stats, reconcile on open
-    write      WritePath: a batch's appends, room made for it, its commit within the bound
-    read       ReadPath: keys located, runs of frames read with preadv, damage healed
+    write      DiskWrites: a batch's appends, room made for it, its commit within the bound
+    read       DiskReads: keys located, runs of frames read with preadv, damage healed
     segment    OwnSegment: the segment this process appends to (made, replaced, sealed)
     space      Space: eviction, compaction, crash recovery, the old layout's migration
     shares     Shares: tenants' fair shares, where tenants share the tier

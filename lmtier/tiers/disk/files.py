@@ -1,7 +1,7 @@
 """The segment files of one disk-tier directory: names, appends, reads, scans. Bytes and
 names only; what is live, and within which bound, is the index's and the tier's business.
 
-Longer than 400 lines: the names, appends, reads and scans of one file format share its
+One module: the names, appends, reads and scans of one file format share its
 alignment, buffers and O_DIRECT rules; split, each part would re-derive them.
 
     SegmentFiles(root, o_direct, fsync)   o_direct: True, False, or None (auto: see below)
@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lmtier._moved import forward
 from lmtier.buffers import ALIGN, BufferPool, round_up
 from lmtier.errors import IntegrityError
 from lmtier.kv import codec
@@ -417,3 +418,6 @@ def supports_o_direct(directory: Path) -> bool:
     os.close(fd)
     probe.unlink(missing_ok=True)
     return True
+
+
+__getattr__ = forward(__name__)  # names of the previous release, found where they live now (CHANGELOG.md)

@@ -3,7 +3,7 @@ follow each other in a segment read with one ``preadv`` per run (runs in paralle
 frame into a pooled buffer of its own or into memory an upper tier placed), every frame
 verified, and what turned out damaged or vanished dropped from the index afterwards.
 
-    ReadPath                    mixed into ``DiskTier``; ``get_into`` calls
+    DiskReads                    mixed into ``DiskTier``; ``get_into`` calls
       ._get(keys, out, place) -> out    ``out`` filled, recency refreshed, damage healed
 """
 
@@ -32,7 +32,7 @@ READ_PIECE = 8 << 20  # consecutive frames are read this much per preadv, pieces
 READ_FRAMES = 256  # and at most this many frames per preadv
 
 
-class ReadPath:
+class DiskReads:
     """Reads of ``DiskTier``: one state with its write path, but never its write lock; the
     index's write lock only once the chunks are read (recency, briefly; damage dropped).
 

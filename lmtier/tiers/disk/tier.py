@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from lmtier import metrics
+from lmtier._moved import forward
 from lmtier.buffers import ALIGN, round_up
 from lmtier.errors import ConfigError, TierError
 from lmtier.kv.chunk import Chunk, release_all
@@ -34,10 +35,10 @@ from lmtier.tiers.base import Capabilities, Placer, Tier, TierContext, TierURL, 
 from lmtier.tiers.disk.claim import claim
 from lmtier.tiers.disk.files import MAX_FRAME, SegmentFiles
 from lmtier.tiers.disk.index import DiskIndex
-from lmtier.tiers.disk.read import ReadPath
+from lmtier.tiers.disk.read import DiskReads
 from lmtier.tiers.disk.segment import OwnSegment
 from lmtier.tiers.disk.space import Space
-from lmtier.tiers.disk.write import WritePath
+from lmtier.tiers.disk.write import DiskWrites
 from lmtier.units import parse_size
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def _parse_auto(text: str) -> bool | None:
         raise ValueError(f"expected auto, true or false, got {text!r}") from None
 
 
-class DiskTier(ReadPath, WritePath, Tier):
+class DiskTier(DiskReads, DiskWrites, Tier):
     scheme = "file"
     OPTIONS = {
         "size": parse_size,
@@ -316,3 +317,5 @@ def _check_key(key: bytes) -> bytes:
 
 
 __all__ = ["DiskTier"]
+
+__getattr__ = forward(__name__)  # names of the previous release, found where they live now (CHANGELOG.md)

@@ -4,7 +4,7 @@ apart from the tier's primitives because these steps change together: the bound 
 checked before the write (no byte that could never stay is written) and again, under the
 same lock, at the commit (other processes appended meanwhile).
 
-    WritePath                 mixed into ``DiskTier``; ``put`` calls, under the write lock:
+    DiskWrites                 mixed into ``DiskTier``; ``put`` calls, under the write lock:
       ._append(chunks, keep) -> (frames, offsets, writer, start, failed)
       ._commit(frames, offsets, writer, start, present, order)
 """
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 WRITE_PIECE = 8 << 20  # a batch is written this much per pwritev, its pieces in flight together
 
 
-class WritePath:
+class DiskWrites:
     """Appends and commits of ``DiskTier``: one state and one lock with its read path.
 
     Uses, of the tier: ``index`` (replaced when the directory is rebuilt), ``files``,

@@ -6,6 +6,8 @@
     channel   Channel: one process's channel and its method callables; what failures mean
     stream    the bytes of the bulk calls: chunks into Put messages, Get messages into chunks
     memory    SharedMemory: the same-host data plane (our segment, the server's memory)
+    published DirectoryReads: same-host reads through the server's published directory
+    data      DataChannel: loads and saves of another host on the server's bulk data channel
 
 Options: ``token`` (or the environment variable named by ``token_env``, default
 ``LMTIER_TOKEN``: keeps the secret out of config files), ``timeout`` (seconds a small call

@@ -21,7 +21,7 @@ breaks and counts. The tier itself keeps no breaker and runs no retry loop; ``ba
 says how the store may retry it. The one call it makes twice is protocol: a call whose
 shared memory the server refused goes again over plain gRPC (``memory.NoShm``).
 
-Longer than 400 lines: each primitive chooses among the published directory, shared
+One module: each primitive chooses among the published directory, shared
 memory, the bulk data channel and plain gRPC here, side by side, so that a reader sees in
 one place which transport a load or a save takes and what it falls back to.
 """
