@@ -21,6 +21,12 @@ pytest.register_assert_rewrite("manifests", "tier_contract")
 # suite collects it only to keep it importable (test_gpu_check.py).
 collect_ignore = [] if os.environ.get("LMTIER_GPU_CHECK") else ["gpu"]
 
+# The tests' vLLM engines (lmtier.testing.engine.run_engine, in the tests and in the short
+# benchmarks they run) are forked from one process per worker that imported vLLM once: a
+# core's ten seconds saved per engine (lmtier/testing/enginefork.py). ENGINE_FORKS=0
+# starts each fresh.
+os.environ.setdefault("ENGINE_FORKS", "1")
+
 # The longest test files, longest first (the 30 slowest of a run say which): under
 # `pytest -n N --dist loadfile` (make test, make check) each file goes whole to one worker,
 # in collection order, so these start first and no worker is left alone with one at the end.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -77,6 +78,19 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str
     return {**body, "kv_transfer_params": merged}
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away is the client's business (no traceback on stderr);
+        anything else is logged with its traceback."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            log.debug("client %s went away: %s", client_address, error)
+        else:
+            log.warning("a request from %s failed", client_address, exc_info=True)
+
+
 class PDProxy:
     """The proxy on ``host:port`` (0: a free port) in a background thread."""
 
@@ -119,8 +133,7 @@ class PDProxy:
                 params = proxy._prefill(self.path, body, self.headers.get("X-Request-Id") or str(uuid.uuid4()))
                 proxy._relay(self, proxy.decode + self.path, json.dumps(decode_body(body, params)).encode())
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
+        self.server = _Server((host, port), Handler)
         self.url = f"http://{host}:{self.server.server_address[1]}"
         self.prefills = 0  # answered by the prefill instance
         self.failed_prefills = 0
