@@ -8,6 +8,7 @@
     cache_server   an ``lmtier serve`` in a child process, waited on until it is SERVING
     certs          a throwaway CA, server and client certificates (openssl)
     engine         a vLLM engine in a child process running a scripted scenario
+    enginefork     the tests' engines forked from one process that imported vLLM once
     vllm_serve     ``vllm serve`` in a child process, asked for greedy completions
     layouts        synthetic paged KV caches laid out as vLLM lays them out (no vLLM needed)
     tinymodel      a small random-weight Llama (model and tokenizer) for engine tests
