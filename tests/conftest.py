@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 
@@ -49,18 +48,6 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(config, items) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-
-
-@pytest.fixture(autouse=True)
-def logging_as_found():
-    """Every test starts with logging enabled. vLLM's ``suppress_logging`` (around config
-    defaults in its argument parsing) calls ``logging.disable(INFO)`` and does not undo it
-    when the code inside raises: a test that met that left every INFO line of later tests
-    in its process unsaid (under ``-n``, whichever tests shared its worker)."""
-    level = logging.root.manager.disable
-    yield
-    if logging.root.manager.disable != level:
-        logging.disable(level)
 
 
 # Small enough to make many chunks per test, large enough to span several pages.

@@ -61,7 +61,8 @@ def engine_start(model, tmp_path_factory):
 
     keep, logger = Keep(), logging.getLogger("lmtier")
     logger.addHandler(keep)
-    level, logger.level = logger.level, logging.INFO
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel: its children's cached levels are cleared too
     try:
         connector = LMTierConnector(config, KVConnectorRole.SCHEDULER, cache)
     finally:
