@@ -22,7 +22,10 @@ lint: venv
 # over the cores (a file's tests on one worker: they share its servers). A process that
 # starts an engine fails under it (tests/engine_guard): a test that needs one carries
 # @pytest.mark.engine, and `make test` runs it.
-CHECK_WORKERS ?= auto
+# Workers: one per core, and at least three: many tests spend part of their time waiting on
+# servers (a Redis failover, a timeout), which a third worker fills on a 2-core machine.
+WORKERS := $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 3 ] && echo 3 || echo $$n)
+CHECK_WORKERS ?= $(WORKERS)
 check: lint system
 	PYTHONPATH=tests/engine_guard $(PY) -m pytest -q -m "not engine" -n $(CHECK_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
@@ -37,7 +40,7 @@ wheel: venv
 # engines and servers; the longest files first, tests/conftest.py), and beside it lmtier
 # installed into engines' own environments (tests/user_envs.py: the environments made or
 # reused, then each cell); the matrix's report is printed after the suite's.
-TEST_WORKERS ?= auto
+TEST_WORKERS ?= $(WORKERS)
 test: lint wheel system
 	@mkdir -p build/userenv; \
 	$(PY) tests/user_envs.py >build/userenv/matrix.log 2>&1 & matrix=$$!; \

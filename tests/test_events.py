@@ -99,7 +99,7 @@ def test_shared_tiers_announce_what_they_were_given_and_what_was_deleted(redis_s
 def test_a_tier_that_opens_late_announces_through_the_listener_set_before(tmp_path):
     from lmtier.testing.redis_server import RedisServer, cli, free_port
 
-    port = free_port()
+    port = free_port(cluster=True)  # its bus port free too
     a = make_prompt(2, seed=5)
     urls = ["cpu://?size=8MiB&slot=1MiB", f"redis+cluster://127.0.0.1:{port}?connect_timeout=0.2"]
     with TieredStore.open(urls, defer="lower") as store:

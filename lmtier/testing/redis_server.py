@@ -26,11 +26,23 @@ def _free(port: int) -> bool:
     return True
 
 
+def _ephemeral_start() -> int:
+    """The first port the kernel hands out to outgoing connections (32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(cluster: bool = False) -> int:
-    """A free loopback port; for a cluster node, one whose bus port (+10000) is free too."""
+    """A free loopback port; for a cluster node, one whose bus port (+10000) is free too.
+    Both lie below the kernel's range for outgoing connections, so that a connection made
+    between this check and the server's start (a client's, on the same machine) cannot take
+    one of them."""
+    top = max(_ephemeral_start(), 12000) - (10000 if cluster else 0)
     rng = random.Random()
     while True:
-        port = rng.randrange(20000, 50000)
+        port = rng.randrange(max(1024, top - 12000), top)
         if _free(port) and (not cluster or _free(port + 10000)):
             return port
 
