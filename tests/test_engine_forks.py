@@ -1,12 +1,16 @@
 """The tests' engines forked from one process that imported vLLM (lmtier/testing/enginefork.py):
-the same engine as a fresh process, bit for bit; a failure and a timeout are reported as
-a fresh process's are, and nothing is left running."""
+the same answers as a fresh process's, bit for bit; a failure and a timeout are reported as
+a fresh process's are; an engine whose caller went away is killed; the server survives a
+bad request; a caller whose environment the server's imports did not see starts fresh."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -55,20 +59,50 @@ def test_a_forked_engine_answers_as_a_fresh_process_bit_for_bit(model, tmp_path,
     assert forked["connector"] == fresh["connector"]  # the same lmtier
 
 
-def test_a_failing_engine_reports_its_log_and_a_slow_one_is_killed(model, tmp_path, monkeypatch):
+def children(pid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+
+
+def gone(pid: int) -> bool:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_failures_timeouts_and_callers_that_vanish_cost_the_engine_never_the_server(model, tmp_path, monkeypatch):
     monkeypatch.setenv(enginefork.FLAG, "1")
     with pytest.raises(RuntimeError, match="engine gone failed") as failed:
         run_engine({"model": str(tmp_path / "no-model"), "phases": []}, tmp_path, "gone", timeout=600)
     assert "no-model" in str(failed.value)  # the end of its stderr, as a fresh process's
+    server = enginefork._Server._current
+    assert server is not None and server.proc.poll() is None
 
-    never = tmp_path / "never"
-    spec = {"model": model, "phases": [{"wait": str(never)}]}
+    waits = {"model": model, "phases": [{"wait": str(tmp_path / "never")}]}
     with pytest.raises(subprocess.TimeoutExpired):
-        run_engine(spec, tmp_path, "slow", timeout=5)
-    server = enginefork._Server.get()
-    forks = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
-    deadline = time.monotonic() + 30
-    while forks and time.monotonic() < deadline:  # the killed engine, reaped by the server
-        time.sleep(0.1)
-        forks = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
-    assert forks == []
+        run_engine(waits, tmp_path, "slow", timeout=5)
+    assert children(server.proc.pid) == []  # killed and reaped before the error came back
+
+    # A caller that goes away without a word (a test's own timeout, an interrupt): its
+    # engine goes with its connection. A request that is not JSON costs only itself.
+    (tmp_path / "waits.json").write_text(json.dumps(waits))
+    with socket.socket(socket.AF_UNIX) as junk:
+        junk.connect(server.path)
+        junk.sendall(b"not json\n")
+        assert junk.recv(100) == b""
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(server.path)
+    request = {"argv": [str(tmp_path / "waits.json"), str(tmp_path / "w.out")], "log": str(tmp_path / "w.log"),
+               "cwd": os.getcwd(), "env": dict(os.environ)}  # fmt: skip
+    conn.sendall(json.dumps(request).encode() + b"\n")
+    pid = json.loads(conn.makefile().readline())["pid"]
+    assert str(pid) in children(server.proc.pid)
+    conn.close()
+    assert gone(pid)
+    assert enginefork._Server._current is server and server.proc.poll() is None
+
+    # An environment variable read at import that differs from the server's: a fresh process.
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert enginefork.run(["a", "b"], tmp_path / "x.log", 5) is None

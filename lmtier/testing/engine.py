@@ -47,7 +47,8 @@ def run_engine(spec: dict, workdir: Path, name: str, timeout: float | None = Non
     """Run one engine over ``spec`` in a new process (``env``: its environment, by default
     this one's); returns its results (and its log).
 
-    Raises ``RuntimeError`` with the end of the engine's log when it fails.
+    Raises ``RuntimeError`` with the end of the engine's log when it fails, and
+    ``subprocess.TimeoutExpired`` once it ran past ``timeout`` (it is killed).
     """
     import subprocess
 
@@ -55,8 +56,11 @@ def run_engine(spec: dict, workdir: Path, name: str, timeout: float | None = Non
 
     spec_path, out = workdir / f"{name}.json", workdir / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
+    forked = None
     if enginefork.wanted(env):  # the tests' engines: forked from one that imported vLLM
-        code, log = enginefork.run([str(spec_path), str(out)], workdir / f"{name}.log", timeout)
+        forked = enginefork.run([str(spec_path), str(out)], workdir / f"{name}.log", timeout)
+    if forked is not None:
+        code, log = forked
     else:
         run = subprocess.run(
             [sys.executable, "-m", "lmtier.testing.engine", str(spec_path), str(out)],
