@@ -11,8 +11,8 @@ the same inputs as a fresh one (tests/test_engine_forks.py compares their answer
 bit): the server imported vLLM and nothing else, and each engine's configuration, its
 connector, its threads and its children begin in the fork. What it inherits instead of
 making: the modules, the environment variables the import read (the server's start
-environment: a caller whose environment differs in one that is not read lazily gets a
-fresh process), the import's own additions to the environment, and the process's umask,
+environment: a caller whose environment differs in one of them gets a fresh process), the
+import's own additions to the environment, and the process's umask,
 limits and hash seed. Threads the import started (torch's) are not in the fork.
 
 The server, one per calling process (started at its first engine; it ends when the caller
@@ -46,19 +46,23 @@ import time
 from pathlib import Path
 
 FLAG = "ENGINE_FORKS"
-# Environment variables read when they are used, not when a module is imported: a caller
-# whose environment differs from the server's start environment only in these may fork.
-_LAZY = ("VLLM_", "LMTIER_", "ENGINE_", "PYTEST_")
-_READ_AT_IMPORT = ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_", "VLLM_PLUGINS", "VLLM_TARGET_DEVICE")
+# Environment variables read when a module is imported (the interpreter's own, the
+# loader's, Hugging Face's, torch's, vLLM's logging and platform): a caller whose values
+# differ from the server's start environment gets a fresh process. The others (vLLM's
+# VLLM_*, lmtier's, the ones vLLM itself sets as it configures an engine in-process) are
+# read as they are used, in the fork.
+_READ_AT_IMPORT = (
+    "PYTHON", "LD_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH_", "TOKENIZERS_",
+    "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_", "VLLM_PLUGINS", "VLLM_TARGET_DEVICE", "VLLM_USE_MODELSCOPE",
+)  # fmt: skip
 _START_S = 300  # the server's import of vLLM, on a loaded machine
 _KILL_S = 30  # an engine killed: its status back within this
 
 
 def _fingerprint() -> dict:
-    """What this process's imports depend on: the environment but its lazily read
-    variables, and the directory (the first entry of a ``python -m`` process's path)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAZY) or k.startswith(_READ_AT_IMPORT)}
-    return {"env": env, "cwd": os.getcwd()}
+    """What this process's imports depend on: its variables read at import, and its
+    directory (the first entry of a ``python -m`` process's path)."""
+    return {"env": {k: v for k, v in os.environ.items() if k.startswith(_READ_AT_IMPORT)}, "cwd": os.getcwd()}
 
 
 def wanted(env: dict | None) -> bool:
