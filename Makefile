@@ -22,10 +22,11 @@ lint: venv
 # over the cores (a file's tests on one worker: they share its servers). A process that
 # starts an engine fails under it (tests/engine_guard): a test that needs one carries
 # @pytest.mark.engine, and `make test` runs it.
-# Workers: one per core. (A third on a 2-core machine fills the minutes its tests wait on
-# servers, but beside the environments' matrix it starved engines and timing bounds.)
+# Workers: one per core for the whole suite (a third on a 2-core machine starved its engines
+# beside the environments' matrix); at least three for `make check`, whose tests start no
+# engine and spend part of their time waiting on servers (8 min on 2 cores with 2, 6 with 3).
 WORKERS ?= auto
-CHECK_WORKERS ?= $(WORKERS)
+CHECK_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -lt 3 ] && echo 3 || echo $$n)
 check: lint system
 	PYTHONPATH=tests/engine_guard $(PY) -m pytest -q -m "not engine" -n $(CHECK_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
