@@ -217,10 +217,11 @@ def serve(path: str, caller: int) -> None:
     listener.listen(16)
     os.rename(path + ".new", path)  # the caller connects once it exists
     running: dict[int, socket.socket] = {}  # engine pid -> its caller's connection
+    killed: set[int] = set()  # engines whose caller stopped listening, not yet reaped
     me = os.getpid()
     try:
         while os.getppid() == caller:
-            watched = {conn.fileno(): pid for pid, conn in running.items() if not isinstance(conn, _Gone)}
+            watched = {conn.fileno(): pid for pid, conn in running.items() if pid not in killed}
             readable, _, _ = select.select([listener, *(running[pid] for pid in watched.values())], [], [], 0.2)
             for sock in readable:
                 if sock is listener:
@@ -228,27 +229,14 @@ def serve(path: str, caller: int) -> None:
                 else:  # a caller closed or shut down its side: its engine goes
                     pid = watched[sock.fileno()]
                     _kill(pid)
-                    running[pid] = _Gone(sock)
+                    killed.add(pid)
             _reap(running)
+            killed &= running.keys()  # (the reaped ones are gone from both)
     finally:  # the caller is gone, or told the server to stop: so are its engines
         if os.getpid() == me:  # (not an engine, leaving the interpreter through here)
             for pid in running:
                 _kill(pid)
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-
-
-class _Gone:
-    """A connection whose caller stopped listening: its engine is being killed; the status
-    goes to it if the caller still reads (a timeout), and select no longer watches it."""
-
-    def __init__(self, conn: socket.socket) -> None:
-        self.conn = conn
-
-    def sendall(self, data: bytes) -> None:
-        self.conn.sendall(data)
-
-    def close(self) -> None:
-        self.conn.close()
 
 
 def _start(listener: socket.socket, running: dict, imported: dict) -> None:
@@ -263,7 +251,7 @@ def _start(listener: socket.socket, running: dict, imported: dict) -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:  # the engine: it leaves from here
-            _child(request, imported, [listener, conn, *(getattr(c, "conn", c) for c in running.values())])
+            _child(request, imported, [listener, conn, *running.values()])
         with contextlib.suppress(OSError):  # its own group, before anyone may kill it (the child does the same)
             os.setpgid(pid, pid)
         running[pid] = conn
