@@ -1,8 +1,9 @@
-"""Parsing and printing sizes: ``8GiB``, ``500GB``, ``128k`` tokens.
+"""Parsing and printing sizes: ``8GiB``, ``500GB``, ``128K`` tokens.
 
-One convention for both: a suffix without ``i`` is decimal (k = 1,000, M = 1,000,000), one
-with ``i`` binary (Ki = 1,024, Mi = 1,048,576). ``100k`` tokens are 100,000 tokens, as a
-model card's "100k" reads; a context of 131,072 tokens is ``128Ki``."""
+Bytes: a suffix without ``i`` is decimal (kB = 1,000, MB = 1,000,000), one with ``i`` binary
+(KiB = 1,024), whatever its case. Token counts are read as vLLM reads ``--max-model-len``,
+by case: lowercase is decimal (``128k`` = 128,000), uppercase binary (``128K`` = 131,072),
+so that one context length means the same number in both commands; ``128Ki`` is binary too."""
 
 from __future__ import annotations
 
@@ -30,22 +31,25 @@ _BYTE_UNITS = {
     "ti": 1024**4,
     "tib": 1024**4,
 }
-# Token counts take the size units without bytes: k, M, G decimal; Ki, Mi, Gi binary. (Counts
-# once read k as 1,024, so that 100k meant 102,400 tokens: one suffix, one meaning.)
-_COUNT_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
+# Token counts, by case as vLLM's ``human_readable_int`` reads them (k, m, g, t decimal; K, M,
+# G, T binary), and Ki, Mi, Gi, Ti binary in either case.
+_COUNT_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+                "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}  # fmt: skip
+_COUNT_UNITS |= {f"{p}i": 1024 ** (n + 1) for n, p in enumerate("kmgt")}
+_COUNT_HELP = "k, m, g (powers of 1000), K, M, G or Ki, Mi, Gi (powers of 1024), as vLLM reads them"
 _NUMBER = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def _parse(text: str | int, units: dict[str, int], what: str, known: str = "") -> int:
+def _parse(text: str | int, units: dict[str, int], what: str, known: str = "", fold=str.lower) -> int:
     if isinstance(text, int):
         if text < 0:
             raise ConfigError(f"{what} must not be negative: {text}")
         return text
     match = _NUMBER.match(str(text))
-    if not match or match.group(2).lower() not in units:
+    if not match or fold(match.group(2)) not in units:
         known = known or ", ".join(sorted({u for u in units if u}))
         raise ConfigError(f"cannot parse {what} {text!r} (a number with one of: {known})")
-    value = float(match.group(1)) * units[match.group(2).lower()]
+    value = float(match.group(1)) * units[fold(match.group(2))]
     return round(value)
 
 
@@ -55,9 +59,15 @@ def parse_size(text: str | int) -> int:
 
 
 def parse_count(text: str | int) -> int:
-    """A token count from ``"100k"`` (100,000), ``"1M"`` (1,000,000), ``"128Ki"`` (131,072)
-    or ``"100000"``."""
-    return _parse(text, _COUNT_UNITS, "count", "k, M, G (powers of 1000), Ki, Mi, Gi (powers of 1024)")
+    """A token count as vLLM's ``--max-model-len`` reads it: ``"100k"`` (100,000), ``"128K"``
+    (131,072), ``"1m"`` (1,000,000), ``"1M"`` (1,048,576), ``"128Ki"`` (131,072) or
+    ``"100000"``."""
+    return _parse(text, _COUNT_UNITS, "count", _COUNT_HELP, _count_suffix)
+
+
+def _count_suffix(suffix: str) -> str:
+    """The case matters for k/K and the rest; ``Ki`` is binary in any case."""
+    return suffix[0].lower() + "i" if len(suffix) == 2 and suffix[1] in "iI" else suffix
 
 
 def _format(n: float, base: int, units: tuple[str, ...], digits: int) -> str:

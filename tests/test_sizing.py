@@ -185,19 +185,26 @@ def test_units():
 @pytest.mark.parametrize(
     ("text", "tokens"),
     [
-        ("100k", 100_000),  # once 102,400: k read as 1,024 for tokens and as 1,000 for bytes
+        ("100k", 100_000),  # lowercase: decimal
         ("128k", 128_000),
-        ("8K", 8_000),
+        ("128K", 131_072),  # uppercase: binary, as vLLM's --max-model-len 128K
+        ("8K", 8_192),
         ("1.5k", 1_500),
-        ("1M", 1_000_000),
+        ("1M", 1_048_576),
         ("2m", 2_000_000),
+        ("1G", 1024**3),
         ("128Ki", 131_072),
         ("8ki", 8_192),
         ("1Mi", 1_048_576),
         ("100000", 100_000),
     ],
 )
-def test_token_counts_are_decimal_unless_written_binary(capsys, text, tokens):
+def test_token_counts_read_as_vllm_reads_max_model_len(capsys, text, tokens):
+    """vLLM's own parser is the reference: one context length, one number in both commands."""
+    from vllm.utils.argparse_utils import human_readable_int
+
+    if text[-1] not in "iI":
+        assert human_readable_int(text) == tokens
     assert parse_count(text) == tokens
     assert size_json(capsys, "--model", "llama-3-8b", "--tokens", text)["tokens"] == tokens
 
@@ -206,7 +213,7 @@ def test_byte_sizes_keep_their_units_and_counts_take_no_bytes(capsys):
     assert (parse_size("1k"), parse_size("1KB"), parse_size("1KiB"), parse_size("1Ki")) == (1000, 1000, 1024, 1024)
     assert parse_size("2TiB") == 2 * 1024**4 and parse_size("2TB") == 2 * 10**12
     assert main(["size", "--model", "llama-3-8b", "--tokens", "8KiB"]) == 2
-    assert "k, M, G (powers of 1000), Ki, Mi, Gi (powers of 1024)" in capsys.readouterr().err
+    assert "k, m, g (powers of 1000), K, M, G or Ki, Mi, Gi (powers of 1024)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -247,3 +254,11 @@ def test_plan_of_a_tensor_parallel_rank():
     assert layout.num_kv_heads == 1
     assert plan("x", layout, 1024).bytes_per_token == 320 * KiB // 8
     assert KVLayout(4, 2, 8).shard(4).num_kv_heads == 1  # fewer heads than ranks: replicated
+
+
+def test_128K_is_the_well_known_tables_40_gib_for_llama_3_70b(capsys):
+    """``--tokens 128K`` is vLLM's ``--max-model-len 128K``: 131,072 tokens, 40 GiB of
+    KV for Llama-3-70B in bfloat16 (80 layers x 8 KV heads x 128 x 2 x 2 B per token)."""
+    assert main(["size", "--model", "llama-3-70b", "--tokens", "128K"]) == 0
+    context = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("context"))
+    assert context.split()[1:3] == ["40", "GiB"] and "131,072 tokens" in context

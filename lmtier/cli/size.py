@@ -34,7 +34,10 @@ def add_size(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("size", help="plan KV memory: bytes per token, per context, what each tier holds")
     model_args(p)
     p.add_argument(
-        "--tokens", required=True, help="context length: 100000, 100k (100,000), 1M (1,000,000) or 128Ki (131,072)"
+        "--tokens",
+        required=True,
+        help="context length, as vLLM's --max-model-len reads it: "
+        "100000, 100k (100,000), 128K (131,072), 1m (1,000,000), 1M (1,048,576)",
     )
     p.add_argument("--batch", type=int, default=1, help="concurrent contexts (default 1)")
     p.add_argument("--cpu", help="host-memory tier size, e.g. 64GiB")
