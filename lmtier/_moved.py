@@ -115,7 +115,7 @@ NAMES: dict[str, dict[str, str]] = {
         **_all("lmtier.cli.size", "cmd_size"),
     },
     "lmtier.tiers.cpu": {
-        **_all("lmtier.tiers.cpu.tier", "DEFAULT_SIZE", "DEFAULT_SLOT", "PROBE_WAIT_S", "Publisher"),
+        **_all("lmtier.tiers.cpu.tier", "DEFAULT_SIZE", "PROBE_WAIT_S", "Publisher"),
         **_all("lmtier.tiers.cpu.placement", "PAGE"),
         **_all("lmtier.tiers.cpu.slab", "PREFAULT_AHEAD"),
     },

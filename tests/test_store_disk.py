@@ -122,7 +122,7 @@ def test_write_back_with_a_full_queue_loses_chunks_but_never_memory(tmp_path):
     disk.gate.set()
     assert store.flush()
     assert all(e.leases == 0 for e in hot._index.values())
-    assert len(hot.slab.free) + sum(len(e.slots) for e in hot._index.values()) == hot.num_slots  # no slot leaked
+    assert hot.slab.available + sum(len(e.slots) for e in hot._index.values()) == hot.num_slots  # no slot leaked
     store.close()
 
 

@@ -69,7 +69,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tier",
         action="append",
-        help="tier URL, fastest first, repeatable (default: cpu://?size=1GiB&slot=256KiB and "
+        help="tier URL, fastest first, repeatable (default: cpu://?size=1GiB and "
         "file://~/.cache/lmtier/server?size=10GiB)",
     )
     p.add_argument("--token", action="append", help="SECRET[=TENANT]: a bearer token and its tenant (repeatable)")

@@ -283,7 +283,7 @@ class ServerConfig:
 
 def default_server_tiers() -> tuple[str, ...]:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmtier" / "server"
-    return ("cpu://?size=1GiB&slot=256KiB", f"file://{cache.resolve()}?size=10GiB")
+    return ("cpu://?size=1GiB", f"file://{cache.resolve()}?size=10GiB")
 
 
 @dataclass(frozen=True)

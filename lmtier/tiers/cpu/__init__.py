@@ -3,11 +3,12 @@
     tier       CpuTier: the Tier primitives over slab and index, leases, write-back, publishing
     placement  Placing: slots a reader lands a payload in directly (promotions, a server's saves)
     index      Index: entries, LRU order, victims, tenants' fair shares; demotion to evict_hook
-    slab       Slab: the memory, its free slots, prefaulting, shared-memory naming
+    slab       Slab: the memory, its free runs of slots, prefaulting, shared-memory naming
 
-The slab is cut into fixed slots (``slot=``, by default one full chunk), so allocation
-and freeing are a pop and a push on a free list. A chunk larger than a slot takes several
-slots; the common case of one chunk per slot hands out zero-copy views. The slab is
+The slab is cut into fixed slots (``slot=``; by default one full chunk where the chunk
+size is known, as in an engine, else 64 KiB, so that chunks of any size the clients send
+fill the tier: a chunk wastes at most the end of its last slot). A chunk takes one run of
+slots, found among the free runs (``slab``), and is handed out as one zero-copy view. The slab is
 pinned when CUDA is present, so copies to the GPU can be asynchronous, and is allocated
 on first use and anew in a forked child (which starts empty). Its pages are faulted in
 by a background thread a little ahead of the slots handed out (``buffers.Prefault``), so a

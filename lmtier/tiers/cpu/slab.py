@@ -2,7 +2,13 @@
 Bytes and slots only; which chunk holds which slots, and what goes to make room, is the
 index's and the tier's business (the tier's lock guards all of it).
 
-Allocation and freeing are a pop and a push on a free list. The slab is pinned when CUDA
+Free slots are kept as runs (start -> length, coalesced as slots come back), and a chunk
+takes one run of the slots it needs wherever one is free: the start of the shortest run
+that fits (a fresh slab is one run, handed out from slot 0 up). A chunk then lies in one
+piece of the slab (one zero-copy view, publishable to same-host readers), and a chunk
+evicted leaves a run that its successor of the same size fits exactly. Only when no free
+run is long enough (chunks of other sizes around) is a chunk spread over several runs, the
+longest first, and read back gathered from them. The slab is pinned when CUDA
 is present (copies to the GPU can then be asynchronous), or a named shared-memory segment
 when the tier's chunks are published to clients; it is mapped on first use, and its pages
 are faulted in by a background thread a little ahead of the slots handed out
@@ -12,7 +18,8 @@ on the engine's save path.
     Slab(num_slots, slot_bytes, pin, shared_dir)
       .ensure() -> array                  the slab, mapped (and prefaulting) on first use
       .locate(data) -> offset | None      where a view of one run of the slab lies in it
-      .take(count) -> [slot]              ``count`` free slots, ascending (room was made)
+      .available                          how many slots are free
+      .take(count) -> [slot]              ``count`` free slots, ascending, one run where one is free
       .give(slots)                        slots free again
       .views(array, slots, nbytes)        a chunk's bytes in its slots, one view per run
       .close()                            forget the slab (leased views keep it alive)
@@ -46,7 +53,7 @@ class Slab:
         self.array: np.ndarray | None = None
         self.segment: Segment | None = None  # the shared-memory segment holding it, when shared
         self.prefault: Prefault | None = None
-        self.free = list(range(num_slots - 1, -1, -1))  # pop() yields slot 0 first
+        self._runs = _Runs(num_slots)
 
     def ensure(self) -> np.ndarray:
         if self.array is None:
@@ -68,17 +75,18 @@ class Slab:
         offset = data.__array_interface__["data"][0] - slab.__array_interface__["data"][0]
         return offset if offset >= 0 and offset + data.size <= slab.size else None
 
+    @property
+    def available(self) -> int:
+        return self._runs.free
+
     def take(self, count: int) -> list[int]:
-        # Consecutive slots where the free list's top holds them (always in a fresh slab,
-        # and after chunks of one size come and go): a chunk larger than a slot then lies
-        # in one run of the slab, served as one view (and published) rather than copied.
-        slots = sorted(self.free.pop() for _ in range(count))
+        slots = self._runs.take(count)
         if self.prefault is not None:
-            self.prefault.need((max(slots) + 1) * self.slot_bytes)
+            self.prefault.need((slots[-1] + 1) * self.slot_bytes)
         return slots
 
     def give(self, slots: list[int]) -> None:
-        self.free.extend(slots)
+        self._runs.give(slots)
 
     def views(self, array: np.ndarray, slots: list[int], nbytes: int) -> list[np.ndarray]:
         """``array``: the slab as the caller found it under the lock (a close meanwhile
@@ -95,13 +103,81 @@ class Slab:
         return views
 
     def close(self) -> None:
-        self.free = []
+        self._runs = _Runs(0)
         self.array = None  # leased views keep their memory alive until released
         if self.prefault is not None:
             self.prefault.close()
             self.prefault = None  # it holds the mapping: let it go with the slab
         if self.segment is not None:
             self.segment.close()
+
+
+class _Runs:
+    """Free slots as maximal runs: ``start -> length``, ``end -> start`` to coalesce a run
+    given back with its neighbours, and the starts of the runs of each length (few distinct
+    lengths: they sum to at most the slots), so a fit is found without a scan of the slab."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.free = 0
+        self._length: dict[int, int] = {}
+        self._start_of_end: dict[int, int] = {}
+        self._starts: dict[int, set[int]] = {}
+        if num_slots:
+            self._add(0, num_slots)
+
+    def _add(self, start: int, length: int) -> None:
+        self._length[start] = length
+        self._start_of_end[start + length] = start
+        self._starts.setdefault(length, set()).add(start)
+        self.free += length
+
+    def _remove(self, start: int) -> int:
+        length = self._length.pop(start)
+        del self._start_of_end[start + length]
+        starts = self._starts[length]
+        starts.discard(start)
+        if not starts:
+            del self._starts[length]
+        self.free -= length
+        return length
+
+    def take(self, count: int) -> list[int]:
+        if count > self.free:
+            raise ValueError(f"{count} slots asked, {self.free} free")
+        fits = [n for n in self._starts if n >= count]
+        if fits:
+            length = min(fits)
+            start = next(iter(self._starts[length]))
+            self._remove(start)
+            if length > count:
+                self._add(start + count, length - count)
+            return list(range(start, start + count))
+        slots: list[int] = []  # no run long enough: the longest ones, until there are enough
+        while len(slots) < count:
+            start = next(iter(self._starts[max(self._starts)]))
+            length = self._remove(start)
+            used = min(length, count - len(slots))
+            if used < length:
+                self._add(start + used, length - used)
+            slots.extend(range(start, start + used))
+        return sorted(slots)
+
+    def give(self, slots: list[int]) -> None:
+        i = 0
+        ordered = sorted(slots)
+        while i < len(ordered):  # each run of the slots given, merged with its free neighbours
+            j = i
+            while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+                j += 1
+            start, end = ordered[i], ordered[j] + 1
+            if start in self._start_of_end:
+                before = self._start_of_end[start]
+                self._remove(before)
+                start = before
+            if end in self._length:
+                end += self._remove(end)
+            self._add(start, end - start)
+            i = j + 1
 
 
 def is_run(slots: list[int]) -> bool:

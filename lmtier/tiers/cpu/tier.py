@@ -33,7 +33,12 @@ from lmtier.tiers.cpu.slab import Slab, is_run, scatter
 from lmtier.units import parse_size
 
 DEFAULT_SIZE = 1024**3
-DEFAULT_SLOT = 2 * 1024**2
+# Slots where no chunk size is known (a cache server's tier: its clients send what their
+# models make): small, so that a chunk wastes at most one slot's end (a tier of any size
+# keeps 80% of it in KV for chunks of four slots or more), and at most MAX_SLOTS of them
+# (the published directory keeps a head per slot).
+MIN_SLOT = 64 * 1024
+MAX_SLOTS = 1 << 18
 PROBE_WAIT_S = 2.0  # a readiness probe waits this long for the lock
 
 
@@ -50,7 +55,7 @@ class CpuTier(Placing, Tier):
         pin: bool | None = None,
         context: TierContext | None = None,
     ) -> None:
-        self.slot_bytes = slot or (context.chunk_bytes if context and context.chunk_bytes else DEFAULT_SLOT)
+        self.slot_bytes = slot or (context.chunk_bytes if context and context.chunk_bytes else default_slot(size))
         if self.slot_bytes <= 0:
             raise ConfigError("cpu tier slot size must be positive")
         self.num_slots = size // self.slot_bytes
@@ -290,7 +295,7 @@ class CpuTier(Placing, Tier):
 
     @property
     def used_bytes(self) -> int:
-        return (self.num_slots - len(self.slab.free)) * self.slot_bytes if not self._closed else 0
+        return (self.num_slots - self.slab.available) * self.slot_bytes if not self._closed else 0
 
     def stats(self) -> dict[str, Any]:
         with self._state():
@@ -298,6 +303,7 @@ class CpuTier(Placing, Tier):
                 "tier": self.name,
                 "capacity_bytes": self.capacity,
                 "used_bytes": self.used_bytes,
+                "kv_bytes": sum(e.nbytes for e in self._index.values() if e.ready),  # used_bytes less slots' ends
                 "slot_bytes": self.slot_bytes,
                 "chunks": sum(1 for e in self._index.values() if e.ready),
                 **self._counts,
@@ -308,7 +314,7 @@ class CpuTier(Placing, Tier):
         """``count`` free slots for ``key``, evicting what must go (see ``Index.victim``)."""
         if count > self.num_slots:
             return None
-        while len(self.slab.free) < count:
+        while self.slab.available < count:
             victim = self._index.victim(count, key)
             if victim is None:
                 return None  # everything is leased or being written
@@ -403,3 +409,9 @@ class Publisher(Protocol):
                 checksum: int, head: bytes = b"") -> None: ...  # fmt: skip
 
     def withdraw(self, key: bytes) -> None: ...
+
+
+def default_slot(size: int) -> int:
+    """The slot of a tier of ``size`` bytes whose chunks' size is not known: ``MIN_SLOT``, or
+    the power of two that keeps the slots to ``MAX_SLOTS``."""
+    return max(MIN_SLOT, 1 << max(0, (-(-size // MAX_SLOTS) - 1).bit_length()))
