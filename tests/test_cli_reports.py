@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from lmtier.cli import main
+from lmtier.kv.chunk import release_all
 from lmtier.kv.layout import from_hf_config
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.tiers.base import open_tier
@@ -80,3 +81,41 @@ def test_inspect_names_the_attention_kind_only_when_it_knows_it(tmp_path, capsys
     assert capsys.readouterr().out.count("head dim (GQA), float16") == 4
     assert main(["inspect", str(root), "--model", "llama-3-8b", "--json"]) == 0  # another model: no kind
     assert [r["attention"] for r in json.loads(capsys.readouterr().out)["chunks_list"]] == [None] * 4
+
+
+def test_lmtier_stats_counts_the_loads_a_same_host_client_read_from_the_published_directory(tmp_path, capsys):
+    """A client on the server's host reads chunks straight from the server's memory (the
+    published directory: no call per load). Its reads reach the server's counts within a
+    moment, the last ones at the latest when it closes: ``lmtier stats`` shows them."""
+    (tmp_path / "shm").mkdir()
+    server = ServerProcess(tmp_path, "--tier", "cpu://?size=16MiB", "--shm-dir", str(tmp_path / "shm"))
+    writer = open_tier(f"grpc://{server.address}?shm=off")
+    prompts = [make_prompt(4, seed=s) for s in range(3)]
+    for p in prompts:
+        writer.put(p.chunks())
+    writer.close()
+    reader = open_tier(f"grpc://{server.address}?shm_dir={tmp_path / 'shm'}")
+
+    def memory() -> dict:
+        assert main(["stats", "--server", f"grpc://{server.address}", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["tiers"][0]["counters"]
+
+    try:
+        assert eventually(lambda: reader.contains(prompts[0].keys) == 4 and reader.directory.reader() is not None)
+        for p in prompts[:2]:
+            got = reader.get(p.keys)
+            assert [c.tobytes() for c in got] == [p.chunk_bytes(i) for i in range(4)]
+            release_all(got)
+        assert reader.stats()["directory_reads"] == 8  # no call carried them
+        assert eventually(lambda: memory().get("directory_reads") == 8)  # reported within a moment
+        got = reader.get(prompts[2].keys)
+        release_all(got)
+    finally:
+        reader.close()  # the last reads reported as it closes
+    try:
+        counters = memory()
+        assert counters["directory_reads"] == 12 and counters["hits"] >= 12
+        assert main(["stats", "--server", f"grpc://{server.address}"]) == 0
+        assert "directory_reads 12" in capsys.readouterr().out
+    finally:
+        server.stop()

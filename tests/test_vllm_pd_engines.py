@@ -16,7 +16,10 @@ killed after it answered, Redis stopped."""
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,6 +32,8 @@ from lmtier.testing.engine import compare_answers
 from lmtier.testing.slow_link import SlowLink
 from lmtier.testing.tinymodel import build
 from lmtier.testing.vllm_serve import BLOCK, CHUNK, VllmServer
+
+from conftest import eventually
 
 pytestmark = pytest.mark.engine  # every test here starts vLLM engines: `make check` leaves them out
 
@@ -154,6 +159,20 @@ def test_prefill_and_decode_instances_over_the_cache_server(tmp_path):
     producer, decode = side_by_side(model, tmp_path, ["cpu://?size=256MiB", tier], [tier], "grpc")
     try:
         check_lengths(model, producer, decode, GRPC_LENGTHS, seed=3000)
+        # Where users look: the hand-offs on the decode instance's own /metrics (vLLM's),
+        # and the decode instance's loads in the server's counts, the ones it read straight
+        # from the server's published memory on this host included.
+        assert eventually(lambda: decode.metric("vllm:lmtier_handoffs_total", result="ready") >= 1)
+        assert decode.metric("vllm:lmtier_handoffs_total", result="late") == 0
+
+        def memory() -> dict:
+            out = subprocess.run([sys.executable, "-m", "lmtier", "stats", "--server", tier, "--json"],
+                                 capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+            return json.loads(out.stdout)["tiers"][0]["counters"]
+
+        loaded = decode.metric("vllm:lmtier_tier_reads_total", result="hits")
+        assert loaded > 0 and eventually(lambda: memory()["hits"] >= loaded)
+        assert memory()["directory_reads"] > 0
     finally:
         for s in (producer, decode):
             s.stop()

@@ -21,9 +21,10 @@ def test_an_interval_reports_what_changed_then_starts_over():
     interval.count("stored", 256)
     stats = interval.take({"cpu": (2, 6), "disk": (6, 0)})
     assert stats.data == {"tokens": {"loaded": 512, "stored": 256},
-                          "tiers": {"cpu": {"hits": 2, "misses": 6}, "disk": {"hits": 6, "misses": 0}}}  # fmt: skip
+                          "tiers": {"cpu": {"hits": 2, "misses": 6}, "disk": {"hits": 6, "misses": 0}},
+                          "handoffs": {}}  # fmt: skip
     again = interval.take({"cpu": (3, 6), "disk": (6, 0)})
-    assert again.data == {"tokens": {}, "tiers": {"cpu": {"hits": 1, "misses": 0}}}
+    assert again.data == {"tokens": {}, "tiers": {"cpu": {"hits": 1, "misses": 0}}, "handoffs": {}}
     assert interval.take({"cpu": (3, 6), "disk": (6, 0)}) is None
 
 
@@ -32,7 +33,7 @@ def test_workers_add_up_and_the_log_line_is_flat():
     b = LMTierStats({"tokens": {"loaded": 128, "failed": 64}, "tiers": {"cpu": {"hits": 2}, "disk": {"misses": 1}}})
     both = a.aggregate(b)
     assert both.data == {"tokens": {"loaded": 256, "failed": 64},
-                         "tiers": {"cpu": {"hits": 3, "misses": 0}, "disk": {"misses": 1}}}  # fmt: skip
+                         "tiers": {"cpu": {"hits": 3, "misses": 0}, "disk": {"misses": 1}}, "handoffs": {}}  # fmt: skip
     assert both.reduce() == {"loaded_tokens": 256, "failed_tokens": 64, "cpu_hits": 3, "cpu_misses": 0,
                              "disk_misses": 1}  # fmt: skip
     assert a.data["tokens"] == {"loaded": 128}  # adding up leaves the parts as they were
@@ -58,6 +59,30 @@ def test_the_prometheus_counters_count_per_engine_tier_and_result():
     assert get("vllm:lmtier_tokens_total", {"model_name": "m", "engine": "0", "result": "failed"}) is None
     labels = {"model_name": "m", "engine": "0", "tier": "disk", "result": "hits"}
     assert get("vllm:lmtier_tier_reads_total", labels) == 8
+
+
+def test_the_scheduler_halfs_handoffs_reach_vllms_metrics_beside_the_workers_figures():
+    """vLLM asks the scheduler half for stats each step and adds them to the workers':
+    a decode instance's hand-offs then count on vLLM's own ``/metrics``."""
+    scheduler = Interval()  # the scheduler half's: no tier reads of its own
+    scheduler.handoff("ready")
+    scheduler.handoff("ready")
+    scheduler.handoff("late")
+    handoffs = scheduler.take({})
+    assert handoffs.data == {"tokens": {}, "tiers": {}, "handoffs": {"ready": 2, "late": 1}}
+    assert scheduler.take({}) is None  # counted once
+    worker = LMTierStats({"tokens": {"loaded": 256}, "tiers": {"cpu": {"hits": 2}}, "handoffs": {}})
+    step = LMTierConnector.build_kv_connector_stats(worker.aggregate(handoffs).to_dict())
+    assert step.reduce()["handoffs_ready"] == 2
+    registry = CollectorRegistry()
+    types = {Counter: lambda **kw: Counter(**kw, registry=registry), Gauge: Gauge, Histogram: Histogram}
+    config = SimpleNamespace(kv_transfer_config=None)
+    prom = LMTierConnector.build_prom_metrics(config, types, ["model_name"], {0: ["m"]})
+    prom.observe(step.data, 0)
+    get = registry.get_sample_value
+    assert get("vllm:lmtier_handoffs_total", {"model_name": "m", "result": "ready"}) == 2
+    assert get("vllm:lmtier_handoffs_total", {"model_name": "m", "result": "late"}) == 1
+    assert get("vllm:lmtier_tokens_total", {"model_name": "m", "result": "loaded"}) == 256
 
 
 def test_an_external_hit_is_split_by_the_tier_of_each_chunk():

@@ -188,16 +188,21 @@ class Lookups:
                 "%s, %d): ignored",
                 rid, handoff.namespace, handoff.chunk_tokens, mine, self.chunk_tokens,
             )  # fmt: skip
-            metrics.HANDOFFS.labels("ignored").inc()
+            self._count_handoff("ignored")
             return None
         chunks = handoff.tokens // self.chunk_tokens
         fits = handoff.tokens <= len(state.request.all_token_ids)
         keys = self._keys_for(state, chunks * self.chunk_tokens)[0] if fits else []
         if len(keys) < chunks or keys[chunks - 1].hex() != handoff.key:
             log.warning("lmtier: %s: a hand-off of another prompt: ignored", rid)
-            metrics.HANDOFFS.labels("ignored").inc()
+            self._count_handoff("ignored")
             return None
         return handoff
+
+    def _count_handoff(self, result: str) -> None:
+        """On lmtier's metrics port and, through the scheduler's stats, on vLLM's ``/metrics``."""
+        metrics.HANDOFFS.labels(result).inc()
+        self._interval.handoff(result)
 
     def _handoff_ready(self, state: _Request, prompt_len: int, limit: int) -> bool:
         """Whether a decode instance stops waiting for its hand-off: every chunk it names is
@@ -212,7 +217,7 @@ class Lookups:
                 state.request.request_id,
             )
             state.handoff = None
-            metrics.HANDOFFS.labels("late").inc()
+            self._count_handoff("late")
             return True
         if now < state.next_look or self._handoff_looks >= HANDOFF_LOOKS_PER_STEP:
             if not self._napped:  # a scheduler with nothing else to do spins: once a step, yield the core
@@ -235,11 +240,11 @@ class Lookups:
                     state.request.request_id,
                 )
                 state.handoff = None
-                metrics.HANDOFFS.labels("down").inc()
+                self._count_handoff("down")
                 return True
             return False
         state.handoff = None
-        metrics.HANDOFFS.labels("ready").inc()
+        self._count_handoff("ready")
         return True
 
     def _lookup(self, state: _Request, prompt_len: int, limit: int) -> int:

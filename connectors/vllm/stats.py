@@ -11,6 +11,8 @@ plain data (``to_dict``), rebuilds them there (``build_kv_connector_stats``), lo
         and could not store (a full queue or no free buffer)
     vllm:lmtier_tier_reads_total{tier=NAME, result=hits|misses}
         chunks read from each tier of the workers' stores
+    vllm:lmtier_handoffs_total{result=ready|late|down|ignored}
+        a decode instance's hand-offs (the scheduler half's: vLLM asks it for stats too)
 
 It also tells vLLM where an external hit came from (``hit_sources``): the memory tier is
 ``host``, a disk tier ``disk``, a shared tier (Redis, the cache server) unspecified, as
@@ -27,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 TOKEN_RESULTS = ("loaded", "failed", "stored", "dropped")
+HANDOFF_RESULTS = ("ready", "late", "down", "ignored")
 SOURCES = {"cpu": CacheHitSource.HOST, "file": CacheHitSource.DISK}
 
 
@@ -50,7 +53,8 @@ def hit_sources(runs: list[tuple[str, int]], chunk_tokens: int, start: int, coun
 
 @dataclass
 class LMTierStats(KVConnectorStats):
-    """``{"tokens": {result: n}, "tiers": {name: {"hits": n, "misses": n}}}``: plain data."""
+    """``{"tokens": {result: n}, "tiers": {name: {"hits": n, "misses": n}}, "handoffs":
+    {result: n}}``: plain data."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -59,18 +63,17 @@ class LMTierStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> LMTierStats:
         mine, theirs = self.data, other.data
-        tokens = dict(mine.get("tokens", {}))
-        for k, v in theirs.get("tokens", {}).items():
-            tokens[k] = tokens.get(k, 0) + v
+        tokens, handoffs = _added(mine, theirs, "tokens"), _added(mine, theirs, "handoffs")
         tiers = {name: dict(c) for name, c in mine.get("tiers", {}).items()}
         for name, counts in theirs.get("tiers", {}).items():
             into = tiers.setdefault(name, {})
             for k, v in counts.items():
                 into[k] = into.get(k, 0) + v
-        return LMTierStats({"tokens": tokens, "tiers": tiers})
+        return LMTierStats({"tokens": tokens, "tiers": tiers, "handoffs": handoffs})
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {f"{k}_tokens": v for k, v in self.data.get("tokens", {}).items()}
+        out.update({f"handoffs_{k}": v for k, v in self.data.get("handoffs", {}).items()})
         for name, counts in self.data.get("tiers", {}).items():
             out.update({f"{name}_{k}": v for k, v in counts.items()})
         return out
@@ -79,30 +82,44 @@ class LMTierStats(KVConnectorStats):
         return not any(self.reduce().values())
 
 
+def _added(mine: dict[str, Any], theirs: dict[str, Any], part: str) -> dict[str, int]:
+    out = dict(mine.get(part, {}))
+    for k, v in theirs.get(part, {}).items():
+        out[k] = out.get(k, 0) + v
+    return out
+
+
 class Interval:
     """A worker's figures since it last reported (thread-safe: the saver thread counts too)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tokens = dict.fromkeys(TOKEN_RESULTS, 0)
+        self._handoffs = dict.fromkeys(HANDOFF_RESULTS, 0)
         self._reads: dict[str, tuple[int, int]] = {}
 
     def count(self, result: str, tokens: int) -> None:
         with self._lock:
             self._tokens[result] += tokens
 
+    def handoff(self, result: str) -> None:
+        with self._lock:
+            self._handoffs[result] += 1
+
     def take(self, reads: dict[str, tuple[int, int]]) -> LMTierStats | None:
         """This interval's stats (``reads``: the store's totals now), or None if nothing
         happened; the next interval starts."""
         with self._lock:
             tokens, self._tokens = self._tokens, dict.fromkeys(TOKEN_RESULTS, 0)
+            handoffs, self._handoffs = self._handoffs, dict.fromkeys(HANDOFF_RESULTS, 0)
             tiers = {}
             for name, (hits, misses) in reads.items():
                 was = self._reads.get(name, (0, 0))
                 if (hits, misses) != was:
                     tiers[name] = {"hits": hits - was[0], "misses": misses - was[1]}
             self._reads = dict(reads)
-        stats = LMTierStats({"tokens": {k: v for k, v in tokens.items() if v}, "tiers": tiers})
+        stats = LMTierStats({"tokens": {k: v for k, v in tokens.items() if v}, "tiers": tiers,
+                             "handoffs": {k: v for k, v in handoffs.items() if v}})  # fmt: skip
         return None if stats.is_empty() else stats
 
 
@@ -125,12 +142,20 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
             documentation="Chunks read from each lmtier tier: hits and misses.",
             labelnames=[*labelnames, "tier", "result"],
         )
+        self._handoffs = self._counter_cls(
+            name="vllm:lmtier_handoffs",
+            documentation="A decode instance's hand-offs from its prefill instance: ready, late, down, ignored.",
+            labelnames=[*labelnames, "result"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         values = self.per_engine_labelvalues[engine_idx]
         for result, n in transfer_stats_data.get("tokens", {}).items():
             if n:
                 self._tokens.labels(*values, result).inc(n)
+        for result, n in transfer_stats_data.get("handoffs", {}).items():
+            if n:
+                self._handoffs.labels(*values, result).inc(n)
         for tier, counts in transfer_stats_data.get("tiers", {}).items():
             for result, n in counts.items():
                 if n > 0:

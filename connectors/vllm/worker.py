@@ -53,11 +53,10 @@ class WorkerSide(WorkerSaves):
         self._interval.count(result, tokens)
 
     def get_kv_connector_stats(self) -> LMTierStats | None:
-        """The worker's loads, saves and tier reads since it last reported (the scheduler
-        side reports nothing: the workers' figures are the ones that moved KV)."""
-        if self._engine is None:
-            return None
-        return self._interval.take(self.store.read_counts())
+        """The worker's loads, saves and tier reads since it last reported; the scheduler
+        half's (vLLM asks it too, each step), its hand-offs: a decode instance's waits that
+        ended ready, late, with the shared tier down, or ignored."""
+        return self._interval.take(self.store.read_counts() if self._engine is not None else {})
 
     # -- KV events for routers (lmtier.connectors.vllm.events) ------------------------------
     def get_kv_connector_kv_cache_events(self) -> LMTierKVEvents | None:

@@ -211,6 +211,13 @@ class TieredStore(ReadPath, WritePath, WriteBack):
         with self._counts_lock:
             return {t.name: (self._gets[id(t)][0], self._gets[id(t)][1]) for t in self.tiers}
 
+    def count_hits(self, tier: Tier, hits: int) -> None:
+        """``hits`` chunks of ``tier`` were read without the store (a same-host client,
+        straight from a cache server's published memory): counted as the store's own."""
+        metrics.TIER_OPS.labels(tier.name, "get", "hit").inc(hits)
+        with self._counts_lock:
+            self._gets[id(tier)][0] += hits
+
     def delete(self, keys: Sequence[bytes]) -> None:
         for tier in self.tiers:
             self._call(tier, "delete", tier.delete, keys, default=None)

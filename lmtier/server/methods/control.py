@@ -118,4 +118,4 @@ class ControlMethods(RequestChecks):
         return cache_pb2.StatsResponse(tiers=tiers, tenant_chunks=own, config_json=self._config_json)
 
 
-_SIZES = {"capacity_bytes", "used_bytes", "chunks"}
+_SIZES = {"capacity_bytes", "used_bytes", "kv_bytes", "chunks"}

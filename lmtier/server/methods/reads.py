@@ -132,12 +132,13 @@ class ReadMethods(RequestChecks):
         self, request: cache_pb2.DirectoryRequest, context: grpc.ServicerContext, tag: bytes
     ) -> cache_pb2.DirectoryResponse:
         """Where this tenant's chunks are published, if they are; the chunks it read
-        through the directory become the most recently used, as a ``Get`` makes them."""
+        through the directory count as hits and become the most recently used, as a ``Get``
+        makes them (``lmtier stats`` then shows the loads of same-host clients too)."""
         published = self.published
         if published is None or tag != published.tag:
             return cache_pb2.DirectoryResponse()
         keys = self._scoped(tag, request.read)
         if keys:
-            self.shared.touch(keys)  # type: ignore[union-attr]
+            self.store.count_hits(self.shared, self.shared.count_reads(keys))  # type: ignore[union-attr]
             metrics.SERVER_DIRECTORY_READS.inc(len(keys))
         return cache_pb2.DirectoryResponse(segment=published.name)

@@ -86,7 +86,8 @@ class CpuTier(Placing, Tier):
         # a forked child makes its own mapping, segment and prefaulting thread
         self.slab = Slab(self.num_slots, self.slot_bytes, self._pin, self._shared_dir)
         self._index = Index(self.num_slots, self._tenant_prefix)
-        self._counts = {"hits": 0, "misses": 0, "stored": 0, "dropped": 0, "evictions": 0, "corrupt": 0}
+        self._counts = {"hits": 0, "misses": 0, "stored": 0, "dropped": 0, "evictions": 0, "corrupt": 0,
+                        "directory_reads": 0}  # fmt: skip
 
     def _state(self) -> threading.Lock:
         if self._pid != os.getpid():
@@ -254,6 +255,19 @@ class CpuTier(Placing, Tier):
             for key in reversed(keys):
                 if key in self._index:
                     self._index.recent(key)
+
+    def count_reads(self, keys: Sequence[bytes]) -> int:
+        """``keys`` were read without a ``get``: by a same-host client, straight from the
+        published slab. Each one held is a hit and a read (what the save policy weighs), as
+        a ``get`` would count it, and the most recently used; returns how many were held."""
+        with self._state():
+            held = [self._index[key] for key in keys if key in self._index]
+            for entry in held:
+                entry.reads += 1
+            self._counts["hits"] += len(held)
+            self._counts["directory_reads"] += len(held)
+        self.touch(keys)
+        return len(held)
 
     def unwritten(self, older_than: float, limit: int) -> list[tuple[bytes, int]]:
         """Write-back: up to ``limit`` chunks only memory holds, stored at least

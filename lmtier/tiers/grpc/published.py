@@ -7,6 +7,8 @@
         get(keys) -> list[Chunk]       that run as chunks over the server's memory, verified
                                        as the engine copies them (no call at all)
         report()                       tell the server what was read since the last report
+                                       (reads left unreported are sent ``REPORT_EVERY_S``
+                                       later, and at close, so the server counts them all)
 
 A server with one tenant publishes where its memory tier's chunks lie; the client asks it
 once for the directory's name (``ask``: the ``Directory`` call), maps it read-only with the
@@ -75,6 +77,7 @@ class DirectoryReads:
         self._heads: dict[bytes, codec.Header] = {}  # an entry's head -> its parse, checked
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._timer: threading.Timer | None = None  # reports what the last reads left unreported
 
     def reader(self) -> DirectoryReader | None:
         """The server's directory, if it has one readable here."""
@@ -111,12 +114,20 @@ class DirectoryReads:
             self._count("directory_warmed_bytes", mapped)
 
     def forget(self) -> None:
-        """In a forked child: ask for the directory at once, with locks of its own."""
+        """In a forked child: ask for the directory at once, with locks of its own (and no
+        timer: the parent's thread is not here)."""
         self._ask_after = 0.0
         self._lock = threading.Lock()
+        self._timer = None
 
     def close(self) -> None:
-        self._closed.set()  # a warming thread stops at its next entry
+        """Stop warming (at the thread's next entry) and reporting later; the caller sends
+        the last report first (``report``), while its channel is open."""
+        self._closed.set()
+        with self._lock:
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
 
     def contains(self, keys: Sequence[bytes]) -> int:
         reader = self.reader()
@@ -146,8 +157,14 @@ class DirectoryReads:
                 self._read.append([c.key for c in out])
                 self._unreported += len(out)
                 due = self._unreported >= REPORT_KEYS or time.monotonic() - self._reported_at >= REPORT_EVERY_S
+                later = not due and self._timer is None and not self._closed.is_set()
+                if later:  # no read may come after these: report them in a moment anyway
+                    self._timer = threading.Timer(REPORT_EVERY_S, self.report)
+                    self._timer.daemon = True
             if due:
                 self.report()
+            elif later:
+                self._timer.start()
         return out
 
     def _chunk(self, reader: DirectoryReader, entry: Entry) -> Chunk:
@@ -183,6 +200,9 @@ class DirectoryReads:
     def report(self) -> None:
         reader = self.memory.published
         with self._lock:
+            timer, self._timer = self._timer, None
+            if timer is not None:
+                timer.cancel()  # this report carries its reads (no-op when it is the timer)
             if not self._read:
                 return
             # The latest batch first, each in its own order: the server makes the first key

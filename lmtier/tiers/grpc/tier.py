@@ -367,6 +367,9 @@ class GrpcTier(Tier):
         return [k for k in response.keys if k.startswith(prefix)]
 
     def close(self) -> None:
+        if self._pid == os.getpid() and not self._closed:  # the last reads, for the server's counts
+            self.directory.report()
+            self._settle_releases()
         self._closed = True
         self.directory.close()
         if self._pid == os.getpid():
