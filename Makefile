@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv system demo test check lint wheel unit user-envs bench bench-peer gpu-check fuzz clean
+.PHONY: venv system demo test check lint docs wheel unit user-envs bench bench-peer gpu-check fuzz clean
 
 venv:
 	@./scripts/setup-venv.sh
@@ -17,6 +17,11 @@ demo: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The documentation site (mkdocs.yml, docs/) into build/site; strict: a broken link, a missing
+# anchor or a page left out of the nav fails it.
+docs: venv
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
 # The inner loop (CONTRIBUTING.md): lint and every test that starts no vLLM engine, spread
 # over the cores (a file's tests on one worker: they share its servers). A process that
@@ -42,7 +47,7 @@ wheel: venv
 # installed into engines' own environments (tests/user_envs.py: the environments made or
 # reused, then each cell); the matrix's report is printed after the suite's.
 TEST_WORKERS ?= $(WORKERS)
-test: lint wheel system
+test: lint docs wheel system
 	@mkdir -p build/userenv; \
 	$(PY) tests/user_envs.py >build/userenv/matrix.log 2>&1 & matrix=$$!; \
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); unit=$$?; \

@@ -1,4 +1,4 @@
-"""The embedded API, as the README shows it to integrators."""
+"""The embedded API, as its documentation page (docs/embedded-api.md) shows it to integrators."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from lmtier.tiers.base import register_tier
 from lmtier.tiers.cpu import CpuTier
 
 
-def test_the_readme_example_runs_as_pasted():
-    """The README's embedded-API block, executed as it stands."""
+def test_the_documented_example_runs_as_pasted():
+    """The embedded-API page's example, executed as it stands."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme.split("## The embedded API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(block, "README.md", "exec"), {})
+    page = (Path(__file__).resolve().parents[1] / "docs" / "embedded-api.md").read_text()
+    block = page.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(block, "docs/embedded-api.md", "exec"), {})
 
 
 def test_the_readme_example():

@@ -241,9 +241,10 @@ def test_cluster_ops_benchmark_reports_each_event_with_nothing_wrong(suite):
     assert "| failover | lmtier-0 |" in stdout and "replicas / masters" in stdout
 
 
-def test_the_readme_results_page_is_a_full_run_copied_unedited():
-    """The README's table is docs/results/results.md's, from a full `lmtier bench` run,
-    with every target of that run and the plots it made."""
+def test_the_results_page_is_a_full_run_copied_unedited():
+    """docs/results/results.md is a full `make bench` run's page, as today's runner makes it
+    of the committed reports, with the plots it made; the benchmarks page shows the plots
+    and links the page, and every row of the README's headline table is a row of it."""
     results = ROOT / "docs" / "results"
     summary = json.loads((results / "results.json").read_text())
     assert summary["mode"] == "full" and set(summary["benchmarks"]) == set(ALL)
@@ -255,12 +256,26 @@ def test_the_readme_results_page_is_a_full_run_copied_unedited():
     # The page's rows are what today's runner makes of the committed reports: a page left
     # behind by a change to a benchmark or its targets fails here.
     assert runner.targets(summary["benchmarks"]) == summary["targets"]
-    table = (results / "results.md").read_text().split("\n\n")[2].splitlines()
+    page = (results / "results.md").read_text()
+    assert page == runner.markdown(summary, results), "docs/results/results.md is not the runner's page of results.json"
+    table = page.split("\n\n")[2].splitlines()
     assert len(table) == 2 + len(summary["targets"])
-    readme = (ROOT / "README.md").read_text()
-    assert "\n".join(table) in readme
+    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert "](results/results.md)" in benchmarks
     for png in ("throughput.png", "ttft.png"):
-        assert (results / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"docs/results/{png}" in readme
+        assert (results / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"](results/{png})" in benchmarks and f"]({png})" in page
+
+    # The README's headline: | what | reference | ratio |, each a row of the full run's table.
+    def cells(line: str) -> tuple[str, ...]:
+        return tuple(c.strip() for c in line.strip("|").split("|"))
+
+    full = {(r[1], r[3], r[5]) for r in map(cells, table[2:])}
+    readme = (ROOT / "README.md").read_text()
+    headline = readme.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    rows = [cells(line) for line in headline.splitlines() if line.startswith("|")]
+    assert rows[0] == ("what", "reference", "ratio") and len(rows) > 2
+    assert not [r for r in rows[2:] if r not in full], "README's headline rows must be rows of docs/results/results.md"
 
 
 def test_a_benchmark_rerun_keeps_the_other_reports_of_the_earlier_run_and_says_so(tmp_path):
