@@ -56,7 +56,7 @@ test: lint docs wheel system
 	exit $$(( unit || envs ))
 
 # lmtier in vLLM's and SGLang's own environments at their protobuf / grpcio versions
-# (the table in README's "Installing lmtier into an engine's environment").
+# (the table in docs/install.md).
 user-envs: wheel system
 	$(PY) tests/user_envs.py
 

