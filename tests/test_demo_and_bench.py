@@ -190,9 +190,33 @@ def test_the_vllm_demo_runs_two_engines_and_checks_its_own_answers(tmp_path):
         timeout=900,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "| B, new instance (lmtier disk hit) |" in run.stdout
+    assert "| B, new instance (lmtier disk hit)" in run.stdout
     assert "demo passed" in run.stdout
     assert (tmp_path / "out" / "ttft.png").stat().st_size > 1000
+    report = json.loads((tmp_path / "out" / "ttft.json").read_text())
+    assert report["tokens_per_timed_request"] == [1]  # a first token, not a whole answer
+    assert report["connector"]["reference"] is None  # the reference ran without lmtier
+    assert report["connector"]["A"] and report["connector"]["B"]
+    assert 0 <= report["noise"] < 10 and isinstance(report["flagged"], list)
+
+
+def test_the_demos_table_flags_rows_that_disagree_beyond_the_noise(capsys):
+    """The demo's rows from its own rounds: two full-prefill rows of 703 ms and 7,070 ms for
+    the same work, or a row whose rounds disagree beyond the measured noise, are flagged."""
+    from lmtier.demo.vllm import A_FIRST, B_HIT, NO_CACHE, measured_noise, print_ttft_table
+
+    def outs(*seconds: float) -> list[dict]:
+        return [{"seconds": s, "cached": 0, "prompt_len": 100, "tokens": [1]} for s in seconds]
+
+    full = [outs(0.70, 0.72, 0.71), outs(0.71, 0.70, 0.73)]
+    noise = measured_noise(full)
+    assert 0 < noise < 0.05
+    steady = {NO_CACHE: full, A_FIRST: [outs(0.75, 0.74)], B_HIT: [outs(0.05, 0.05), outs(0.051, 0.05)]}
+    assert print_ttft_table(steady, noise)[1] == []
+    unsteady = {NO_CACHE: full, A_FIRST: [outs(7.07, 7.0)], B_HIT: [outs(0.05, 0.05), outs(0.5, 0.5)]}
+    medians, flagged = print_ttft_table(unsteady, noise)
+    assert flagged == [A_FIRST, B_HIT] and round(medians[A_FIRST], 3) == 7.035
+    assert f"| {B_HIT} (unsteady) |" in capsys.readouterr().out
 
 
 @suite_test
