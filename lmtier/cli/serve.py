@@ -50,6 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "max_calls_per_tenant": args.max_calls_per_tenant,
         "max_call_rate_per_tenant": args.max_call_rate_per_tenant,
         "max_streams_per_connection": args.max_streams_per_connection,
+        "metrics": False if args.no_metrics else None,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
         "shm_dir": "" if args.no_shm else args.shm_dir,
@@ -77,7 +78,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-cert", help="server certificate (PEM): turns TLS on")
     p.add_argument("--tls-key", help="the certificate's private key (PEM)")
     p.add_argument("--tls-client-ca", help="CA that signs client certificates: turns mutual TLS on")
-    p.add_argument("--metrics-port", type=int, help="serve /metrics, /healthz and /readyz on this port")
+    p.add_argument(
+        "--metrics-port", type=int, help="serve /metrics, /healthz and /readyz on this port (default: --port + 2)"
+    )
+    p.add_argument("--no-metrics", action="store_true", help="serve no /metrics, /healthz or /readyz")
     p.add_argument("--metrics-host", help="the metrics port's address (default: the gRPC address, --host)")
     p.add_argument("--max-chunk", help="largest chunk frame accepted (default 64MiB)")
     p.add_argument("--max-message", help="largest gRPC message accepted (default 16MiB; a client's pieces are 4MiB)")

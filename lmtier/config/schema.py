@@ -195,7 +195,11 @@ class ServerConfig:
     # seconds a new connection has to finish its HTTP/2 (and TLS) handshake.
     max_connections: int = setting(4096, INTEGER)
     handshake_timeout: float = setting(10.0, NUMBER)
-    # Prometheus /metrics, /healthz and /readyz on this port (None: off).
+    # Prometheus /metrics, /healthz and /readyz: on metrics_port, or where that is unset
+    # (None), on the gRPC port + 2 (after the data channel's + 1), where a port is given and
+    # one tenant uses the server or metrics_token is set (then it runs without them if that
+    # port is taken, saying so). metrics: false turns them off.
+    metrics: bool = setting(True, BOOL)
     metrics_port: int | None = setting(None, OPTIONAL_INTEGER)
     # Its address; "" (the default): the gRPC address, ``host``. A sidecar whose gRPC
     # stays on 127.0.0.1 sets 0.0.0.0 here for the kubelet's probes and Prometheus.

@@ -139,20 +139,25 @@ class CacheServer:
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> CacheServer:
         warn_weak_tokens(self.config.tokens)
-        if self.config.metrics_port is not None:  # before anything runs: a taken port stops the start cleanly
+        port, explicit = self._metrics_port()
+        if port is not None:  # before anything runs: a taken port (asked for) stops the start cleanly
             try:
-                self._http = MetricsHTTPServer((self.metrics_host, self.config.metrics_port), _handler(self))
+                self._http = MetricsHTTPServer((self.metrics_host, port), _handler(self))
             except OSError as exc:
-                self.grpc.stop(None)
-                self.service.watchdog.stop()
-                if self.service.data is not None:
-                    self.service.data.stop()
-                if self.service.published is not None:
-                    self.service.published.close()
-                self.store.close()
-                where = f"{self.metrics_host}:{self.config.metrics_port}"
-                raise OSError(f"cannot serve metrics on {where}: {exc}") from exc
-            self.metrics_port = self._http.server_address[1]
+                where = f"{self.metrics_host}:{port}"
+                if not explicit:  # the default port: the server runs on without /metrics
+                    log.warning("no /metrics on %s (%s): set metrics_port to choose its port", where, exc)
+                else:
+                    self.grpc.stop(None)
+                    self.service.watchdog.stop()
+                    if self.service.data is not None:
+                        self.service.data.stop()
+                    if self.service.published is not None:
+                        self.service.published.close()
+                    self.store.close()
+                    raise OSError(f"cannot serve metrics on {where}: {exc}") from exc
+            if self._http is not None:
+                self.metrics_port = self._http.server_address[1]
         if self.config.shm_dir:  # segments of servers and clients that died (kill -9) since
             sweep(self.config.shm_dir)
         self.store.warm()  # the memory tier's slab mapped, its first pages faulted in
@@ -178,6 +183,20 @@ class CacheServer:
         if self.auth.open and self.config.host not in LOOPBACK:
             log.warning("no tokens and no mutual TLS: any client that reaches %s may use the cache", self.config.host)
         return self
+
+    def _metrics_port(self) -> tuple[int | None, bool]:
+        """Where /metrics goes, and whether that port was asked for: ``metrics_port``, else
+        the gRPC port + 2 when a port was given (not 0) and the counters are one tenant's or
+        guarded by ``metrics_token``."""
+        config = self.config
+        if config.metrics_port is not None:
+            return config.metrics_port, True
+        if not config.metrics or not config.port:
+            return None, False
+        if not (self.auth.single_tenant or config.metrics_token):
+            log.info("no /metrics by default: the server is shared by tenants; set metrics_token to serve them")
+            return None, False
+        return self.port + 2, False
 
     def stop(self, grace: float | None = None) -> None:
         """Stop taking calls, let in-flight ones finish, flush and close the store."""
