@@ -23,11 +23,10 @@ import os
 import signal
 import threading
 from concurrent import futures
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lmtier import metrics
 from lmtier.config.schema import ServerConfig
@@ -37,6 +36,7 @@ from lmtier.server.calls import Gate
 from lmtier.server.chain import UpstreamTier
 from lmtier.server.data.channel import DataChannel
 from lmtier.server.health import NOT_SERVING, SERVICE_NAME, SERVING, Health
+from lmtier.server.metricsport import MetricsHTTPServer, metrics_handler
 from lmtier.server.service import SERVICE, CacheService
 from lmtier.store.tiered import TieredStore
 from lmtier.tiers.base import Tier, TierContext
@@ -142,10 +142,10 @@ class CacheServer:
         port, explicit = self._metrics_port()
         if port is not None:  # before anything runs: a taken port (asked for) stops the start cleanly
             try:
-                self._http = MetricsHTTPServer((self.metrics_host, port), _handler(self))
+                self._http = MetricsHTTPServer((self.metrics_host, port), metrics_handler(self))
             except OSError as exc:
                 where = f"{self.metrics_host}:{port}"
-                if not explicit:  # the default port: the server runs on without /metrics
+                if not explicit and not self.config.metrics_token:  # the default: runs on without /metrics
                     log.warning("no /metrics on %s (%s): set metrics_port to choose its port", where, exc)
                 else:
                     self.grpc.stop(None)
@@ -155,7 +155,8 @@ class CacheServer:
                     if self.service.published is not None:
                         self.service.published.close()
                     self.store.close()
-                    raise OSError(f"cannot serve metrics on {where}: {exc}") from exc
+                    why = "" if explicit else " (the default port: with metrics_token set, whoever holds it gets it)"
+                    raise OSError(f"cannot serve metrics on {where}{why}: {exc}") from exc
             if self._http is not None:
                 self.metrics_port = self._http.server_address[1]
         if self.config.shm_dir:  # segments of servers and clients that died (kill -9) since
@@ -272,70 +273,6 @@ class CacheServer:
             except Exception:  # the prober must outlive anything
                 log.exception("readiness probe failed")
                 self._set_ready(False)
-
-
-class MetricsHTTPServer(ThreadingHTTPServer):
-    """The metrics port's HTTP server, bounded: at most ``MAX_CONNECTIONS`` connections at
-    once (more are closed as they arrive), each closed after ``TIMEOUT_S`` without a
-    request, so that idle connections cannot take the threads and descriptors the server
-    needs (Prometheus and the kubelet open one at a time)."""
-
-    MAX_CONNECTIONS = 64
-    TIMEOUT_S = 2.0
-    daemon_threads = True
-    request_queue_size = 128  # the listen backlog (socketserver's default is 5)
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self._slots = threading.BoundedSemaphore(self.MAX_CONNECTIONS)
-
-    def process_request(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
-def _handler(server: CacheServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        timeout = MetricsHTTPServer.TIMEOUT_S  # a connection that sends nothing is closed
-
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics" and not server.metrics_allowed(self.headers.get("Authorization", "")):
-                self._send(401, b"/metrics needs the metrics token: Authorization: Bearer <metrics_token>\n")
-            elif path == "/metrics":
-                body = generate_latest(metrics.REGISTRY) + generate_latest(metrics.SERVER_REGISTRY)
-                self._send(200, body, CONTENT_TYPE_LATEST)
-            elif path == "/healthz":
-                self._send(200, b"ok\n")
-            elif path == "/readyz":
-                ok = server.ready
-                self._send(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
-            else:
-                self._send(404, b"not found: try /metrics, /healthz or /readyz\n")
-
-        def _send(self, code: int, body: bytes, kind: str = "text/plain; charset=utf-8") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:  # scrapes every few seconds: not worth a log line
-            pass
-
-    return Handler
 
 
 FD_RESERVE = 256  # descriptors kept for the tiers, probes, metrics and shared-memory segments

@@ -137,8 +137,9 @@ class ReadMethods(RequestChecks):
         published = self.published
         if published is None or tag != published.tag:
             return cache_pb2.DirectoryResponse()
-        keys = self._scoped(tag, request.read)
+        keys = list(dict.fromkeys(self._scoped(tag, request.read)))  # a key counts once per report
         if keys:
-            self.store.count_hits(self.shared, self.shared.count_reads(keys))  # type: ignore[union-attr]
-            metrics.SERVER_DIRECTORY_READS.inc(len(keys))
+            held = self.shared.count_reads(keys)  # type: ignore[union-attr]
+            self.store.count_hits(self.shared, held)
+            metrics.SERVER_DIRECTORY_READS.inc(held)
         return cache_pb2.DirectoryResponse(segment=published.name)

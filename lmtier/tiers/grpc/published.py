@@ -207,12 +207,12 @@ class DirectoryReads:
                 return
             # The latest batch first, each in its own order: the server makes the first key
             # the most recent, so a prompt's head stays longer than its tail, as after a Get.
-            keys = [key for batch in reversed(self._read) for key in batch][:REPORT_KEYS]
+            keys = [key for batch in reversed(self._read) for key in batch]
             self._read.clear()
             self._unreported = 0
             self._reported_at = time.monotonic()
-        if reader is not None:
-            self._send(keys, lambda name: self._answered(reader, name))
+        for start in range(0, len(keys) if reader is not None else 0, REPORT_KEYS):  # every read, in calls
+            self._send(keys[start : start + REPORT_KEYS], lambda name: self._answered(reader, name))
 
     def _answered(self, reader: DirectoryReader, name: str) -> None:
         if name != reader.name:  # the server publishes elsewhere now, or not at all
