@@ -4,6 +4,7 @@ test_disk_shared.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -374,3 +375,15 @@ def test_tenants_sharing_the_tier_keep_their_shares_whatever_the_batches_mix(tmp
     bob = len(tier.keys(b"b"))
     assert 28 <= bob <= 40  # his share and what Alice leaves free, never her chunks
     tier.close()
+
+
+def test_a_size_its_filesystem_cannot_hold_is_said_at_open(tmp_path, caplog):
+    """README's example asks for 100 GiB: on a smaller disk it was taken in silence, to fail
+    later as writes that miss."""
+    with caplog.at_level(logging.WARNING, logger="lmtier.tiers.disk.tier"):
+        tier = open_tier(f"file://{tmp_path}/big?size=1024TiB")
+        tier.close()
+        small = open_tier(f"file://{tmp_path}/small?size=1MiB")
+        small.close()
+    said = [r.getMessage() for r in caplog.records if "more than its filesystem can give it" in r.getMessage()]
+    assert len(said) == 1 and "big" in said[0] and "1 PiB" in said[0]  # 1024 TiB, as printed

@@ -118,7 +118,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return 0
     ratio = "n/a" if out["hit_ratio"] is None else f"{out['hit_ratio']:.1%}"
     if args.disk:
-        print(f"{out['disk']}: {out['chunks']} chunks, {format_bytes(out['used_bytes'])}, hit ratio {ratio}")
+        print(f"{out['disk']}: {out['chunks']} chunks, {format_bytes(out['used_bytes'])} (a directory keeps no "
+              "hit counts: its engines' are on their /metrics, vllm:lmtier_tier_reads_total)")  # fmt: skip
     else:  # what each tier holds: a chunk may be in several, so their bytes add up to nothing held
         held = "; ".join(f"{t['name']} holds {t['chunks']} chunks, {_bytes_of(t)}" for t in out["tiers"])
         print(f"{out['server']}: {out['chunks']} distinct chunks, hit ratio {ratio}; {held}")

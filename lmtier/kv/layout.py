@@ -208,7 +208,10 @@ PRESETS: dict[str, KVLayout] = {
 def preset(name: str) -> KVLayout:
     key = name.lower()
     if key not in PRESETS:
-        raise ConfigError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+        raise ConfigError(
+            f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))} "
+            "(a model of your own: --config DIR/config.json)"
+        )
     return PRESETS[key]
 
 

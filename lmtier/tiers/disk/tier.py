@@ -39,7 +39,7 @@ from lmtier.tiers.disk.read import DiskReads
 from lmtier.tiers.disk.segment import OwnSegment
 from lmtier.tiers.disk.space import Space
 from lmtier.tiers.disk.write import DiskWrites
-from lmtier.units import parse_size
+from lmtier.units import format_bytes, parse_size
 
 log = logging.getLogger(__name__)
 SEGMENT = 256 << 20  # default segment size (see the package docstring for the measurements)
@@ -125,7 +125,9 @@ class DiskTier(DiskReads, DiskWrites, Tier):
     def from_url(cls, url: TierURL, context: TierContext) -> DiskTier:
         if url.netloc not in ("", "localhost") or not url.path.startswith("/"):
             raise ConfigError(f"a disk tier URL names an absolute path: file:///path, got {url.shown!r}")
-        return cls(url.path, **url.typed_options(cls.OPTIONS), context=context)
+        tier = cls(url.path, **url.typed_options(cls.OPTIONS), context=context)
+        _warn_if_larger_than_the_disk(tier.root, tier.capacity, tier.used_bytes)
+        return tier
 
     # -- primitives ---------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> int:
@@ -319,3 +321,17 @@ def _check_key(key: bytes) -> bytes:
 __all__ = ["DiskTier"]
 
 __getattr__ = forward(__name__)  # names of the previous release, found where they live now (CHANGELOG.md)
+
+
+def _warn_if_larger_than_the_disk(root: Path, size: int, used: int) -> None:
+    """A size the filesystem cannot hold is a full disk later (writes then fail, as misses):
+    said once, at open, with what it can hold."""
+    try:
+        disk = os.statvfs(root)
+    except OSError:
+        return
+    room = used + disk.f_bavail * disk.f_frsize
+    if size > room:
+        log.warning("disk tier %s: size %s is more than its filesystem can give it (%s free, %s held): "
+                    "writes will fail once it is full; set size below that", root, format_bytes(size),
+                    format_bytes(room - used), format_bytes(used))  # fmt: skip
