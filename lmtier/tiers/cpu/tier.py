@@ -260,14 +260,17 @@ class CpuTier(Placing, Tier):
         """``keys`` were read without a ``get``: by a same-host client, straight from the
         published slab. Each one held is a hit and a read (what the save policy weighs), as
         a ``get`` would count it, and the most recently used; returns how many were held."""
+        held = 0
         with self._state():
-            held = [self._index[key] for key in keys if key in self._index]
-            for entry in held:
-                entry.reads += 1
-            self._counts["hits"] += len(held)
-            self._counts["directory_reads"] += len(held)
-        self.touch(keys)
-        return len(held)
+            for key in reversed(keys):  # the first the most recent, as ``touch`` makes it
+                entry = self._index.get(key)
+                if entry is not None:
+                    entry.reads += 1
+                    self._index.recent(key)
+                    held += 1
+            self._counts["hits"] += held
+            self._counts["directory_reads"] += held
+        return held
 
     def unwritten(self, older_than: float, limit: int) -> list[tuple[bytes, int]]:
         """Write-back: up to ``limit`` chunks only memory holds, stored at least

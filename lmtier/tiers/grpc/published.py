@@ -157,14 +157,15 @@ class DirectoryReads:
                 self._read.append([c.key for c in out])
                 self._unreported += len(out)
                 due = self._unreported >= REPORT_KEYS or time.monotonic() - self._reported_at >= REPORT_EVERY_S
-                later = not due and self._timer is None and not self._closed.is_set()
-                if later:  # no read may come after these: report them in a moment anyway
-                    self._timer = threading.Timer(REPORT_EVERY_S, self.report)
-                    self._timer.daemon = True
+                later = None
+                if not due and self._timer is None and not self._closed.is_set():
+                    # no read may come after these: report them in a moment anyway
+                    later = self._timer = threading.Timer(REPORT_EVERY_S, self.report)
+                    later.daemon = True
             if due:
                 self.report()
-            elif later:
-                self._timer.start()
+            elif later is not None:  # started here: a report meanwhile may have cancelled it (then it ends at once)
+                later.start()
         return out
 
     def _chunk(self, reader: DirectoryReader, entry: Entry) -> Chunk:
