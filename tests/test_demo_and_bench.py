@@ -14,7 +14,20 @@ from lmtier.testing.netns import unavailable
 ROOT = Path(__file__).resolve().parents[1]
 # Every benchmark of benchmarks/run.py; the cross-host one where this machine makes network
 # namespaces (the suite lists it as skipped, with the reason, where it cannot).
-ALL = ("cpu", "disk", "redis", "grpc", "netns", "server_load", "trace", "cluster_ops", "vllm_tiers", "vllm_pd", "vllm")
+ALL = (
+    "cpu",
+    "disk",
+    "redis",
+    "s3",
+    "grpc",
+    "netns",
+    "server_load",
+    "trace",
+    "cluster_ops",
+    "vllm_tiers",
+    "vllm_pd",
+    "vllm",
+)
 NETNS = unavailable()
 HERE = tuple(b for b in ALL if b != "netns" or NETNS is None)
 
@@ -78,7 +91,7 @@ def test_the_suite_writes_json_a_table_of_every_target_and_plots(suite):
     if NETNS is not None:
         assert "netns" in summary["skipped"] and NETNS in summary["skipped"]["netns"]
     benches = [t["benchmark"] for t in summary["targets"]]
-    counts = {"cpu": 1, "disk": 2, "redis": 6, "grpc": 4, "netns": 4, "server_load": 2, "trace": 9, "vllm": 6,
+    counts = {"cpu": 1, "disk": 2, "redis": 6, "s3": 2, "grpc": 4, "netns": 4, "server_load": 2, "trace": 9, "vllm": 6,
               "vllm_tiers": 6, "vllm_pd": 2, "cluster_ops": 2}  # fmt: skip
     counts = {b: n for b, n in counts.items() if b in HERE}
     assert {b: benches.count(b) for b in set(benches)} == counts
@@ -128,6 +141,17 @@ def test_redis_benchmark_measures_redis_benchmark_lmtier_and_redis_py_on_one_ser
         assert r["lmtier_over_redis_py"] == pytest.approx(r["lmtier_gbps"] / r["redis_py_gbps"])
         assert r["connections"] >= 1
     assert "| 1 MiB | GET |" in stdout and "| 1 MiB | SET+GET |" in stdout
+
+
+@suite_test
+def test_the_object_store_benchmark_measures_awscrt_alone_and_the_tier_on_one_server(suite):
+    report, stdout = report_of(suite, "s3")
+    (row,) = report["rows"]
+    for op in ("put", "get"):
+        r = row[op]
+        assert r["lmtier_gbps"] > 0 and r["awscrt_gbps"] > 0 and r["rounds"] == 1
+        assert r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"]
+    assert "| 0.5 MiB | GET |" in stdout
 
 
 @suite_test
@@ -234,13 +258,13 @@ def test_ttft_benchmark_measures_every_configuration(suite):
 @suite_test
 def test_every_tier_is_timed_inside_the_engine_against_vllms_own_hit(suite):
     report, stdout = report_of(suite, "vllm_tiers")
-    assert [r["tier"] for r in report["rows"]] == ["memory", "disk", "redis", "server", "memory_disk"]
+    assert [r["tier"] for r in report["rows"]] == ["memory", "disk", "redis", "server", "s3", "memory_disk"]
     for r in report["rows"]:
         assert r["cached_tokens"] == report["prefix_cached_tokens"] > 0  # every tier served the whole hit
         assert r["ratio"] == pytest.approx(r["ttft"] / report["vllm_prefix_hit"])
     assert report["disk_floor"] > report["vllm_prefix_hit"]
     assert report["memory_floor"] == pytest.approx(report["vllm_prefix_hit"] + report["memcpy_seconds"])
-    assert "| lmtier server |" in stdout and "(memory floor)" in stdout
+    assert "| lmtier server |" in stdout and "| lmtier s3 |" in stdout and "(memory floor)" in stdout
 
 
 @suite_test

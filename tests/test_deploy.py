@@ -396,3 +396,17 @@ def test_the_production_sidecars_use_the_overlays_redis_cluster_and_shared_serve
     sidecar = container_named(pod_spec(in_build(docs, "Deployment", "vllm-lmtier")), "lmtier")
     assert token_env in {v["name"] for v in sidecar["env"]} and "token" not in tiers["grpc"].options
     assert "readinessProbe" not in sidecar  # a shared tier down must not take the engines out of service
+
+
+def test_the_object_store_overlay_gives_the_server_a_bucket_and_its_keys(tmp_path):
+    from lmtier.tiers.base import check_tier_url
+
+    docs = built("overlays/object-store")
+    cm = in_build(docs, "ConfigMap", "lmtier-server")
+    tiers = lmtier_config(cm, tmp_path).server.tiers
+    assert [TierURL.parse(t).scheme for t in tiers] == ["cpu", "file", "s3"]  # the bucket last: the slowest
+    check_tier_url(tiers[-1])  # a URL the tier takes, and no credentials in it
+    assert "@" not in tiers[-1] and TierURL.parse(tiers[-1]).options.get("size")
+    server = container_named(pod_spec(in_build(docs, "StatefulSet", "lmtier-server")), "lmtier")
+    env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") for e in server["env"]}
+    assert env["AWS_ACCESS_KEY_ID"] == env["AWS_SECRET_ACCESS_KEY"] == "lmtier-s3"  # where the AWS chain reads them

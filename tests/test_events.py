@@ -173,6 +173,10 @@ def test_ownership_names_what_is_shared_however_the_url_is_written(monkeypatch):
     monkeypatch.setenv("LMTIER_TOKEN", "alice-secret")  # the token from the environment: the same tenant
     assert owner("grpc://cache:50051") == alice
     assert tier_labels("file:///var/lib/lmtier?size=1GiB")[:2] == ("STORAGE", "LOCAL")
+    s3 = tier_labels("s3://kv/fleet-a?endpoint=http://MinIO:9000&region=eu-west-1&size=1TiB")
+    assert s3 == ("STORAGE", "REMOTE", "lmtier:s3://minio:9000/kv/fleet-a")
+    assert tier_labels("s3://kv/fleet-a?size=2TiB&endpoint=http://minio:9000")[2] == s3[2]  # same bucket prefix
+    assert tier_labels("s3://kv/fleet-b?endpoint=http://minio:9000")[2] != s3[2]  # another deployment
     # a memory tier is this process's own: another instance's memory is another owner
     medium, locality, memory = tier_labels("cpu://?size=1GiB")
     assert (medium, locality) == ("CPU", "LOCAL") and memory.endswith(f"/pid={os.getpid()}")

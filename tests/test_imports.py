@@ -21,12 +21,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GUARD = HERE / "import_guard"
-NETWORK_LIBRARIES = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "redis", "hiredis")
+NETWORK_LIBRARIES = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "redis", "hiredis", "awscrt")
 NETWORK_MODULES = (
     "lmtier.v1",
     "lmtier.transport.pieces",
     "lmtier.tiers.grpc",
     "lmtier.tiers.redis",
+    "lmtier.tiers.s3",
     "lmtier.server",
     "lmtier.testing.cache_server",
 )
@@ -152,7 +153,7 @@ def test_a_network_tier_without_its_extra_is_refused_in_one_line_naming_the_extr
         import lmtier
         from lmtier.errors import MissingDependency
 
-        for url, extra in (("grpc://cache:50051", "grpc"), ("redis+cluster://cache:7000", "redis")):
+        for url, extra in (("grpc://cache:50051", "grpc"), ("redis+cluster://cache:7000", "redis"), ("s3://b/p", "s3")):
             try:
                 lmtier.open_store([url], model="m", layout="llama-3-8b")
             except MissingDependency as exc:
@@ -160,7 +161,14 @@ def test_a_network_tier_without_its_extra_is_refused_in_one_line_naming_the_extr
                 print("refused", url)
         """,
     )
-    assert out.split() == ["refused", "grpc://cache:50051", "refused", "redis+cluster://cache:7000"]
+    assert out.split() == [
+        "refused",
+        "grpc://cache:50051",
+        "refused",
+        "redis+cluster://cache:7000",
+        "refused",
+        "s3://b/p",
+    ]
 
 
 def test_the_sglang_backend_saves_and_loads_on_disk_without_grpc_protobuf_or_redis(tmp_path):

@@ -128,7 +128,7 @@ def cache_server():
     server.stop(0)
 
 
-@pytest.mark.parametrize("tier", ["cpu", "disk", "redis", "redis-cluster", "grpc"])
+@pytest.mark.parametrize("tier", ["cpu", "disk", "redis", "redis-cluster", "grpc", "s3"])
 def test_every_tier_serves_as_the_l3(request, tmp_path, tier):
     url = {
         "cpu": lambda: "cpu://?size=16MiB",
@@ -136,6 +136,7 @@ def test_every_tier_serves_as_the_l3(request, tmp_path, tier):
         "redis": lambda: request.getfixturevalue("redis_server").url,
         "redis-cluster": lambda: request.getfixturevalue("redis_cluster").url,
         "grpc": lambda: request.getfixturevalue("cache_server"),
+        "s3": lambda: request.getfixturevalue("s3_server").url(f"sglang-{tmp_path.name}", relist=0),
     }[tier]()
     for kind in ("mha", "mla"):
         storage, pool = backend([url], mla=kind == "mla")

@@ -12,7 +12,7 @@ from lmtier.kv.layout import KVLayout, from_hf_config, preset
 from lmtier.kv.sizing import plan
 from lmtier.units import parse_count, parse_size
 
-KiB, GiB = 1024, 1024**3
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
 
 def size_json(capsys, *args: str) -> dict:
@@ -80,6 +80,20 @@ def test_batch_and_tier_capacities(capsys):
     assert cpu["tokens"] == 409 * 512
     assert cpu["contexts"] == 1
     assert disk["contexts"] == 2 * 1024 // 40  # 51 full 128k contexts in 2 TiB
+    assert cpu["requests"] is None and disk["requests"] is None
+
+
+def test_an_object_store_tier_says_what_a_context_costs_in_requests(capsys):
+    out = size_json(capsys, "--model", "llama-3-8b", "--tokens", "128K", "--s3", "50TiB")
+    (s3,) = out["tiers"]
+    # 32 MiB chunks in 8 MiB parts: 4 ranged GETs each, a multipart upload of 4 parts + 2 each
+    assert out["bytes_per_chunk"] == 32 * MiB and s3["chunks"] == 50 * 1024 * 1024 // 32
+    assert s3["requests"] == {"gets_per_context": 512 * 4, "puts_per_context": 512 * 6, "gets_per_gb": 119}
+    small = size_json(capsys, "--model", "llama-3-8b", "--tokens", "4096", "--chunk-tokens", "4", "--s3", "1TiB")
+    assert small["bytes_per_chunk"] == 512 * KiB  # one GET and one PUT per chunk
+    assert small["tiers"][0]["requests"] == {"gets_per_context": 1024, "puts_per_context": 1024, "gets_per_gb": 1907}
+    main(["size", "--model", "llama-3-8b", "--tokens", "4096", "--chunk-tokens", "4", "--s3", "1TiB"])
+    assert "cost more in requests than in bytes" in capsys.readouterr().out
 
 
 def test_text_output_names_every_figure(capsys):

@@ -34,6 +34,7 @@ from lmtier.kv.layout import KVLayout
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.engine import compare_answers, prefill_problems, run_engine
 from lmtier.testing.redis_server import RedisServer
+from lmtier.testing.s3_server import S3Server
 from lmtier.testing.tinymodel import build
 from lmtier.tiers.base import open_tier
 
@@ -321,6 +322,20 @@ def test_two_instances_share_through_the_cache_server_alone(model, single_proces
     remote = b["stats"]["tiers"][1]
     # same host, one tenant: B read the server's memory through its published directory
     assert remote["errors"] == 0 and remote["directory_reads"] > 0
+
+
+def test_two_instances_share_through_an_object_store_alone(model, single_process, tmp_path):
+    server = S3Server.start(tmp_path / "s3")
+    url = server.url("fleet", size="1GiB")
+    try:
+        a = engine(tmp_path, model, "a", None, shared=url)
+        b = engine(tmp_path, model, "b", None, shared=url)
+    finally:
+        server.stop()
+    assert_b_hit_what_a_stored(a, b, single_process["reference"])
+    remote = b["stats"]["tiers"][1]
+    assert remote["tier"] == "s3" and remote["errors"] == 0 and remote["bytes_loaded"] > 0
+    assert remote["chunks"] > 0 and remote["used_bytes"] <= remote["capacity_bytes"]
 
 
 def test_tensor_parallel_ranks_open_a_fresh_directory_and_share_their_own_slices(model, tmp_path):

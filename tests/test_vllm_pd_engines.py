@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation with real engines side by side: a producer and a consumer
-``vllm serve`` (CPU build) kept up together, over a real Redis and over a real ``lmtier
-serve``, driven through the reference proxy (``lmtier.demo.pd_proxy``) by a real HTTP
-client, both ways routers work (parameters forwarded or not).
+``vllm serve`` (CPU build) kept up together, over a real Redis, a real ``lmtier serve``
+and a real object store (SeaweedFS), driven through the reference proxy
+(``lmtier.demo.pd_proxy``) by a real HTTP client, both ways routers work (parameters
+forwarded or not).
 
 For every prompt length at the boundaries (block - 1, block, block + 1, a chunk, a chunk
 + 1, chunk multiples, a tail) the decode instance's cached tokens cover the prompt up to
@@ -29,6 +30,7 @@ import pytest
 from lmtier.demo.pd_proxy import PDProxy
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.engine import compare_answers
+from lmtier.testing.s3_server import S3Server
 from lmtier.testing.slow_link import SlowLink
 from lmtier.testing.tinymodel import build
 from lmtier.testing.vllm_serve import BLOCK, CHUNK, VllmServer
@@ -177,6 +179,25 @@ def test_prefill_and_decode_instances_over_the_cache_server(tmp_path):
         for s in (producer, decode):
             s.stop()
         server.stop()
+
+
+@pytest.mark.timeout(2400)
+def test_prefill_and_decode_instances_over_an_object_store(tmp_path):
+    model = str(build(tmp_path / "model"))
+    s3 = S3Server.start(tmp_path / "s3")
+    tier = s3.url("pd", size="1GiB")
+    producer, decode = side_by_side(model, tmp_path, ["cpu://?size=256MiB", tier], [tier], "s3")
+    try:
+        check_lengths(model, producer, decode, GRPC_LENGTHS, seed=5000)
+        assert eventually(lambda: decode.metric("vllm:lmtier_handoffs_total", result="ready") >= 1)
+        assert decode.metric("vllm:lmtier_handoffs_total", result="late") == 0
+        # the producer's stores and the decode instance's loads, as requests a bill counts
+        assert producer.metric("vllm:lmtier_object_store_requests_total", kind="put") > 0
+        assert decode.metric("vllm:lmtier_object_store_requests_total", kind="get") > 0
+    finally:
+        for s in (producer, decode):
+            s.stop()
+        s3.stop()
 
 
 def multi(role: str, tiers: list[str], storage, **extra) -> dict:

@@ -22,10 +22,15 @@ def test_an_interval_reports_what_changed_then_starts_over():
     stats = interval.take({"cpu": (2, 6), "disk": (6, 0)})
     assert stats.data == {"tokens": {"loaded": 512, "stored": 256},
                           "tiers": {"cpu": {"hits": 2, "misses": 6}, "disk": {"hits": 6, "misses": 0}},
-                          "handoffs": {}}  # fmt: skip
+                          "handoffs": {}, "requests": {}}  # fmt: skip
     again = interval.take({"cpu": (3, 6), "disk": (6, 0)})
-    assert again.data == {"tokens": {}, "tiers": {"cpu": {"hits": 1, "misses": 0}}, "handoffs": {}}
+    assert again.data == {"tokens": {}, "tiers": {"cpu": {"hits": 1, "misses": 0}}, "handoffs": {}, "requests": {}}
     assert interval.take({"cpu": (3, 6), "disk": (6, 0)}) is None
+    # an object store's requests: what was sent since the last interval
+    reads = {"cpu": (3, 6), "s3": (0, 0)}
+    assert interval.take(reads, {"s3": {"get": 0, "put": 4}}).data["requests"] == {"s3": {"put": 4}}
+    assert interval.take(reads, {"s3": {"get": 2, "put": 4}}).data["requests"] == {"s3": {"get": 2}}
+    assert interval.take(reads, {"s3": {"get": 2, "put": 4}}) is None
 
 
 def test_workers_add_up_and_the_log_line_is_flat():
@@ -33,7 +38,8 @@ def test_workers_add_up_and_the_log_line_is_flat():
     b = LMTierStats({"tokens": {"loaded": 128, "failed": 64}, "tiers": {"cpu": {"hits": 2}, "disk": {"misses": 1}}})
     both = a.aggregate(b)
     assert both.data == {"tokens": {"loaded": 256, "failed": 64},
-                         "tiers": {"cpu": {"hits": 3, "misses": 0}, "disk": {"misses": 1}}, "handoffs": {}}  # fmt: skip
+                         "tiers": {"cpu": {"hits": 3, "misses": 0}, "disk": {"misses": 1}}, "handoffs": {},
+                         "requests": {}}  # fmt: skip
     assert both.reduce() == {"loaded_tokens": 256, "failed_tokens": 64, "cpu_hits": 3, "cpu_misses": 0,
                              "disk_misses": 1}  # fmt: skip
     assert a.data["tokens"] == {"loaded": 128}  # adding up leaves the parts as they were
@@ -52,7 +58,9 @@ def test_the_prometheus_counters_count_per_engine_tier_and_result():
     config = SimpleNamespace(kv_transfer_config=None)  # all a connector's metrics read of it
     prom = LMTierConnector.build_prom_metrics(config, types, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
     prom.observe({"tokens": {"loaded": 1024, "failed": 0}, "tiers": {"disk": {"hits": 8, "misses": 0}}}, 0)
-    prom.observe({"tokens": {"loaded": 256}, "tiers": {}}, 1)
+    prom.observe({"tokens": {"loaded": 256}, "tiers": {}, "requests": {"s3": {"get": 3, "put": 0}}}, 1)
+    sent = {"model_name": "m", "engine": "1", "tier": "s3", "kind": "get"}
+    assert registry.get_sample_value("vllm:lmtier_object_store_requests_total", sent) == 3
     get = registry.get_sample_value
     assert get("vllm:lmtier_tokens_total", {"model_name": "m", "engine": "0", "result": "loaded"}) == 1024
     assert get("vllm:lmtier_tokens_total", {"model_name": "m", "engine": "1", "result": "loaded"}) == 256
@@ -69,7 +77,7 @@ def test_the_scheduler_halfs_handoffs_reach_vllms_metrics_beside_the_workers_fig
     scheduler.handoff("ready")
     scheduler.handoff("late")
     handoffs = scheduler.take({})
-    assert handoffs.data == {"tokens": {}, "tiers": {}, "handoffs": {"ready": 2, "late": 1}}
+    assert handoffs.data == {"tokens": {}, "tiers": {}, "handoffs": {"ready": 2, "late": 1}, "requests": {}}
     assert scheduler.take({}) is None  # counted once
     worker = LMTierStats({"tokens": {"loaded": 256}, "tiers": {"cpu": {"hits": 2}}, "handoffs": {}})
     step = LMTierConnector.build_kv_connector_stats(worker.aggregate(handoffs).to_dict())

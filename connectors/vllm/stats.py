@@ -13,6 +13,8 @@ plain data (``to_dict``), rebuilds them there (``build_kv_connector_stats``), lo
         chunks read from each tier of the workers' stores
     vllm:lmtier_handoffs_total{result=ready|late|down|ignored}
         a decode instance's hand-offs (the scheduler half's: vLLM asks it for stats too)
+    vllm:lmtier_object_store_requests_total{tier=NAME, kind=get|put|head|delete|list}
+        requests the workers' object-storage tiers sent: what a cloud bill counts
 
 It also tells vLLM where an external hit came from (``hit_sources``): the memory tier is
 ``host``, a disk tier ``disk``, a shared tier (Redis, the cache server) unspecified, as
@@ -54,7 +56,7 @@ def hit_sources(runs: list[tuple[str, int]], chunk_tokens: int, start: int, coun
 @dataclass
 class LMTierStats(KVConnectorStats):
     """``{"tokens": {result: n}, "tiers": {name: {"hits": n, "misses": n}}, "handoffs":
-    {result: n}}``: plain data."""
+    {result: n}, "requests": {name: {kind: n}}}``: plain data."""
 
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -64,18 +66,16 @@ class LMTierStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> LMTierStats:
         mine, theirs = self.data, other.data
         tokens, handoffs = _added(mine, theirs, "tokens"), _added(mine, theirs, "handoffs")
-        tiers = {name: dict(c) for name, c in mine.get("tiers", {}).items()}
-        for name, counts in theirs.get("tiers", {}).items():
-            into = tiers.setdefault(name, {})
-            for k, v in counts.items():
-                into[k] = into.get(k, 0) + v
-        return LMTierStats({"tokens": tokens, "tiers": tiers, "handoffs": handoffs})
+        tiers, requests = _nested(mine, theirs, "tiers"), _nested(mine, theirs, "requests")
+        return LMTierStats({"tokens": tokens, "tiers": tiers, "handoffs": handoffs, "requests": requests})
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {f"{k}_tokens": v for k, v in self.data.get("tokens", {}).items()}
         out.update({f"handoffs_{k}": v for k, v in self.data.get("handoffs", {}).items()})
         for name, counts in self.data.get("tiers", {}).items():
             out.update({f"{name}_{k}": v for k, v in counts.items()})
+        for name, counts in self.data.get("requests", {}).items():
+            out.update({f"{name}_requests_{k}": v for k, v in counts.items()})
         return out
 
     def is_empty(self) -> bool:
@@ -89,6 +89,26 @@ def _added(mine: dict[str, Any], theirs: dict[str, Any], part: str) -> dict[str,
     return out
 
 
+def _nested(mine: dict[str, Any], theirs: dict[str, Any], part: str) -> dict[str, dict[str, int]]:
+    out = {name: dict(c) for name, c in mine.get(part, {}).items()}
+    for name, counts in theirs.get(part, {}).items():
+        into = out.setdefault(name, {})
+        for k, v in counts.items():
+            into[k] = into.get(k, 0) + v
+    return out
+
+
+def _since(now: dict[str, dict[str, int]], was: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Each name's counts that grew since ``was``, by how much."""
+    out = {}
+    for name, counts in now.items():
+        before = was.get(name, {})
+        grown = {k: v - before.get(k, 0) for k, v in counts.items() if v != before.get(k, 0)}
+        if grown:
+            out[name] = grown
+    return out
+
+
 class Interval:
     """A worker's figures since it last reported (thread-safe: the saver thread counts too)."""
 
@@ -97,6 +117,7 @@ class Interval:
         self._tokens = dict.fromkeys(TOKEN_RESULTS, 0)
         self._handoffs = dict.fromkeys(HANDOFF_RESULTS, 0)
         self._reads: dict[str, tuple[int, int]] = {}
+        self._requests: dict[str, dict[str, int]] = {}
 
     def count(self, result: str, tokens: int) -> None:
         with self._lock:
@@ -106,9 +127,11 @@ class Interval:
         with self._lock:
             self._handoffs[result] += 1
 
-    def take(self, reads: dict[str, tuple[int, int]]) -> LMTierStats | None:
-        """This interval's stats (``reads``: the store's totals now), or None if nothing
-        happened; the next interval starts."""
+    def take(
+        self, reads: dict[str, tuple[int, int]], requests: dict[str, dict[str, int]] | None = None
+    ) -> LMTierStats | None:
+        """This interval's stats (``reads`` and ``requests``: the store's totals now), or
+        None if nothing happened; the next interval starts."""
         with self._lock:
             tokens, self._tokens = self._tokens, dict.fromkeys(TOKEN_RESULTS, 0)
             handoffs, self._handoffs = self._handoffs, dict.fromkeys(HANDOFF_RESULTS, 0)
@@ -118,8 +141,11 @@ class Interval:
                 if (hits, misses) != was:
                     tiers[name] = {"hits": hits - was[0], "misses": misses - was[1]}
             self._reads = dict(reads)
+            sent = _since(requests or {}, self._requests)
+            if requests is not None:
+                self._requests = {name: dict(c) for name, c in requests.items()}
         stats = LMTierStats({"tokens": {k: v for k, v in tokens.items() if v}, "tiers": tiers,
-                             "handoffs": {k: v for k, v in handoffs.items() if v}})  # fmt: skip
+                             "handoffs": {k: v for k, v in handoffs.items() if v}, "requests": sent})  # fmt: skip
         return None if stats.is_empty() else stats
 
 
@@ -142,6 +168,11 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
             documentation="Chunks read from each lmtier tier: hits and misses.",
             labelnames=[*labelnames, "tier", "result"],
         )
+        self._requests = self._counter_cls(
+            name="vllm:lmtier_object_store_requests",
+            documentation="Requests lmtier's object-storage tiers sent (what a cloud bill counts), by kind.",
+            labelnames=[*labelnames, "tier", "kind"],
+        )
         self._handoffs = self._counter_cls(
             name="vllm:lmtier_handoffs",
             documentation="A decode instance's hand-offs from its prefill instance: ready, late, down, ignored.",
@@ -160,3 +191,7 @@ class LMTierPromMetrics(KVConnectorPromMetrics):
             for result, n in counts.items():
                 if n > 0:
                     self._reads.labels(*values, tier, result).inc(n)
+        for tier, counts in transfer_stats_data.get("requests", {}).items():
+            for kind, n in counts.items():
+                if n > 0:
+                    self._requests.labels(*values, tier, kind).inc(n)

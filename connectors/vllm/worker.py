@@ -56,7 +56,9 @@ class WorkerSide(WorkerSaves):
         """The worker's loads, saves and tier reads since it last reported; the scheduler
         half's (vLLM asks it too, each step), its hand-offs: a decode instance's waits that
         ended ready, late, with the shared tier down, or ignored."""
-        return self._interval.take(self.store.read_counts() if self._engine is not None else {})
+        if self._engine is None:
+            return self._interval.take({})
+        return self._interval.take(self.store.read_counts(), self.store.request_counts())
 
     # -- KV events for routers (lmtier.connectors.vllm.events) ------------------------------
     def get_kv_connector_kv_cache_events(self) -> LMTierKVEvents | None:

@@ -120,6 +120,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     ns = engine_namespaces(args, "keys")[args.tp_rank]
     size = ns.chunk_tokens
     keys = ns.keys(tokens)
+    in_bucket = _in_bucket(args.bucket, keys) if args.bucket else None
     if args.json:
         print(
             json.dumps(
@@ -128,7 +129,9 @@ def cmd_keys(args: argparse.Namespace) -> int:
                     "namespace_digest": ns.digest.hex(),
                     "tokens": len(tokens),
                     "keys": [
-                        {"chunk": i, "tokens": [i * size, (i + 1) * size], "key": k.hex()} for i, k in enumerate(keys)
+                        {"chunk": i, "tokens": [i * size, (i + 1) * size], "key": k.hex()}
+                        | ({"in_bucket": in_bucket[i]} if in_bucket is not None else {})
+                        for i, k in enumerate(keys)
                     ],
                 },
                 indent=2,
@@ -143,10 +146,19 @@ def cmd_keys(args: argparse.Namespace) -> int:
         f"{len(tokens)} tokens -> {len(keys)} full chunks of {size} "
         f"(the {len(tokens) - len(keys) * size}-token tail is not cached)"
     )
+    shown = {True: "  in the bucket", False: "  not in the bucket", None: "  (no answer)"}
     for i, key in enumerate(keys):
-        print(f"chunk {i:>5}  tokens [{i * size}, {(i + 1) * size})  {key.hex()}")
+        where = shown[in_bucket[i]] if in_bucket is not None else ""
+        print(f"chunk {i:>5}  tokens [{i * size}, {(i + 1) * size})  {key.hex()}{where}")
     engine_note(args, "keys")
     return 0
+
+
+def _in_bucket(url: str, keys: list[bytes]) -> list[bool | None]:
+    """Which chunks an object-storage tier holds (one HEAD each; the bucket is not changed)."""
+    from lmtier.tiers.s3.survey import held
+
+    return held(url, keys)
 
 
 def add_keys(sub: argparse._SubParsersAction) -> None:
@@ -154,5 +166,6 @@ def add_keys(sub: argparse._SubParsersAction) -> None:
     model_args(p)
     p.add_argument("--tokens-file", required=True, help="JSON list of token ids ('-' for stdin)")
     p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--bucket", help="an object-storage tier's URL: say which chunks it holds (a HEAD each)")
     namespace_args(p)
     p.set_defaults(func=cmd_keys)

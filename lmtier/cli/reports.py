@@ -1,6 +1,7 @@
 """The commands that report what a cache holds: ``lmtier stats`` (a running server's tiers,
-or a disk tier's directory), ``lmtier match`` (how many leading tokens of a prompt a server
-holds, as a router asks it) and ``lmtier inspect`` (a disk tier's chunks, checked).
+a disk tier's directory, or an object-storage tier's bucket), ``lmtier match`` (how many
+leading tokens of a prompt a server holds, as a router asks it) and ``lmtier inspect`` (a
+disk tier's chunks, checked).
 
 They only read: a server is asked through a one-call gRPC client without shared memory,
 a disk tier is opened for its index alone with a size bound that evicts nothing (only
@@ -9,7 +10,7 @@ can support: no sum of tiers' bytes (a chunk in memory and on disk would count t
 no attention kind a stored chunk cannot tell.
 
     add_stats, add_match, add_inspect (subparsers)  the commands and their flags
-    cmd_stats(args)     a server's or a disk tier's chunks, bytes and hit ratio
+    cmd_stats(args)     a server's, a disk tier's or a bucket's chunks, bytes and hit ratio
     cmd_match(args)     the leading tokens of a prompt a server holds, and in which tiers
     cmd_inspect(args)   a disk tier's chunks; with --verify, read and check each one
 """
@@ -109,12 +110,37 @@ def _disk_stats(root: Path) -> dict:
     }
 
 
+def _bucket_stats(url: str, time_limit: float) -> dict:
+    from lmtier.errors import TierError
+    from lmtier.tiers.s3.survey import survey
+
+    try:
+        return survey(url, time_limit)
+    except TierError as exc:
+        raise LmtierError(f"cannot list the bucket: {exc}") from exc
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
-    if bool(args.server) == bool(args.disk):
-        raise LmtierError("give one of --server URL or --disk PATH")
-    out = _server_stats(args.server, args.token, args.timeout) if args.server else _disk_stats(Path(args.disk))
+    if sum(map(bool, (args.server, args.disk, args.bucket))) != 1:
+        raise LmtierError("give one of --server URL, --disk PATH or --bucket s3://bucket/prefix?...")
+    if args.server:
+        out = _server_stats(args.server, args.token, args.timeout)
+    elif args.disk:
+        out = _disk_stats(Path(args.disk))
+    else:
+        out = _bucket_stats(args.bucket, args.timeout * 12)
     if args.json:
         print(json.dumps(out, indent=2))
+        return 0
+    if args.bucket:
+        held = f"{format_bytes(out['used_bytes'])}" + (
+            f" of {format_bytes(out['capacity_bytes'])}" if out["capacity_bytes"] else ""
+        )
+        cut = "" if out["complete"] else " (listing cut short by the time limit: more objects)"
+        print(f"s3://{out['bucket']}/{out['prefix']}: {out['chunks']} chunks, {held}, {out['other_objects']} other "
+              f"objects; oldest {out['oldest']}, newest {out['newest']}; {out['list_requests']} list requests{cut}. "
+              "Request counts of the engines and servers that use it: their /metrics, "
+              "lmtier_object_store_requests_total")  # fmt: skip
         return 0
     ratio = "n/a" if out["hit_ratio"] is None else f"{out['hit_ratio']:.1%}"
     if args.disk:
@@ -269,6 +295,9 @@ def add_stats(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stats", help="ask a running server, or read a disk tier: chunks, bytes, hit ratio")
     _server_args(p)
     p.add_argument("--disk", help="a disk tier's directory")
+    p.add_argument(
+        "--bucket", help="an object-storage tier's URL (s3://bucket/prefix?endpoint=...): listed, never changed"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_stats)
 

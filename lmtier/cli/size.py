@@ -17,7 +17,8 @@ from lmtier.units import parse_count, parse_size
 
 def cmd_size(args: argparse.Namespace) -> int:
     layout = model_layout(args)
-    tiers = {name: parse_size(value) for name, value in (("cpu", args.cpu), ("disk", args.disk)) if value}
+    sizes = (("cpu", args.cpu), ("disk", args.disk), ("s3", args.s3))
+    tiers = {name: parse_size(value) for name, value in sizes if value}
     result = plan(
         args.model or args.config,
         layout,
@@ -42,4 +43,5 @@ def add_size(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=1, help="concurrent contexts (default 1)")
     p.add_argument("--cpu", help="host-memory tier size, e.g. 64GiB")
     p.add_argument("--disk", help="disk tier size, e.g. 2TiB")
+    p.add_argument("--s3", help="object-storage tier size, e.g. 50TiB: what it holds, and its requests per context")
     p.set_defaults(func=cmd_size)

@@ -16,6 +16,7 @@ class TierFit:
     chunks: int  # full chunks that fit
     tokens: int  # tokens those chunks hold
     contexts: int  # full contexts of the planned length
+    requests: dict[str, int] | None = None  # an object store's: what one context costs in requests
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,35 @@ class Plan:
                 f"in {fit.chunks:,} chunks = {fit.contexts:,} full context{'' if fit.contexts == 1 else 's'} "
                 f"of {self.tokens:,} tokens"
             )
+            if fit.requests:
+                r = fit.requests
+                lines.append(
+                    f"  requests     a context loads with {r['gets_per_context']:,} GETs and stores with "
+                    f"{r['puts_per_context']:,} PUTs ({r['gets_per_gb']:,} GETs per GB loaded), objects of "
+                    f"{format_bytes(self.bytes_per_chunk)}"
+                )
+                if self.bytes_per_chunk < SMALL_OBJECT:
+                    lines.append(
+                        f"  advice       objects under {format_bytes(SMALL_OBJECT)} cost more in requests than in "
+                        "bytes moved: a larger --chunk-tokens (chunk_tokens) sends fewer"
+                    )
         return "\n".join(lines)
+
+
+SMALL_OBJECT = 1 << 20  # below this an object store's per-request cost outweighs its bytes
+PART_SIZE = 8 << 20  # the s3 tier's default part size: a larger object moves in parts
+
+
+def object_requests(chunk_bytes: int, chunks_per_context: int, part_size: int = PART_SIZE) -> dict[str, int]:
+    """What one context costs an object store: a GET per part of each chunk, a PUT per
+    chunk (a multipart upload: its parts, its start and its end)."""
+    parts = -(-chunk_bytes // part_size)
+    puts = 1 if chunk_bytes <= part_size else parts + 2
+    return {
+        "gets_per_context": parts * chunks_per_context,
+        "puts_per_context": puts * chunks_per_context,
+        "gets_per_gb": round(parts * 1e9 / chunk_bytes),
+    }
 
 
 def plan(
@@ -96,5 +125,6 @@ def plan(
     fits = []
     for name, capacity in (tiers or {}).items():
         chunks = capacity // chunk_bytes
-        fits.append(TierFit(name, capacity, chunks, chunks * chunk_tokens, chunks // chunks_per_context))
+        requests = object_requests(chunk_bytes, chunks_per_context) if name == "s3" else None
+        fits.append(TierFit(name, capacity, chunks, chunks * chunk_tokens, chunks // chunks_per_context, requests))
     return Plan(model, layout, tokens, batch, chunk_tokens, fits)

@@ -211,6 +211,16 @@ class TieredStore(ReadPath, WritePath, WriteBack):
         with self._counts_lock:
             return {t.name: (self._gets[id(t)][0], self._gets[id(t)][1]) for t in self.tiers}
 
+    def request_counts(self) -> dict[str, dict[str, int]]:
+        """Requests sent per tier that bills by request (an object store: ``request_counts``),
+        by kind, since it opened: cheap, for engines that report intervals."""
+        out = {}
+        for tier in self.tiers:
+            counts = getattr(tier, "request_counts", None)
+            if counts is not None:
+                out[tier.name] = counts()
+        return out
+
     def count_hits(self, tier: Tier, hits: int) -> None:
         """``hits`` chunks of ``tier`` were read without the store (a same-host client,
         straight from a cache server's published memory): counted as the store's own."""

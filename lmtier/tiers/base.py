@@ -310,6 +310,7 @@ _REGISTRY: dict[str, tuple[str, str | None]] = {
     "redis+cluster": ("lmtier.tiers.redis:RedisTier", "redis"),
     "grpc": ("lmtier.tiers.grpc:GrpcTier", "grpc"),
     "grpcs": ("lmtier.tiers.grpc:GrpcTier", "grpc"),
+    "s3": ("lmtier.tiers.s3:S3Tier", "s3"),
 }
 
 

@@ -1,5 +1,5 @@
 """Put on a child process's PYTHONPATH by tests/test_imports.py: the optional network
-libraries (gRPC, protobuf, Redis) become unimportable, and the process reports at exit
+libraries (gRPC, protobuf, Redis, awscrt) become unimportable, and the process reports at exit
 which of lmtier's own network modules it loaded.
 
     IMPORT_GUARD=all       nobody may import them (an environment without the extras)

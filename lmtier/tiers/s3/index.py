@@ -1,0 +1,102 @@
+"""What the S3 tier knows the bucket holds under its prefix, and the order it deletes in.
+
+    Held(capacity)                     key -> object size, front = deleted first
+      .add(keys, sizes)                stored: the batch's first key becomes the most recent
+      .recent(keys)                    read: the same order (a prompt loses its tail first)
+      .learn(objects, generation)      what a listing found, oldest first, behind what is known
+      .forget_unlisted(generation)     keys two listings in a row did not show
+      .victims(need, keep) -> keys     what to delete so that ``need`` more bytes fit
+
+The bound is kept on what this process knows: its own writes, what its reads and checks
+found, and what the listings (at start and every ``relist`` seconds) show other writers
+stored. A key missing from one listing may only be one the listing lags behind; missing
+from two in a row, it is gone (another writer deleted it, or a lifecycle rule). Bounded
+by the capacity: an entry is at least one object, and objects past the capacity are
+deleted as they are learned.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+
+class Held:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.sizes: OrderedDict[bytes, int] = OrderedDict()
+        self.used = 0
+        self._listed: dict[bytes, int] = {}  # key -> the last listing generation that showed it
+        self._added: dict[bytes, int] = {}  # key -> the generation running when it was added
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.sizes
+
+    def size(self, key: bytes) -> int | None:
+        return self.sizes.get(key)
+
+    def add(self, keys: Sequence[bytes], sizes: Sequence[int], generation: int = 0) -> None:
+        for key, size in zip(reversed(keys), reversed(sizes), strict=True):
+            old = self.sizes.get(key)
+            self.used += size - (old or 0)
+            self.sizes[key] = size
+            self.sizes.move_to_end(key)
+            self._added[key] = generation
+
+    def recent(self, keys: Sequence[bytes]) -> None:
+        for key in reversed(keys):
+            if key in self.sizes:
+                self.sizes.move_to_end(key)
+
+    def remove(self, keys: Iterable[bytes]) -> list[bytes]:
+        gone = []
+        for key in keys:
+            size = self.sizes.pop(key, None)
+            if size is not None:
+                self.used -= size
+                self._listed.pop(key, None)
+                self._added.pop(key, None)
+                gone.append(key)
+        return gone
+
+    def learn(self, objects: Sequence[tuple[bytes, int, float]], generation: int) -> None:
+        """A listing's objects (key, size, last modified): those not known go behind all that
+        is, the oldest first; every one is marked as seen by this listing."""
+        fresh = sorted((o for o in objects if o[0] not in self.sizes), key=lambda o: o[2], reverse=True)
+        for key, size, _ in fresh:
+            self.sizes[key] = size
+            self.sizes.move_to_end(key, last=False)
+            self.used += size
+            self._added[key] = generation
+        for key, _, _ in objects:
+            self._listed[key] = generation
+
+    def forget_unlisted(self, generation: int) -> list[bytes]:
+        """Keys known before listing ``generation - 1`` began that neither it nor listing
+        ``generation`` showed: gone from the bucket."""
+        stale = [
+            key
+            for key in self.sizes
+            if self._added.get(key, 0) < generation - 1 and self._listed.get(key, -1) < generation - 1
+        ]
+        return self.remove(stale)
+
+    def victims(self, need: int, keep: Iterable[bytes] = ()) -> list[bytes]:
+        """Keys to delete, front first, so that ``need`` more bytes fit in the capacity;
+        ``keep`` (the batch being stored) is passed over."""
+        over = self.used + need - self.capacity
+        out: list[bytes] = []
+        if over <= 0:
+            return out
+        keep = set(keep)
+        for key, size in self.sizes.items():
+            if key in keep:
+                continue
+            out.append(key)
+            over -= size
+            if over <= 0:
+                break
+        return out

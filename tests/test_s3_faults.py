@@ -1,0 +1,153 @@
+"""The object-storage tier when the bucket misbehaves: throttling, slow and cut responses, a
+server gone, an upload cut short. Each is a miss or a retry within the deadline, counted,
+never wrong KV and never an exception out of the store. Faults come from a proxy in front
+of a real SeaweedFS (tests/s3_faults.py)."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+
+import pytest
+
+from lmtier.errors import TierError
+from lmtier.kv.chunk import release_all
+from lmtier.store.tiered import TieredStore
+from lmtier.tiers.base import open_tier
+
+from conftest import SMALL, make_namespace, make_prompt
+from s3_faults import FaultProxy
+
+
+@pytest.fixture
+def proxy(s3_server):
+    with FaultProxy(s3_server.port) as p:
+        yield p
+
+
+def through(server, proxy, **options):
+    """A tier whose requests go through ``proxy`` (its endpoint), on a fresh prefix."""
+    url = server.url(f"f-{secrets.token_hex(4)}", relist=0, **options).replace(server.endpoint, proxy.endpoint)
+    return open_tier(url)
+
+
+def test_throttling_is_retried_within_the_deadline(s3_server, proxy, prompt):
+    tier = through(s3_server, proxy)
+    try:
+        proxy.throttle = 3
+        tier.put(prompt.chunks())
+        assert proxy.throttled == 3 and tier.stats()["stored"] == 8  # retried, all landed
+        proxy.throttle = 2
+        got = tier.get(prompt.keys)
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(8)]
+        release_all(got)
+    finally:
+        tier.close()
+
+
+def test_throttling_that_outlasts_the_deadline_is_a_counted_miss(s3_server, proxy, prompt):
+    tier = through(s3_server, proxy, timeout=1)
+    try:
+        tier.put(prompt.chunks())
+        proxy.throttle = 10_000
+        with TieredStore([open_tier(tier_url(tier, s3_server, proxy))]) as store:
+            assert store.get(prompt.keys) == []  # misses, not an exception
+            stats = store.tiers[0].stats()
+        assert stats["throttled"] + stats["timeouts"] > 0
+        proxy.throttle = 0
+        got = tier.get(prompt.keys)  # the objects were never harmed
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(8)]
+        release_all(got)
+    finally:
+        tier.close()
+
+
+def test_a_slow_bucket_is_a_miss_at_the_deadline(s3_server, proxy, prompt):
+    tier = through(s3_server, proxy, timeout=1)
+    try:
+        tier.put(prompt.chunks())
+        proxy.delay = 4.0
+        with pytest.raises(TierError, match="no answer"):
+            tier.get(prompt.keys[:2])
+        assert tier.stats()["timeouts"] == 2
+        with TieredStore([open_tier(tier_url(tier, s3_server, proxy))]) as store:
+            assert store.get(prompt.keys) == []
+        proxy.delay = 0
+        got = tier.get(prompt.keys)
+        assert all(c is not None for c in got)
+        release_all(got)
+    finally:
+        tier.close()
+
+
+def tier_url(tier, server, proxy) -> str:
+    return server.url(tier.prefix.rstrip("/"), relist=0, timeout=1).replace(server.endpoint, proxy.endpoint)
+
+
+def test_a_response_cut_mid_object_is_never_a_chunk(s3_server, proxy):
+    big = make_namespace(layout=SMALL.__class__(num_layers=4, num_kv_heads=4, head_dim=64, dtype="float16"))
+    p = make_prompt(4, namespace=big)  # 32 KiB chunks: a cut lands inside the payload
+    tier = through(s3_server, proxy, timeout=2)
+    try:
+        tier.put(p.chunks())
+        proxy.cut_after = 20_000
+        got = tier.get(p.keys)
+        assert got == [None] * 4 or all(c is None for c in got)
+        assert tier.stats()["corrupt"] == 0  # never taken for a damaged object: nothing deleted
+        proxy.cut_after = None
+        got = tier.get(p.keys)
+        assert [c.tobytes() for c in got] == [p.chunk_bytes(i) for i in range(4)]
+        release_all(got)
+    except TierError:
+        pass  # every request of the batch cut: the store counts the tier down, the same miss
+    finally:
+        tier.close()
+
+
+def test_a_server_that_goes_away_loses_nothing_and_comes_back(s3_server, proxy, prompt):
+    tier = through(s3_server, proxy, timeout=1, connect_timeout=0.5)
+    try:
+        with TieredStore([tier]) as store:
+            store.put(prompt.chunks())
+            assert store.flush()
+            assert store.lookup(prompt.keys) == 8
+            proxy.down = True
+            results = []
+
+            def use() -> None:
+                results.append(store.get(make_prompt(3, seed=7).keys))  # not known: requests fail
+                store.put(make_prompt(2, seed=8).chunks())  # dropped, not raised
+                results.append("put")
+
+            worker = threading.Thread(target=use)
+            worker.start()
+            worker.join(60)  # a hang detector, far above the 1 s timeouts, not a speed claim
+            assert not worker.is_alive() and results == [[], "put"]
+            proxy.down = False
+        with TieredStore([through_same(tier, s3_server, proxy)]) as store:
+            got = store.get(prompt.keys)
+            assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(8)]
+            release_all(got)
+    finally:
+        tier.close()
+
+
+def through_same(tier, server, proxy):
+    return open_tier(server.url(tier.prefix.rstrip("/"), relist=0).replace(server.endpoint, proxy.endpoint))
+
+
+def test_an_upload_cut_short_leaves_no_object(s3_server, proxy):
+    layout = SMALL.__class__(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16")
+    p = make_prompt(1, namespace=make_namespace(layout=layout, chunk_tokens=256))  # 8 MiB: multipart
+    tier = through(s3_server, proxy, timeout=3, part_size="5MiB")
+    try:
+        proxy.down = True  # the writer's connections die: as if it were killed mid-upload
+        try:
+            tier.put(p.chunks())
+        except TierError:
+            pass
+        proxy.down = False
+        assert tier.contains(p.keys) == 0 and tier.get(p.keys) == [None]
+        assert tier.stats()["chunks"] == 0  # not counted as held
+    finally:
+        tier.close()
