@@ -1,12 +1,18 @@
 """The object-storage tier when the bucket misbehaves: throttling, slow and cut responses, a
 server gone, an upload cut short. Each is a miss or a retry within the deadline, counted,
 never wrong KV and never an exception out of the store. Faults come from a proxy in front
-of a real SeaweedFS (tests/s3_faults.py)."""
+of a real SeaweedFS (tests/s3_faults.py). And virtual-hosted addressing, which needs a
+host name of the bucket's own: made to resolve in a mount namespace."""
 
 from __future__ import annotations
 
+import os
 import secrets
+import shutil
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +66,35 @@ def test_throttling_that_outlasts_the_deadline_is_a_counted_miss(s3_server, prox
         release_all(got)
     finally:
         tier.close()
+
+
+def test_throttling_past_the_clients_retries_is_counted_as_throttling(s3_server, proxy, prompt):
+    tier = through(s3_server, proxy, timeout=60)  # awscrt gives up first: a SlowDown answer, no timeout
+    try:
+        tier.put(prompt.chunks(0, 1))
+        proxy.throttle = 10_000
+        with pytest.raises(TierError, match="SLOW_DOWN"):
+            tier.get(prompt.keys[:1])
+        assert proxy.throttled > 1  # retried
+        stats = tier.stats()
+        assert stats["throttled"] == 1 and stats["timeouts"] == stats["errors"] == 0
+    finally:
+        tier.close()
+
+
+def test_a_lookup_has_one_deadline_however_long_the_prompt(s3_server, proxy):
+    p = make_prompt(64, seed=3)  # four windows of HEADs, all present
+    writer = open_tier(s3_server.url(f"d-{secrets.token_hex(4)}", relist=0))
+    writer.put(p.chunks())
+    reader = open_tier(tier_url(writer, s3_server, proxy).replace("timeout=1", "timeout=2"))
+    try:
+        proxy.delay = 1.5  # each HEAD answered after 1.5 s: the second window meets the deadline
+        assert reader.contains(p.keys) == 16  # what the first window found stands
+        assert proxy.requests["HEAD"] <= 32  # and no third window was sent
+        assert reader.stats()["timeouts"] == 16
+    finally:
+        reader.close()
+        writer.close()
 
 
 def test_a_slow_bucket_is_a_miss_at_the_deadline(s3_server, proxy, prompt):
@@ -151,3 +186,57 @@ def test_an_upload_cut_short_leaves_no_object(s3_server, proxy):
         assert tier.stats()["chunks"] == 0  # not counted as held
     finally:
         tier.close()
+
+
+VIRTUAL_HOSTED = """
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from lmtier.kv.chunk import release_all
+from lmtier.tiers.base import open_tier
+from conftest import make_prompt
+tier = open_tier(sys.argv[1])
+p = make_prompt(3, seed=11)
+tier.put(p.chunks())
+got = tier.get(p.keys)
+assert [c.tobytes() for c in got] == [p.chunk_bytes(i) for i in range(3)], "bytes differ"
+release_all(got)
+print("served", tier.stats()["stored"], tier.remote.host)
+tier.close()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="a mount namespace needs root")
+def test_virtual_hosted_addressing_against_a_real_server(tmp_path):
+    """``bucket.host`` names the bucket: a host name that resolves only in a mount namespace
+    of its own, where /etc/hosts says so (SeaweedFS answers for its domain)."""
+    from lmtier.testing.s3_server import S3Server
+
+    domain = "s3.lmtier.test"
+    server = S3Server.start(tmp_path / "vh", domain=domain)
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost {domain} lmtier.{domain}\n")
+    url = f"s3://lmtier/vh?endpoint=http://{domain}:{server.port}&addressing=virtual&relist=0"
+    script = tmp_path / "vh.py"
+    script.write_text(VIRTUAL_HOSTED)
+    here = str(Path(__file__).resolve().parent)
+    inner = f"mount --bind {hosts} /etc/hosts && exec {sys.executable} {script} '{url}' {here}"
+    try:
+        run = subprocess.run(["unshare", "-m", "sh", "-c", inner], capture_output=True, text=True, timeout=120)
+    finally:
+        server.stop()
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["served", "3", f"lmtier.{domain}:{server.port}"]
+
+
+def test_what_a_listing_teaches_is_bounded_in_count_and_ordered_by_age():
+    """A listing of many tiny objects named like chunks (a server gone wrong, or another
+    program) cannot grow the index past its count; another writer's new objects go behind
+    what the tier knows, older ones in front."""
+    from lmtier.tiers.s3.index import Held
+
+    held = Held(capacity=1 << 30, max_entries=4)
+    held.add([b"mine"], [100])
+    held.learn([(b"old1", 1, 10.0), (b"old2", 1, 20.0), (b"new1", 1, 200.0), (b"new2", 1, 300.0)], 1, 100.0)
+    assert list(held.sizes) == [b"old1", b"old2", b"mine", b"new1", b"new2"]
+    assert held.victims(0) == [b"old1"]  # five known, four allowed
+    assert held.victims(0, new=2) == [b"old1", b"old2", b"mine"]

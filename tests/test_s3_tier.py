@@ -16,6 +16,7 @@ from lmtier.kv import codec
 from lmtier.kv.chunk import release_all
 from lmtier.tiers.base import open_tier
 from lmtier.tiers.s3 import S3Tier
+from lmtier.tiers.s3.learn import Learner
 
 from conftest import SMALL, eventually, make_namespace, make_prompt
 from tier_contract import CHUNK_BYTES, EvictingTierContract
@@ -193,9 +194,9 @@ def test_listings_that_lag_keep_what_was_just_written(s3_server):
         other = open_s3(s3_server, prefix)
         other.delete(p.keys[1:])  # another writer deletes one behind this tier's back
         other.close()
-        tier._learn()  # one listing: the deleted key is not forgotten yet (it may lag)
+        tier.learner.step()  # one listing: the deleted key is not forgotten yet (it may lag)
         assert p.keys[1] in tier.held
-        tier._learn()
+        tier.learner.step()
         assert p.keys[1] not in tier.held and p.keys[0] in tier.held
     finally:
         tier.close()
@@ -212,6 +213,12 @@ def test_credentials_never_show_and_bad_urls_say_why(s3_server, caplog):
         open_s3(s3_server, addressing="sideways")
     with pytest.raises(ConfigError, match="endpoint"):
         open_s3(s3_server, endpoint="ftp://host")
+    with pytest.raises(ConfigError, match="no credentials") as refused:
+        open_tier(f"s3://lmtier/p?endpoint=http://key:{secret}@127.0.0.1:{s3_server.port}")
+    assert secret not in str(refused.value)
+    with pytest.raises(ConfigError, match="unknown option") as unknown:
+        open_s3(s3_server, aws_secret_access_key=secret)  # a mistake: refused, the value not shown
+    assert secret not in str(unknown.value)
     caplog.set_level(logging.DEBUG)
     tier = open_s3(s3_server)
     try:
@@ -233,5 +240,62 @@ def test_a_chunk_larger_than_a_part_goes_up_in_parts_and_comes_back_whole(s3_ser
         got = tier.get(p.keys)
         assert got[0].tobytes() == p.chunk_bytes(0)
         release_all(got)
+    finally:
+        tier.close()
+
+
+def test_two_writers_of_one_prefix_keep_about_its_size_between_them(s3_server):
+    """B stores a new prompt and deletes A's older one to stay within the size; A's next
+    listing shows B's as new: A deletes what it still counted of its own (gone already),
+    never B's."""
+    prefix = f"two-{secrets.token_hex(4)}"
+    size = 12 * frame_bytes()
+    a, b = open_s3(s3_server, prefix, size=size), open_s3(s3_server, prefix, size=size)
+    try:
+        old = [make_prompt(4, seed=s) for s in range(3)]
+        for p in old:
+            a.put(p.chunks())
+        b.learner.step()  # B learns A's twelve
+        new = [make_prompt(4, seed=10 + s) for s in range(3)]
+        for p in new:
+            b.put(p.chunks())  # and deletes them, oldest first, to make room
+        for _ in range(2):
+            a.learner.step()
+        assert all(b.contains(p.keys) == 4 for p in new)  # B's twelve are still there
+        assert len(a.keys()) == 12 and a.stats()["used_bytes"] <= size
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_listing_too_large_for_one_pass_goes_on_where_it_stopped(s3_server):
+    prefix = f"pages-{secrets.token_hex(4)}"
+    first = open_s3(s3_server, prefix)
+    for s in range(4):
+        first.put(make_prompt(3, seed=s).chunks())
+    first.close()
+    tier = open_s3(s3_server, prefix, list_timeout="0.000001")  # one page a pass
+    try:
+        tier.remote.page_keys = 5
+        passes = Learner(tier)  # the test's own, taken one pass at a time
+        whole = [passes.step() for _ in range(3)]
+        assert whole == [False, False, True] and tier.stats()["chunks"] == 12
+    finally:
+        tier.close()
+
+
+def test_a_prefix_servers_would_rewrite_is_refused(s3_server):
+    for prefix in ("a//b", "c/./d", "e/../f", "g h", "i?j"):
+        with pytest.raises(ConfigError, match="segments"):
+            S3Tier("lmtier", prefix, endpoint=s3_server.endpoint, relist=0)
+
+
+def test_a_batch_larger_than_the_size_stores_its_first_chunks_only(s3_server):
+    tier = open_s3(s3_server, size=3 * frame_bytes())
+    p = make_prompt(5, seed=21)
+    try:
+        tier.put(p.chunks())
+        assert tier.contains(p.keys) == 3 and len(tier.keys()) == 3
+        assert tier.stats()["used_bytes"] <= 3 * frame_bytes()
     finally:
         tier.close()

@@ -59,7 +59,10 @@ class S3Server:
         self.access_key, self.secret_key = ACCESS_KEY, SECRET_KEY
 
     @classmethod
-    def start(cls, directory: str | os.PathLike, kind: str = "seaweedfs", bucket: str = "lmtier") -> S3Server:
+    def start(
+        cls, directory: str | os.PathLike, kind: str = "seaweedfs", bucket: str = "lmtier", domain: str = ""
+    ) -> S3Server:
+        """``domain``: SeaweedFS also answers virtual-hosted requests (``bucket.domain``)."""
         if kind not in KINDS:
             raise ValueError(f"kind is one of {KINDS}, got {kind!r}")
         root = Path(directory)
@@ -68,6 +71,8 @@ class S3Server:
         for _ in range(3):  # a port taken between the check and the bind: new ports
             ports = _ports(14 if kind == "seaweedfs" else 1)
             argv = cls._seaweedfs(root, ports, bucket) if kind == "seaweedfs" else cls._rclone(root, ports[0], bucket)
+            if domain and kind == "seaweedfs":
+                argv.append(f"-s3.domainName={domain}")
             log = root / f"{kind}.log"
             with open(log, "ab") as out:
                 proc = subprocess.Popen(
@@ -76,6 +81,8 @@ class S3Server:
             server = cls(proc, ports[0], kind, bucket, log)
             try:
                 server._wait_ready(timeout=60)
+                if kind == "seaweedfs":
+                    server._create_bucket()  # weed mini's -bucket makes it at the first write only
                 return server
             except RuntimeError as exc:
                 last = exc
@@ -122,6 +129,29 @@ class S3Server:
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"not ready within {timeout:.0f} s: {self.log_tail()}")
+
+    def _create_bucket(self) -> None:
+        from awscrt import auth, http, s3
+        from awscrt import io as crt_io
+
+        loop = crt_io.EventLoopGroup(1)
+        boot = crt_io.ClientBootstrap(loop, crt_io.DefaultHostResolver(loop))
+        client = s3.S3Client(
+            bootstrap=boot,
+            region="us-east-1",
+            credential_provider=auth.AwsCredentialsProvider.new_static(ACCESS_KEY, SECRET_KEY),
+            tls_mode=s3.S3RequestTlsMode.DISABLED,
+        )
+        host = f"127.0.0.1:{self.port}"
+        request = http.HttpRequest(
+            "PUT", f"/{self.bucket}", http.HttpHeaders([("host", host), ("content-length", "0")])
+        )
+        done = client.make_request(type=s3.S3RequestType.DEFAULT, request=request, operation_name="CreateBucket")
+        try:
+            done.finished_future.result(30)
+        except Exception as exc:  # already there is fine; anything else says why
+            if "BucketAlreadyExists" not in repr(exc) and "409" not in repr(exc):
+                raise RuntimeError(f"cannot create bucket {self.bucket}: {exc}") from exc
 
     def log_tail(self, n: int = 2000) -> str:
         try:

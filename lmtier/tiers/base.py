@@ -258,7 +258,12 @@ class TierURL:
 
 
 # Options whose values are secrets (or name where one lies): never shown as written.
-SECRET_OPTIONS = frozenset({"password", "token", "tls_key"})
+SECRET_OPTIONS = frozenset(
+    {"password", "token", "tls_key"}
+    # what no tier takes, but a user may write by mistake (credentials come from the AWS chain)
+    | {"secret", "secret_key", "secret_access_key", "aws_secret_access_key", "session_token", "aws_session_token"}
+    | {"access_key", "access_key_id", "aws_access_key_id", "key", "credentials"}
+)
 _SECRET_VALUE = re.compile(rf"([?&](?:{'|'.join(sorted(SECRET_OPTIONS))})=)[^&#]*", re.IGNORECASE)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -66,7 +67,7 @@ class Settings:
         if self.endpoint:
             parts = urlsplit(self.endpoint)
             if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-                raise ConfigError(f"endpoint is scheme://host[:port] (http or https), got {self.endpoint!r}")
+                raise ConfigError("the endpoint is scheme://host[:port], the scheme http or https")
             host, tls, aws = parts.netloc, parts.scheme == "https", False
         else:
             host, tls, aws = f"s3.{self.region}.amazonaws.com", True, True
@@ -85,6 +86,7 @@ class Reply:
 
     status: int = 0
     error: str = ""
+    code: str = ""  # S3's error code, when the server said one (SlowDown, NoSuchBucket, ...)
     body: Any = None  # a pooled buffer (GET), bytes (listing), or None
     length: int = 0
 
@@ -95,6 +97,10 @@ class Reply:
     @property
     def missing(self) -> bool:
         return self.status == 404
+
+    @property
+    def throttled(self) -> bool:
+        return self.status == 503 or self.code == "SlowDown" or "SLOW_DOWN" in self.error
 
 
 class _Parts:
@@ -136,6 +142,7 @@ class Bucket:
         self._lock = threading.Lock()
         self.name = settings.name
         self.multipart = True  # PUTs past part_size in parts; off for a server whose multipart is not S3's
+        self.page_keys = 1000  # objects per page of a listing (S3's most)
         self.requests = {"get": 0, "put": 0, "head": 0, "delete": 0, "list": 0}
         self._loop = crt_io.EventLoopGroup(settings.threads)
         bootstrap = crt_io.ClientBootstrap(self._loop, crt_io.DefaultHostResolver(self._loop))
@@ -162,7 +169,7 @@ class Bucket:
         return self.root + quote(name, safe="/-_.~")
 
     # -- batches ------------------------------------------------------------------------
-    def get(self, names: Sequence[str], sizes: Sequence[int], limit: int) -> list[Reply]:
+    def get(self, names: Sequence[str], sizes: Sequence[int], limit: int, deadline: float = 0.0) -> list[Reply]:
         """Each object into a pooled buffer of at least its expected size (grown if the
         object is larger, up to ``limit`` bytes: a larger one is cut off, its reply says
         "too large"); a reply that is not ``ok`` has its buffer released already."""
@@ -193,7 +200,7 @@ class Bucket:
             started.append(self._send("get", "GET", names[i], reply, on_body=on_body))
             return started[0]
 
-        self._run(len(names), send, replies)
+        self._run(len(names), send, replies, deadline)
         part = self.settings.part_size
         self.count("get", sum(max(0, -(-r.length // part) - 1) for r in replies if r.ok))  # ranged GETs past the first
         for reply in replies:
@@ -203,7 +210,7 @@ class Bucket:
                 reply.body = None
         return replies
 
-    def put(self, items: Sequence[tuple[str, Sequence[Any], int]]) -> list[Reply]:
+    def put(self, items: Sequence[tuple[str, Sequence[Any], int]], deadline: float = 0.0) -> list[Reply]:
         replies = [Reply() for _ in items]
 
         def send(i: int) -> Any:
@@ -211,7 +218,7 @@ class Bucket:
             body = _Parts(parts)
             return self._send("put", "PUT", name, replies[i], body=body, length=size)
 
-        self._run(len(items), send, replies)
+        self._run(len(items), send, replies, deadline)
         if self.multipart:  # a multipart upload: its parts, its start and its end
             part = self.settings.part_size
             self.count("put", sum(-(-size // part) + 1 for _, _, size in items if size > part))
@@ -221,26 +228,30 @@ class Bucket:
             log.warning("s3 tier %s: the server's multipart uploads are not S3's; sending whole objects", self.name)
             self.multipart = False
             again = [i for i, r in enumerate(replies) if r.error == "AWS_ERROR_S3_MISSING_UPLOAD_ID"]
-            for i, reply in zip(again, self.put([items[i] for i in again]), strict=True):
+            for i, reply in zip(again, self.put([items[i] for i in again], deadline), strict=True):
                 replies[i] = reply
         return replies
 
-    def head(self, names: Sequence[str]) -> list[Reply]:
+    def head(self, names: Sequence[str], deadline: float = 0.0) -> list[Reply]:
         replies = [Reply() for _ in names]
-        self._run(len(names), lambda i: self._send("head", "HEAD", names[i], replies[i]), replies)
+        self._run(len(names), lambda i: self._send("head", "HEAD", names[i], replies[i]), replies, deadline)
         return replies
 
-    def delete(self, names: Sequence[str]) -> list[Reply]:
+    def delete(self, names: Sequence[str], deadline: float = 0.0) -> list[Reply]:
         replies = [Reply() for _ in names]
-        self._run(len(names), lambda i: self._send("delete", "DELETE", names[i], replies[i]), replies)
+        self._run(len(names), lambda i: self._send("delete", "DELETE", names[i], replies[i]), replies, deadline)
         return replies
 
-    def list(self, prefix: str, token: str = "") -> tuple[list[tuple[str, int, float]], str]:
-        """One page of the objects under ``prefix``: (name, size, last modified as a Unix
-        time), and the token of the next page ("" when this was the last)."""
-        query = f"?list-type=2&max-keys=1000&prefix={quote(prefix, safe='')}"
+    def list(self, prefix: str, token: str = "", after: str = "") -> tuple[list[tuple[str, int, float]], str]:
+        """One page of the objects under ``prefix`` (from the first after ``after``, or from
+        the page ``token`` names): (name, size, last modified as a Unix time), and the token
+        of the next page ("" when this was the last). A bucket with nothing under the prefix
+        yet is an empty page; a bucket that does not exist is an error."""
+        query = f"?list-type=2&max-keys={self.page_keys}&prefix={quote(prefix, safe='')}"
         if token:
             query += f"&continuation-token={quote(token, safe='')}"
+        elif after:
+            query += f"&start-after={quote(after, safe='')}"
         reply = Reply(body=bytearray())
 
         def on_body(chunk: bytes, offset: int, **_: Any) -> None:
@@ -251,8 +262,11 @@ class Bucket:
 
         path = self.root.rstrip("/") or "/"
         self._run(1, lambda _: self._send("list", "GET", "", reply, on_body=on_body, path=path + query), [reply])
+        if reply.missing and reply.code != "NoSuchBucket":  # SeaweedFS: nothing under the prefix yet
+            return [], ""
         if not reply.ok:
-            raise TierError(f"s3 tier {self.settings.name}: listing failed ({reply.status or reply.error})")
+            why = reply.code or reply.status or reply.error
+            raise TierError(f"s3 tier {self.settings.name}: listing failed ({why})")
         return _parse_listing(bytes(reply.body))
 
     # -- one request --------------------------------------------------------------------
@@ -272,7 +286,6 @@ class Bucket:
         if body is not None:
             headers.append(("content-length", str(length)))
         request = crt_http.HttpRequest(method, path or self.object_path(name), crt_http.HttpHeaders(headers), body)
-        errors = bytearray()
 
         def on_done(error: Exception | None = None, status_code: int | None = None, error_body: Any = None, **_: Any):
             if reply.error in ("timeout", TOO_LARGE):  # cancelled by us: that is what it says
@@ -280,8 +293,9 @@ class Bucket:
             reply.status = status_code or 0
             if error is not None:
                 reply.error = getattr(error, "name", "") or type(error).__name__
-                if error_body:
-                    errors.extend(bytes(error_body)[:MAX_ERROR_BYTES])
+                if error_body:  # S3's error code (<Code>SlowDown</Code>), never the rest of the body
+                    found = _CODE.search(bytes(error_body[:MAX_ERROR_BYTES]))
+                    reply.code = found.group(1).decode("ascii", "replace") if found else ""
 
         def on_headers(status_code: int = 0, headers: Any = (), **_: Any) -> None:
             for k, v in headers:
@@ -305,10 +319,11 @@ class Bucket:
             multipart_upload_threshold=self.settings.part_size if self.multipart else SINGLE_PUT_LIMIT,
         )
 
-    def _run(self, n: int, send: Any, replies: list[Reply]) -> None:
-        """Send ``n`` requests, then wait for them until the deadline; those still out are
-        cancelled, and their replies say so."""
-        deadline = time.monotonic() + self.settings.timeout
+    def _run(self, n: int, send: Any, replies: list[Reply], deadline: float = 0.0) -> None:
+        """Send ``n`` requests, then wait for them until ``deadline`` (``time.monotonic()``;
+        0: ``timeout`` from now); those still out then are cancelled, their replies say so,
+        and none of their callbacks writes into what the caller keeps."""
+        deadline = deadline or time.monotonic() + self.settings.timeout
         started: list[Any] = []
         for i in range(n):
             try:
@@ -324,24 +339,19 @@ class Bucket:
                 continue
             try:
                 request.finished_future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                request.cancel()
+            except TimeoutError:  # marked first: its callbacks then write nothing more
                 replies[i].error = "timeout"
                 replies[i].status = 0
+                request.cancel()  # not waited for: what it read into is left to the collector
             except Exception:  # the reply says what failed (on_done)
                 pass
-        for i, request in enumerate(started):
-            if request is not None and replies[i].error == "timeout":
-                try:  # a cancelled request finishes soon; its buffer must not be written after
-                    request.finished_future.result(timeout=5)
-                except Exception:
-                    pass
 
     def close(self) -> None:
         self._client = None  # awscrt shuts its client down when the last reference goes
 
 
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+_CODE = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
 
 
 def _parse_listing(body: bytes) -> tuple[list[tuple[str, int, float]], str]:

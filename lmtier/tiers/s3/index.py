@@ -1,18 +1,27 @@
 """What the S3 tier knows the bucket holds under its prefix, and the order it deletes in.
 
-    Held(capacity)                     key -> object size, front = deleted first
+    Held(capacity, max_entries)        key -> object size, front = deleted first
       .add(keys, sizes)                stored: the batch's first key becomes the most recent
       .recent(keys)                    read: the same order (a prompt loses its tail first)
-      .learn(objects, generation)      what a listing found, oldest first, behind what is known
+      .learn(objects, generation, fresh_after)   what a listing found: objects written since
+                                       ``fresh_after`` (another writer's new ones) behind all
+                                       that is known, older ones in front of it, oldest first
       .forget_unlisted(generation)     keys two listings in a row did not show
-      .victims(need, keep) -> keys     what to delete so that ``need`` more bytes fit
+      .victims(need, keep, new) -> keys   what to delete so that ``need`` more bytes (and
+                                       ``new`` more entries) fit
 
 The bound is kept on what this process knows: its own writes, what its reads and checks
 found, and what the listings (at start and every ``relist`` seconds) show other writers
 stored. A key missing from one listing may only be one the listing lags behind; missing
 from two in a row, it is gone (another writer deleted it, or a lifecycle rule). Bounded
 by the capacity: an entry is at least one object, and objects past the capacity are
-deleted as they are learned.
+deleted as they are learned; and ``max_entries`` bounds the count of keys whatever their
+sizes (a listing of tiny objects named like chunks).
+
+Deleting from the front stays safe with several writers: what another writer deleted stays
+in the front part of this one's order (it was this one's own older write, or learnt old),
+so this one deletes those first (a 404, harmless) before anything another writer stored
+since its last listing, which goes to the back.
 """
 
 from __future__ import annotations
@@ -22,8 +31,9 @@ from collections.abc import Iterable, Sequence
 
 
 class Held:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_entries: int = 1 << 62) -> None:
         self.capacity = capacity
+        self.max_entries = max_entries
         self.sizes: OrderedDict[bytes, int] = OrderedDict()
         self.used = 0
         self._listed: dict[bytes, int] = {}  # key -> the last listing generation that showed it
@@ -62,13 +72,16 @@ class Held:
                 gone.append(key)
         return gone
 
-    def learn(self, objects: Sequence[tuple[bytes, int, float]], generation: int) -> None:
-        """A listing's objects (key, size, last modified): those not known go behind all that
-        is, the oldest first; every one is marked as seen by this listing."""
-        fresh = sorted((o for o in objects if o[0] not in self.sizes), key=lambda o: o[2], reverse=True)
-        for key, size, _ in fresh:
+    def learn(self, objects: Sequence[tuple[bytes, int, float]], generation: int, fresh_after: float = 0.0) -> None:
+        """A listing's objects (key, size, last modified): those not known go in front of all
+        that is known (deleted first), the oldest first, but those written since
+        ``fresh_after`` behind it (used last); every one is marked as seen by this listing."""
+        unknown = [o for o in objects if o[0] not in self.sizes]
+        old = sorted((o for o in unknown if o[2] < fresh_after), key=lambda o: o[2], reverse=True)
+        new = sorted((o for o in unknown if o[2] >= fresh_after), key=lambda o: o[2])
+        for (key, size, _), front in [*((o, True) for o in old), *((o, False) for o in new)]:
             self.sizes[key] = size
-            self.sizes.move_to_end(key, last=False)
+            self.sizes.move_to_end(key, last=not front)
             self.used += size
             self._added[key] = generation
         for key, _, _ in objects:
@@ -84,12 +97,13 @@ class Held:
         ]
         return self.remove(stale)
 
-    def victims(self, need: int, keep: Iterable[bytes] = ()) -> list[bytes]:
-        """Keys to delete, front first, so that ``need`` more bytes fit in the capacity;
-        ``keep`` (the batch being stored) is passed over."""
+    def victims(self, need: int, keep: Iterable[bytes] = (), new: int = 0) -> list[bytes]:
+        """Keys to delete, front first, so that ``need`` more bytes and ``new`` more keys fit
+        in the capacity and the count bound; ``keep`` (the batch being stored) is passed over."""
         over = self.used + need - self.capacity
+        extra = len(self.sizes) + new - self.max_entries
         out: list[bytes] = []
-        if over <= 0:
+        if over <= 0 and extra <= 0:
             return out
         keep = set(keep)
         for key, size in self.sizes.items():
@@ -97,6 +111,7 @@ class Held:
                 continue
             out.append(key)
             over -= size
-            if over <= 0:
+            extra -= 1
+            if over <= 0 and extra <= 0:
                 break
         return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -31,15 +32,35 @@ from lmtier.tiers.base import Capabilities, Tier, TierContext, TierURL
 from lmtier.tiers.options import positive_seconds, seconds
 from lmtier.tiers.s3.client import TOO_LARGE, Bucket, Reply, Settings
 from lmtier.tiers.s3.index import Held
+from lmtier.tiers.s3.learn import Learner
 from lmtier.units import format_bytes, parse_size
 
 log = logging.getLogger(__name__)
 
 HEAD_WINDOW = 16  # HEADs in flight at once while finding a leading run: requests ~ the run + 16
 FRAME_SLACK = 4096  # a frame's preamble and header beyond the payload, for a GET's first buffer
-STATUS_THROTTLED = 503
 STATUS_EMPTY = 416
 DEFAULT_MAX_OBJECT = 256 << 20  # the largest object read where the chunk size is not known
+
+
+MIN_ENTRIES = 4096  # the count bound of what the tier knows: at least this many keys,
+MIN_ENTRY_BYTES = 64 << 10  # else one per this many bytes of size (or a quarter chunk, if larger)
+_PREFIX = re.compile(r"[A-Za-z0-9!_.*'()/-]*")  # S3's safe characters for a key name, and '/'
+
+
+def _checked_prefix(prefix: str) -> str:
+    """``prefix`` as objects' names begin (``a/b/``), or a ConfigError: servers rewrite an
+    empty, ``.`` or ``..`` segment or drop what they cannot store, so that what was written
+    would not be listed (and so not bounded) under it."""
+    body = prefix.strip("/")
+    if not body:
+        return ""
+    if not _PREFIX.fullmatch(body) or any(seg in ("", ".", "..") for seg in body.split("/")):
+        raise ConfigError(
+            f"the prefix {body[:64]!r} must be segments of letters, digits and !_.*'()- joined by single '/', "
+            "none of them '.' or '..'"
+        )
+    return body + "/"
 
 
 def _positive_int(text: str) -> int:
@@ -94,8 +115,10 @@ class S3Tier(Tier):
             raise ConfigError(
                 f"part_size is at least 5MiB (S3's smallest multipart part), got {format_bytes(part_size)}"
             )
+        if "@" in endpoint:
+            raise ConfigError("the endpoint holds no credentials: they come from the AWS chain (environment, files)")
         self.name, self.capacity, self.bucket = name, size, bucket
-        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.prefix = _checked_prefix(prefix)
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         self.region = region
         chunk = (context.chunk_bytes if context else None) or (1 << 20)
@@ -109,16 +132,14 @@ class S3Tier(Tier):
         )
         self.endpoint = endpoint
         self.remote = Bucket(settings, self._buffers)
-        self.held = Held(size)
+        self.held = Held(size, max_entries=max(MIN_ENTRIES, size // max(MIN_ENTRY_BYTES, self.expected // 4)))
         self._lock = threading.Lock()
         self._counts = {
             "stored": 0, "corrupt": 0, "errors": 0, "timeouts": 0, "throttled": 0, "evicted": 0,
             "bytes_loaded": 0, "bytes_stored": 0, "listed": 0, "listings": 0,
         }  # fmt: skip
-        self._generation = 0
-        self._closed = threading.Event()
-        self._learner = threading.Thread(target=self._learn_loop, name=f"s3-list-{name}", daemon=True)
-        self._learner.start()
+        self.learner = Learner(self)
+        self.learner.start()
 
     @classmethod
     def from_url(cls, url: TierURL, context: TierContext) -> S3Tier:
@@ -148,13 +169,16 @@ class S3Tier(Tier):
             n = 0
             while n < len(keys) and keys[n] in self.held:
                 n += 1
-        while n < len(keys):
+        known = n
+        deadline = time.monotonic() + self.remote.settings.timeout  # the whole lookup's, not each window's
+        while n < len(keys) and time.monotonic() < deadline:
             window = list(keys[n : n + HEAD_WINDOW])
-            replies = self.remote.head([self._name(k) for k in window])
+            replies = self.remote.head([self._name(k) for k in window], deadline)
             for reply in replies:
                 if not reply.ok and not reply.missing:
                     self._failed(reply)
-            self._raise_if_down(replies)
+            if n == known:  # nothing answered yet: the bucket is down; later, what was found stands
+                self._raise_if_down(replies)
             found = []
             for key, reply in zip(window, replies, strict=True):
                 if not reply.ok or reply.length > self.max_object:
@@ -163,7 +187,7 @@ class S3Tier(Tier):
             if found:
                 with self._lock:
                     fresh = [(k, s) for k, s in found if k not in self.held]
-                    self.held.add([k for k, _ in fresh], [s for _, s in fresh], self._generation)
+                    self.held.add([k for k, _ in fresh], [s for _, s in fresh], self.learner.generation)
             n += len(found)
             if len(found) < len(window):
                 break
@@ -197,7 +221,7 @@ class S3Tier(Tier):
         return out
 
     def put(self, chunks: Sequence[Chunk]) -> None:
-        items, keys = [], []
+        items, keys, total = [], [], 0
         batch = [c.key for c in chunks]
         with self._lock:
             todo = [c for c in chunks if c.key not in self.held]
@@ -209,27 +233,29 @@ class S3Tier(Tier):
                 self._count("corrupt")  # a damaged chunk from an upper tier is not stored
                 continue
             size = sum(memoryview(p).nbytes for p in parts)
-            if size > self.capacity:
-                continue
+            if total + size > self.capacity:  # the prompt's first chunks are worth most: the rest is not stored
+                break
+            total += size
             items.append((self._name(chunk.key), parts, size))
             keys.append(chunk.key)
         if not items:
             return
+        deadline = time.monotonic() + self.remote.settings.timeout  # the whole put's: deletes, then PUTs
         with self._lock:
-            victims = self.held.victims(sum(size for _, _, size in items), keep=batch)
+            victims = self.held.victims(total, keep=batch, new=len(items))
         if victims:
-            self._delete(victims, evicted=True)
-        replies = self.remote.put(items)
+            self._delete(victims, evicted=True, deadline=deadline)
+        replies = self.remote.put(items, deadline)
         landed = [(k, item[2]) for k, item, r in zip(keys, items, replies, strict=True) if r.ok]
         for reply in replies:
             if not reply.ok:
                 self._failed(reply)
         with self._lock:
-            self.held.add([k for k, _ in landed], [s for _, s in landed], self._generation)
+            self.held.add([k for k, _ in landed], [s for _, s in landed], self.learner.generation)
             self.held.recent(batch)  # the batch's first chunk the most recent, whether new or not
             over = self.held.victims(0, keep=batch)  # another writer's objects learned meanwhile
         if over:
-            self._delete(over, evicted=True)
+            self._delete(over, evicted=True, deadline=deadline)
         stored = sum(s for _, s in landed)
         self._count("stored", len(landed))
         self._count("bytes_stored", stored)
@@ -243,11 +269,11 @@ class S3Tier(Tier):
         if keys:
             self._delete(list(keys))
 
-    def _delete(self, keys: list[bytes], evicted: bool = False) -> None:
+    def _delete(self, keys: list[bytes], evicted: bool = False, deadline: float = 0.0) -> None:
         with self._lock:
             self.held.remove(keys)
         self._announce("removed", keys)  # first: a failed delete leaves a router under-counting
-        replies = self.remote.delete([self._name(k) for k in keys])
+        replies = self.remote.delete([self._name(k) for k in keys], deadline)
         if evicted:
             self._count("evicted", len(keys))
         for reply in replies:
@@ -272,54 +298,8 @@ class S3Tier(Tier):
         return out if limit is None else out[:limit]
 
     def close(self) -> None:
-        self._closed.set()
-        self._learner.join(timeout=self.remote.settings.timeout + 1)
+        self.learner.stop(timeout=self.remote.settings.timeout + 1)
         self.remote.close()
-
-    # -- what the bucket holds ----------------------------------------------------------
-    def _learn_loop(self) -> None:
-        """List the prefix at start (within ``list_timeout``), then every ``relist`` seconds."""
-        while not self._closed.is_set():
-            try:
-                self._learn()
-            except TierError as exc:
-                log.warning("s3 tier %s: %s", self.name, exc)
-            except Exception:
-                log.exception("s3 tier %s: listing failed", self.name)
-            if not self.relist or self._closed.wait(self.relist):
-                return
-
-    def _learn(self) -> None:
-        with self._lock:
-            self._generation += 1
-            generation = self._generation
-        deadline = time.monotonic() + (self.list_timeout or float("inf"))
-        token, complete, seen = "", False, 0
-        while not self._closed.is_set() and time.monotonic() < deadline:
-            page, token = self.remote.list(self.prefix, token)
-            named = ((self._key(n), s, m) for n, s, m in page)  # a chunk's name and a chunk's size at most
-            objects = [(k, size, mtime) for k, size, mtime in named if k and size <= self.max_object]
-            seen += len(objects)
-            with self._lock:
-                self.held.learn(objects, generation)  # type: ignore[arg-type]
-                over = self.held.victims(0)
-            if over:
-                self._delete(over, evicted=True)
-            if not token:
-                complete = True
-                break
-        self._count("listings")
-        self._count("listed", seen)
-        if complete:
-            with self._lock:
-                self.held.forget_unlisted(generation)
-        elif not self._closed.is_set():
-            log.warning(
-                "s3 tier %s: listing stopped at its time limit (%.0f s) after %d objects",
-                self.name,
-                self.list_timeout,
-                seen,
-            )
 
     # -- replies ------------------------------------------------------------------------
     def _decode(self, key: bytes, reply: Reply) -> Chunk | None:
@@ -347,10 +327,10 @@ class S3Tier(Tier):
             log.warning("s3 tier %s: cannot delete a damaged object: %s", self.name, exc)
 
     def _failed(self, reply: Reply) -> None:
-        if reply.error == "timeout":
-            self._count("timeouts")
-        elif reply.status == STATUS_THROTTLED:
+        if reply.throttled:
             self._count("throttled")
+        elif reply.error == "timeout":
+            self._count("timeouts")
         else:
             self._count("errors")
 
@@ -358,7 +338,9 @@ class S3Tier(Tier):
         """A batch none of whose requests got an answer: the store is down (or out of time),
         which the store's breaker counts; otherwise failures are misses."""
         if replies and all(r.status == 0 and r.error and r.error != TOO_LARGE for r in replies):
-            raise TierError(f"s3 tier {self.name}: no answer from the bucket ({replies[0].error})")
+            raise TierError(
+                f"s3 tier {self.name}: no answer from the bucket to {len(replies)} requests ({replies[0].error})"
+            )
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
