@@ -42,6 +42,10 @@ def test_a_cache_server_keeps_its_chunks_in_the_bucket_across_a_restart(s3_serve
         server.stop()
     listed = json.loads(cli("stats", "--bucket", bucket, "--json").stdout)
     assert listed["chunks"] == 12 and listed["complete"] and listed["other_objects"] == 0
+    for bad in (bucket.replace("s3://lmtier", "s3://key:hush-hush@lmtier"), bucket.replace("/serve?", "/a//b?"),
+                bucket.replace("endpoint=http://", "endpoint=http://key:hush-hush@")):  # fmt: skip
+        refused = cli("stats", "--bucket", bad)
+        assert refused.returncode != 0 and "hush-hush" not in refused.stdout + refused.stderr
     again = ServerProcess(tmp_path / "two", *tiers)  # memory empty: what it serves comes from the bucket
     try:
         client = open_tier(f"grpc://{again.address}")
@@ -93,3 +97,25 @@ def test_keys_says_which_chunks_of_a_prompt_the_bucket_holds(s3_server, tmp_path
     assert [k["in_bucket"] for k in out["keys"]] == [True, True, False, False, False]
     text = cli(*argv[:-1], "--bucket", url).stdout
     assert text.count("  in the bucket") == 2 and text.count("not in the bucket") == 3
+
+
+def test_stored_evicted_and_deleted_chunks_are_told_as_events(s3_server):
+    """What routers hear of an object store: its stores, what it deleted to stay within its
+    size, and deletes (the labels, STORAGE and REMOTE, come from the vLLM side)."""
+    from lmtier.kv import codec
+    from lmtier.store.tiered import TieredStore
+
+    a, b = make_prompt(4, seed=1), make_prompt(4, seed=2)
+    frame = codec.encoded_size(a.chunks()[0])
+    tier = open_tier(s3_server.url("events", size=str(6 * frame), relist=0))
+    with TieredStore([tier]) as store:
+        events = store.watch()
+        store.put(a.chunks())
+        store.put(b.chunks())  # room for six: two of a's go, tail first
+        assert store.flush()
+        store.delete(b.keys[3:])
+        records = [(r.kind, list(r.keys)) for r in events.drain()]
+    assert records[0] == ("stored", a.keys) and records[-1] == ("removed", b.keys[3:])
+    removed = [k for kind, keys in records[1:-1] if kind == "removed" for k in keys]
+    assert sorted(removed) == sorted(a.keys[2:])  # a's tail, deleted to make room
+    assert ("stored", b.keys) in records

@@ -184,13 +184,19 @@ class TieredStore(ReadPath, WritePath, WriteBack):
         (a prefix may be spread over tiers; on a tie the faster tier is named). Each run
         asks every tier about all the keys left, so a prefix that changes tier at every
         chunk would cost the square of its length: past ``LOOKUP_RUNS`` runs the prefix is
-        taken to end (hits lost, never a wrong one; real prefixes change tier a few times)."""
+        taken to end (hits lost, never a wrong one; real prefixes change tier a few times).
+        The tier of the last run is not asked again: its run ended where it found no more
+        (or where its own deadline fell: an object store's lookup, asked again, would spend
+        it again)."""
         runs: list[tuple[Tier, int]] = []
         found = 0
         while found < len(keys) and len(runs) < LOOKUP_RUNS:
             rest = keys[found:]
+            asked = [t for t in self.tiers if not runs or t is not runs[-1][0]]
+            if not asked:
+                break
             best, tier = max(
-                ((self._call(t, "contains", t.contains, rest, default=0), t) for t in self.tiers), key=lambda c: c[0]
+                ((self._call(t, "contains", t.contains, rest, default=0), t) for t in asked), key=lambda c: c[0]
             )
             if best == 0:
                 break

@@ -17,27 +17,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from lmtier.errors import TierError
-
-if TYPE_CHECKING:
-    from lmtier.tiers.s3.tier import S3Tier
 
 log = logging.getLogger(__name__)
 
 DELETE_BATCH = 1000  # deletes in flight at once when a listing finds the prefix over its size
 RETRY = 30.0  # seconds before a listing that failed is tried again (at most ``relist``)
+# Last-modified times come in whole seconds (SeaweedFS), from the server's clock: an object
+# that much older than the listing before is still taken for another writer's new one.
+FRESH_SLACK = 5.0
 
 
 class Learner:
-    def __init__(self, tier: S3Tier) -> None:
+    def __init__(self, tier: Any) -> None:  # an S3Tier (which imports this module)
         self.tier = tier
         self.after = ""  # where an unfinished listing goes on from ("": a new listing)
         self.began = time.time()  # when the current whole listing began
         self.fresh_after = self.began  # objects written since then are another writer's new ones
         self.generation = 0
         self._closed = threading.Event()
+        self._one = threading.Lock()  # one pass at a time
         self._thread = threading.Thread(target=self._loop, name=f"s3-list-{tier.name}", daemon=True)
 
     def start(self) -> None:
@@ -64,6 +65,10 @@ class Learner:
 
     def step(self) -> bool:
         """One pass of the listing; whether the listing is whole (it reached the end)."""
+        with self._one:
+            return self._step()
+
+    def _step(self) -> bool:
         tier = self.tier
         if not self.after:
             self.generation += 1
@@ -79,14 +84,12 @@ class Learner:
             objects = [(k, size, m) for k, size, m in named if k is not None and size <= tier.max_object]
             seen += len(objects)
             with tier._lock:
-                tier.held.learn(objects, self.generation, self.fresh_after)  # type: ignore[arg-type]
+                tier.held.learn(objects, self.generation, self.fresh_after - FRESH_SLACK)  # type: ignore[arg-type]
                 crowded = tier.held.victims(0) if len(tier.held) > tier.held.max_entries else []
             self._delete(crowded)
             if not token:
                 whole = True
                 break
-        tier._count("listings")
-        tier._count("listed", seen)
         if whole:
             self.after = ""
             self.fresh_after = self.began
@@ -98,6 +101,8 @@ class Learner:
         with tier._lock:
             over = tier.held.victims(0)
         self._delete(over)
+        tier._count("listed", seen)
+        tier._count("listings")  # last: a pass counted is one whose deletes are done
         return whole or self._closed.is_set()
 
     def _delete(self, keys: list[bytes]) -> None:

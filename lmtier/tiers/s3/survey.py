@@ -18,14 +18,19 @@ from lmtier.buffers import BufferPool
 from lmtier.errors import ConfigError
 from lmtier.tiers.base import TierURL
 from lmtier.tiers.s3.client import Bucket, Settings
-from lmtier.tiers.s3.tier import S3Tier
+from lmtier.tiers.s3.tier import DEFAULT_PREFIX, S3Tier, checked_prefix
 
 
 def _open(url: str) -> tuple[Bucket, str, TierURL, dict[str, Any]]:
+    """The bucket a tier URL names, checked as the tier checks it (no credentials in it,
+    a prefix servers keep as written), and its prefix."""
     parsed = TierURL.parse(url)
     if parsed.scheme != "s3":
         raise ConfigError(f"--bucket takes an s3:// tier URL, got {parsed.shown!r}")
     options = parsed.typed_options(S3Tier.OPTIONS)
+    if "@" in parsed.netloc or "@" in options.get("endpoint", ""):
+        raise ConfigError("an s3:// URL and its endpoint hold no credentials: they come from the AWS chain")
+    prefix = checked_prefix(parsed.path.strip("/") or DEFAULT_PREFIX).rstrip("/")
     settings = Settings(
         bucket=parsed.netloc,
         region=options.get("region") or os.environ.get("AWS_REGION") or "us-east-1",
@@ -34,7 +39,7 @@ def _open(url: str) -> tuple[Bucket, str, TierURL, dict[str, Any]]:
         timeout=options.get("timeout", 10.0),
         name="survey",
     )
-    return Bucket(settings, BufferPool(max_free=0)), parsed.path.strip("/") or "lmtier", parsed, options
+    return Bucket(settings, BufferPool(max_free=0)), prefix, parsed, options
 
 
 def held(url: str, keys: list[bytes]) -> list[bool | None]:

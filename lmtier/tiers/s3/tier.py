@@ -43,12 +43,13 @@ STATUS_EMPTY = 416
 DEFAULT_MAX_OBJECT = 256 << 20  # the largest object read where the chunk size is not known
 
 
+DEFAULT_PREFIX = "lmtier"  # where a URL without a path keeps its objects (never the bucket's root)
 MIN_ENTRIES = 4096  # the count bound of what the tier knows: at least this many keys,
 MIN_ENTRY_BYTES = 64 << 10  # else one per this many bytes of size (or a quarter chunk, if larger)
 _PREFIX = re.compile(r"[A-Za-z0-9!_.*'()/-]*")  # S3's safe characters for a key name, and '/'
 
 
-def _checked_prefix(prefix: str) -> str:
+def checked_prefix(prefix: str) -> str:
     """``prefix`` as objects' names begin (``a/b/``), or a ConfigError: servers rewrite an
     empty, ``.`` or ``..`` segment or drop what they cannot store, so that what was written
     would not be listed (and so not bounded) under it."""
@@ -91,7 +92,7 @@ class S3Tier(Tier):
     def __init__(
         self,
         bucket: str,
-        prefix: str = "lmtier",
+        prefix: str = DEFAULT_PREFIX,
         *,
         size: int = 100 << 30,
         endpoint: str = "",
@@ -118,7 +119,7 @@ class S3Tier(Tier):
         if "@" in endpoint:
             raise ConfigError("the endpoint holds no credentials: they come from the AWS chain (environment, files)")
         self.name, self.capacity, self.bucket = name, size, bucket
-        self.prefix = _checked_prefix(prefix)
+        self.prefix = checked_prefix(prefix)
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         self.region = region
         chunk = (context.chunk_bytes if context else None) or (1 << 20)
@@ -146,7 +147,7 @@ class S3Tier(Tier):
         options = url.typed_options(cls.OPTIONS)
         if "@" in url.netloc:
             raise ConfigError("an s3:// URL holds no credentials: they come from the AWS chain (environment, files)")
-        return cls(url.netloc, url.path, context=context, **options)
+        return cls(url.netloc, url.path.strip("/") or DEFAULT_PREFIX, context=context, **options)
 
     def _name(self, key: bytes) -> str:
         return self.prefix + key.hex()
