@@ -143,15 +143,27 @@ class S3Server:
             tls_mode=s3.S3RequestTlsMode.DISABLED,
         )
         host = f"127.0.0.1:{self.port}"
-        request = http.HttpRequest(
-            "PUT", f"/{self.bucket}", http.HttpHeaders([("host", host), ("content-length", "0")])
-        )
-        done = client.make_request(type=s3.S3RequestType.DEFAULT, request=request, operation_name="CreateBucket")
-        try:
-            done.finished_future.result(30)
-        except Exception as exc:  # already there is fine; anything else says why
-            if "BucketAlreadyExists" not in repr(exc) and "409" not in repr(exc):
-                raise RuntimeError(f"cannot create bucket {self.bucket}: {exc}") from exc
+        deadline, status = time.monotonic() + 30, 0
+        while time.monotonic() < deadline:  # the gateway answers before its filer takes writes
+            request = http.HttpRequest(
+                "PUT", f"/{self.bucket}", http.HttpHeaders([("host", host), ("content-length", "0")])
+            )
+            answer: dict = {}
+            done = client.make_request(
+                type=s3.S3RequestType.DEFAULT,
+                request=request,
+                operation_name="CreateBucket",
+                on_done=lambda status_code=0, **_: answer.update(status=status_code),
+            )
+            try:
+                done.finished_future.result(30)
+                return
+            except Exception:
+                status = answer.get("status") or 0
+                if status == 409:  # already there
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"cannot create bucket {self.bucket}: status {status}")
 
     def log_tail(self, n: int = 2000) -> str:
         try:
