@@ -153,7 +153,7 @@ class S3Server:
                 type=s3.S3RequestType.DEFAULT,
                 request=request,
                 operation_name="CreateBucket",
-                on_done=lambda status_code=0, **_: answer.update(status=status_code),
+                on_done=lambda status_code=0, answer=answer, **_: answer.update(status=status_code),
             )
             try:
                 done.finished_future.result(30)
