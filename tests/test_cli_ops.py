@@ -281,7 +281,7 @@ def test_lmtier_bench_is_deprecated_and_forwards_to_the_runner(tmp_path):
     assert proc.returncode == 2
     deprecated, error = proc.stderr.strip().splitlines()
     assert "deprecated" in deprecated and "benchmarks/run.py" in deprecated
-    known = "cpu, disk, redis, grpc, netns, server_load, trace, cluster_ops, vllm_tiers, vllm_pd, vllm"
+    known = "cpu, disk, redis, grpc, s3, netns, server_load, trace, cluster_ops, vllm_tiers, vllm_pd, vllm"
     assert error == f"benchmarks: error: unknown benchmark(s) nosuch; known: {known}"
 
 

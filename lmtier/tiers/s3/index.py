@@ -26,8 +26,11 @@ since its last listing, which goes to the back.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+GONE_KEPT = 1 << 16  # removed keys remembered, against listing pages older than their delete
 
 
 class Held:
@@ -37,6 +40,9 @@ class Held:
         self.sizes: OrderedDict[bytes, int] = OrderedDict()
         self.used = 0
         self._listed: dict[bytes, int] = {}  # key -> the last listing generation that showed it
+        # key -> when it was removed (time.monotonic()): a listing page fetched before that
+        # must not bring it back (bounded: the oldest are dropped past GONE_KEPT)
+        self.gone: OrderedDict[bytes, float] = OrderedDict()
         self._added: dict[bytes, int] = {}  # key -> the generation running when it was added
 
     def __len__(self) -> int:
@@ -50,6 +56,7 @@ class Held:
 
     def add(self, keys: Sequence[bytes], sizes: Sequence[int], generation: int = 0) -> None:
         for key, size in zip(reversed(keys), reversed(sizes), strict=True):
+            self.gone.pop(key, None)
             old = self.sizes.get(key)
             self.used += size - (old or 0)
             self.sizes[key] = size
@@ -64,6 +71,10 @@ class Held:
     def remove(self, keys: Iterable[bytes]) -> list[bytes]:
         gone = []
         for key in keys:
+            self.gone[key] = time.monotonic()
+            self.gone.move_to_end(key)
+            if len(self.gone) > GONE_KEPT:
+                self.gone.popitem(last=False)
             size = self.sizes.pop(key, None)
             if size is not None:
                 self.used -= size
@@ -72,11 +83,19 @@ class Held:
                 gone.append(key)
         return gone
 
-    def learn(self, objects: Sequence[tuple[bytes, int, float]], generation: int, fresh_after: float = 0.0) -> None:
+    def learn(
+        self,
+        objects: Sequence[tuple[bytes, int, float]],
+        generation: int,
+        fresh_after: float = 0.0,
+        fetched: float = 0.0,
+    ) -> None:
         """A listing's objects (key, size, last modified): those not known go in front of all
         that is known (deleted first), the oldest first, but those written since
-        ``fresh_after`` behind it (used last); every one is marked as seen by this listing."""
-        unknown = [o for o in objects if o[0] not in self.sizes]
+        ``fresh_after`` behind it (used last); every one is marked as seen by this listing.
+        A key removed after the page was asked for (``fetched``, ``time.monotonic()``) is
+        not brought back: the page is older than its delete."""
+        unknown = [o for o in objects if o[0] not in self.sizes and self.gone.get(o[0], -1.0) < fetched]
         old = sorted((o for o in unknown if o[2] < fresh_after), key=lambda o: o[2], reverse=True)
         new = sorted((o for o in unknown if o[2] >= fresh_after), key=lambda o: o[2])
         for (key, size, _), front in [*((o, True) for o in old), *((o, False) for o in new)]:

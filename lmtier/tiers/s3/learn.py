@@ -77,6 +77,7 @@ class Learner:
         token, seen, whole, pages = "", 0, False, 0
         while not self._closed.is_set() and (pages == 0 or time.monotonic() < deadline):  # a page at least
             pages += 1
+            fetched = time.monotonic()
             page, token = tier.remote.list(tier.prefix, token, self.after)
             if page:
                 self.after = page[-1][0]
@@ -84,7 +85,7 @@ class Learner:
             objects = [(k, size, m) for k, size, m in named if k is not None and size <= tier.max_object]
             seen += len(objects)
             with tier._lock:
-                tier.held.learn(objects, self.generation, self.fresh_after - FRESH_SLACK)  # type: ignore[arg-type]
+                tier.held.learn(objects, self.generation, self.fresh_after - FRESH_SLACK, fetched)  # type: ignore[arg-type]
                 crowded = tier.held.victims(0) if len(tier.held) > tier.held.max_entries else []
             self._delete(crowded)
             if not token:
