@@ -12,6 +12,8 @@ import pytest
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.redis_server import free_port
 
+from conftest import eventually
+
 
 def metrics(port: int) -> str | None:
     try:
@@ -25,7 +27,8 @@ def test_metrics_are_served_by_default_beside_the_grpc_port(tmp_path):
     try:
         text = metrics(server.port + 2)
         assert text is not None and "lmtier_server_" in text
-        assert "metrics on http://" in server.log() and f":{server.port + 2}/metrics" in server.log()
+        said = f":{server.port + 2}/metrics"  # logged as the port opens: maybe just after it answers
+        assert eventually(lambda: "metrics on http://" in server.log() and said in server.log(), 10)
     finally:
         server.stop()
 
