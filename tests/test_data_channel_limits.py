@@ -206,8 +206,16 @@ OUT_OF_DESCRIPTORS = """
 import resource, socket, sys, time
 sys.path.insert(0, "tests")
 from test_data_channel import start
+from conftest import make_prompt
+from lmtier.kv.chunk import release_all
+from lmtier.tiers.base import open_tier
 resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-srv, _ = start()
+srv, port = start()
+url = f"grpc://127.0.0.1:{port}?shm=off"
+prompt = make_prompt(2, seed=9)
+writer = open_tier(url)
+writer.put(prompt.chunks())
+writer.close()
 held = []
 try:
     while True:
@@ -224,12 +232,20 @@ spent = time.process_time() - spent
 alive = srv.service.data._thread.is_alive()
 for f in held:
     f.close()
-print(f"{spent:.3f} {alive}")
+client.close()
+loaded = []
+for _ in range(3):  # descriptors again: the channel accepts again (0.1 s later), with no other traffic
+    time.sleep(1.0)
+    reader = open_tier(url)
+    release_all(reader.get(prompt.keys))
+    loaded.append(reader.counts["data_loads"])
+    reader.close()
+print(f"{spent:.3f} {alive} {sum(loaded)}")
 srv.stop(0)
 """
 
 
-def test_out_of_descriptors_the_accept_thread_waits_instead_of_spinning():
+def test_out_of_descriptors_the_accept_thread_waits_instead_of_spinning_and_accepts_again():
     import subprocess
     import sys
     from pathlib import Path
@@ -238,6 +254,55 @@ def test_out_of_descriptors_the_accept_thread_waits_instead_of_spinning():
     done = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS], capture_output=True, text=True, timeout=120,
                           cwd=root)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    spent, alive = done.stdout.split()
+    spent, alive, loaded = done.stdout.split()
     assert float(spent) < 0.5 and alive == "True"  # a spinning thread takes a whole core: 2 s
+    assert loaded == "3"  # each later load through the channel, none through gRPC
     assert done.stderr.count("accept failed") <= 2  # said once, not once per try
+
+
+def test_a_silent_connection_is_closed_at_the_handshake_limit_with_nothing_else_arriving(server, monkeypatch):
+    monkeypatch.setattr(server_data, "HANDSHAKE_S", 0.5)
+    silent = socket.create_connection(("127.0.0.1", server.service.data.port), 10)
+    silent.settimeout(8)
+    assert silent.recv(1) == b""  # closed by the server (a timeout here: it outlived its limit)
+    assert eventually(lambda: not server.service.data._pending)
+    silent.close()
+
+
+def test_a_flood_from_the_clients_own_network_pushes_out_no_client_that_speaks(server, monkeypatch):
+    monkeypatch.setattr(server_data, "PENDING_PER_SOURCE", 4)
+    port = server.service.data.port
+    writer = open_tier(server.url)
+    prompt = make_prompt(2, seed=8)
+    writer.put(prompt.chunks())
+    writer.close()
+    stop = threading.Event()
+
+    def flood():  # silent connections from the same /24 as the client, as fast as they open
+        held = []
+        while not stop.is_set():
+            try:
+                held.append(socket.create_connection(("127.0.0.1", port), 2, ("127.0.0.9", 0)))
+            except OSError:
+                pass
+            if len(held) > 64:
+                held.pop(0).close()
+        for sock in held:
+            sock.close()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    loads = 0
+    try:
+        assert eventually(lambda: server.service.data._pending_from.get("127.0.0.0/24", 0) >= 4)
+        for _ in range(25):  # a new client each time: a new connection in the middle of the flood
+            reader = open_tier(server.url)
+            got = reader.get(prompt.keys)
+            assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(2)]
+            release_all(got)
+            loads += reader.counts["data_loads"]
+            reader.close()
+    finally:
+        stop.set()
+        flooder.join(timeout=10)
+    assert loads == 25  # every load through the channel, none pushed out to gRPC

@@ -20,9 +20,12 @@ Who may use it, and how much:
   tenant, as in gRPC's calls.
 - Connections that have not yet presented one are held by one thread (a selector), never a
   thread each: at most ``PENDING`` of them and ``PENDING_PER_SOURCE`` from one network,
-  each for ``HANDSHAKE_S`` at most (a new one closes its network's oldest, or the oldest
-  of the network with the most), so a flood of idle or slow connections takes no worker
-  and, from one network, pushes out no other's; out of descriptors, the listener rests.
+  each for ``HANDSHAKE_S`` at most. Over a limit, the one that has shown least goes (the
+  oldest silent one of the network over it, or of the network with the most), never one
+  that has sent its hello for a silent one; a ticket sent with the connection is read as
+  it is accepted. So a flood of idle or slow connections takes no worker and pushes out
+  no client that speaks, even from its own network (on Kubernetes, a pod on the same
+  node). Out of descriptors, the listener rests for ``ACCEPT_PAUSE_S``.
 - A connection with a ticket gets a thread: at most ``max_data_connections`` in all, a
   tenant at most its call limit, and while fewer than a quarter are free, no more than its
   share of them. One closes after ``IDLE_S`` without a request, or a stalled send or
@@ -161,7 +164,7 @@ class DataChannel:
                         self._accept()
                     elif key.fileobj in self._pending:  # not dropped earlier in this round
                         self._advance(key.fileobj)  # type: ignore[arg-type]
-                    now = time.monotonic()
+                now = time.monotonic()  # every round, events or none: the pause and the handshakes end on it
                 while self._pending and next(iter(self._pending.values()))[0] < now:
                     self._drop(next(iter(self._pending)))
                 if self._listening_at and now >= self._listening_at:
@@ -190,11 +193,6 @@ class DataChannel:
                     self._listening_at = now + ACCEPT_PAUSE_S
                 return
             source = _network(address[0])
-            if self._pending_from.get(source, 0) >= PENDING_PER_SOURCE:  # a flood from one host: its own go
-                self._drop(next(s for s, (_, _, f) in self._pending.items() if f == source))
-            elif len(self._pending) >= PENDING:  # then the host with the most pending loses its oldest
-                most = max(self._pending_from, key=self._pending_from.__getitem__)
-                self._drop(next(s for s, (_, _, f) in self._pending.items() if f == most))
             sock.setblocking(False)
             # an answer's last item must not wait for the client's delayed ACK (Nagle)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -207,6 +205,32 @@ class DataChannel:
             self._pending[sock] = (time.monotonic() + HANDSHAKE_S, bytearray(), source)
             self._pending_from[source] = self._pending_from.get(source, 0) + 1
             self._selector.register(sock, selectors.EVENT_READ)
+            self._advance(sock)  # what came with the connection: a client sends its ticket at once
+            if sock in self._pending:
+                self._make_room(sock, source)
+
+    def _make_room(self, newcomer: socket.socket, source: str) -> None:
+        """Over a limit on pending connections (``source``'s own, else all of them, where
+        the network with the most pending gives way): the one that has shown least goes,
+        the oldest of those. A silent connection never pushes out one that has sent its
+        hello; the newcomer goes itself when every other has sent more than it has."""
+        if self._pending_from[source] > PENDING_PER_SOURCE:
+            group = source
+        elif len(self._pending) > PENDING:
+            group = max(self._pending_from, key=self._pending_from.__getitem__)
+        else:
+            return
+        victim, least = newcomer, _shown(self._pending[newcomer][1])
+        for sock in [s for s, (_, _, f) in self._pending.items() if f == group and s is not newcomer]:
+            self._advance(sock)  # what it sent since: it may be through, or gone
+            if sock not in self._pending:
+                return  # a place freed
+            shown = _shown(self._pending[sock][1])
+            if shown <= least:  # the oldest of the least shown (a tie: the older goes)
+                victim, least = sock, shown
+                if shown == 0:
+                    break  # silent: none shows less
+        self._drop(victim)
 
     def _advance(self, sock: socket.socket) -> None:
         """Read what has arrived of the hello and the ticket, without waiting."""
@@ -224,6 +248,10 @@ class DataChannel:
             self._drop(sock)
             return
         got += data
+        if not got.startswith(HELLO[: len(got)]):  # not this channel's client: no need to wait for more
+            metrics.SERVER_RPCS.labels("Data", "UNAUTHENTICATED").inc()
+            self._drop(sock)
+            return
         if len(got) < len(HELLO) + TICKET_BYTES:
             return
         self._selector.unregister(sock)
@@ -334,6 +362,11 @@ class DataChannel:
         finally:
             batches.close()
         return sent
+
+
+def _shown(got: bytearray) -> int:
+    """How far a pending connection got: 0 silent, 1 part of the hello, 2 the hello and more."""
+    return 0 if not got else 1 if len(got) < len(HELLO) else 2
 
 
 def _refuse(sock: socket.socket, message: str) -> None:
