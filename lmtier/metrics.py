@@ -142,6 +142,19 @@ HANDOFFS = Counter(
     ["result"],
     registry=REGISTRY,
 )
+PEER_CHUNKS = Counter(
+    "lmtier_peer_chunks_total",
+    "Chunks this instance asked other instances' sidecars for, per peer (host:port) and result "
+    "(hit, miss, error: the peer failed or answered too late).",
+    ["peer", "result"],
+    registry=REGISTRY,
+)
+PEER_BYTES = Counter(
+    "lmtier_peer_bytes_total",
+    "Chunk payload bytes loaded from other instances' sidecars, per peer (host:port).",
+    ["peer"],
+    registry=REGISTRY,
+)
 # The cache server's own figures live apart: an engine's exporter would otherwise show a
 # server gauge (lmtier_server_ready 0) that an alert would read as a server down.
 SERVER_REGISTRY = CollectorRegistry(auto_describe=True)
@@ -176,6 +189,11 @@ SERVER_CANCELLED = Counter(
 SERVER_REFUSED = Counter(
     "lmtier_server_refused_total",
     "Calls refused when their headers arrived, before any worker or memory: unauthenticated.",
+    registry=SERVER_REGISTRY,
+)
+SERVER_PEER_CHUNKS = Counter(
+    "lmtier_server_peer_chunks_total",
+    "Chunks the cache server served to other instances (callers with a peer's read-only token).",
     registry=SERVER_REGISTRY,
 )
 SERVER_READY = Gauge(

@@ -35,6 +35,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "tiers": tuple(args.tier) if args.tier else None,
         "tokens": tuple(parse_token(t) for t in args.token) if args.token else None,
         "token_file": args.token_file,
+        "peer_token_file": args.peer_token_file,
+        "peer_index": args.peer_index,
+        "advertise": args.advertise,
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
         "tls_client_ca": args.tls_client_ca,
@@ -75,6 +78,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--token", action="append", help="SECRET[=TENANT]: a bearer token and its tenant (repeatable)")
     p.add_argument("--token-file", action="append", help="a file of SECRET=TENANT lines (repeatable)")
+    p.add_argument(
+        "--peer-token-file",
+        action="append",
+        help="a file of SECRET=TENANT lines: other instances' read-only tokens (repeatable)",
+    )
+    p.add_argument("--peer-index", help="the fleet's Redis, where this server announces what it holds to peers")
+    p.add_argument("--advertise", help="host:port other instances reach this server at (with --peer-index)")
     p.add_argument("--tls-cert", help="server certificate (PEM): turns TLS on")
     p.add_argument("--tls-key", help="the certificate's private key (PEM)")
     p.add_argument("--tls-client-ca", help="CA that signs client certificates: turns mutual TLS on")

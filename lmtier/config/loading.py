@@ -38,7 +38,7 @@ SERVER_ENV_PREFIX = "LMTIER_SERVER_"
 # LMTIER_* variables that are not settings: the config file's path, the grpc tier's token.
 OTHER_ENV = frozenset({"LMTIER_CONFIG", "LMTIER_TOKEN", "LMTIER_EVENTS_SALT"})
 # Server keys a file or the environment may give beyond ServerConfig's fields.
-SERVER_EXTRA_KEYS = frozenset({"token_file"})
+SERVER_EXTRA_KEYS = frozenset({"token_file", "peer_token_file"})
 
 
 def _parsed(parser: Parser, name: str, value: Any, source: str) -> Any:
@@ -181,13 +181,14 @@ def load(
         for side, prefix in (("store", ENV_PREFIX), ("server", SERVER_ENV_PREFIX)):
             for key in layer[side]:
                 origin[side][key] = f"{prefix}{key.upper()} in the environment" if where == "the environment" else where
-    token_files = merged_server.pop("token_file", None)
-    if token_files:
-        files = token_files.split() if isinstance(token_files, str) else list(token_files)
-        tokens = list(merged_server.get("tokens", ()))
-        for f in files:
-            tokens += read_token_file(f)
-        merged_server["tokens"] = tuple(tokens)
+    for files_key, tokens_key in (("token_file", "tokens"), ("peer_token_file", "peer_tokens")):
+        token_files = merged_server.pop(files_key, None)
+        if token_files:
+            files = token_files.split() if isinstance(token_files, str) else list(token_files)
+            tokens = list(merged_server.get(tokens_key, ()))
+            for f in files:
+                tokens += read_token_file(f)
+            merged_server[tokens_key] = tuple(tokens)
     built = {}
     for side, cls, merged in (("store", StoreConfig, merged_store), ("server", ServerConfig, merged_server)):
         try:

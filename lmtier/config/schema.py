@@ -152,6 +152,15 @@ class ServerConfig:
     tiers: tuple[str, ...] = field(default_factory=lambda: default_server_tiers(), metadata={"parser": STRINGS})
     # Bearer tokens: token -> tenant. Empty (and no mutual TLS): one open, shared tenant.
     tokens: tuple[tuple[str, str], ...] = setting((), TOKENS)
+    # Peers: other instances' read-only tokens (SECRET=TENANT): they read the tenant's chunks,
+    # never write or delete, in a lane of calls and data connections of their own.
+    peer_tokens: tuple[tuple[str, str], ...] = setting((), TOKENS)
+    # The fleet's index of who holds what (a Redis URL, "" none): this server announces its
+    # chunks there under ``advertise`` (host:port peers reach its gRPC at; $VARS expanded),
+    # each entry for peer_index_ttl seconds unless announced again.
+    peer_index: str = setting("", STRING)
+    advertise: str = setting("", STRING)
+    peer_index_ttl: float = setting(3600.0, NUMBER)
     # TLS: certificate and key of the server; with client_ca, clients must present a
     # certificate signed by it (mutual TLS), and its common name is the tenant when no
     # tokens are configured.
@@ -226,6 +235,11 @@ class ServerConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiers", tuple(self.tiers))
         object.__setattr__(self, "tokens", tuple(tuple(t) for t in self.tokens))
+        object.__setattr__(self, "peer_tokens", tuple(tuple(t) for t in self.peer_tokens))
+        if self.peer_index and not self.advertise:
+            raise ConfigError("peer_index needs advertise: the host:port other instances reach this server at")
+        if self.peer_index_ttl < 1:
+            raise ConfigError(f"peer_index_ttl must be at least 1 second, got {self.peer_index_ttl}")
         object.__setattr__(self, "operators", tuple(self.operators))
         if self.host.startswith("[") and self.host.endswith("]"):  # "[::]", as in URLs: the address inside
             object.__setattr__(self, "host", self.host[1:-1])

@@ -53,7 +53,8 @@ class CacheServer:
 
     def __init__(self, config: ServerConfig, store: TieredStore | None = None) -> None:
         self.config = config
-        self.auth = Authenticator(config.tokens, mutual_tls=bool(config.tls_client_ca), identity=config.tls_identity)
+        self.auth = Authenticator(config.tokens, mutual_tls=bool(config.tls_client_ca), identity=config.tls_identity,
+                                  peer_tokens=config.peer_tokens)  # fmt: skip
         # Same-host clients may read chunks straight from the memory tier (no copy on the
         # server) only when every caller is one tenant: they could map all of that memory.
         self.zero_copy = bool(config.shm_dir) and self.auth.single_tenant
@@ -135,6 +136,12 @@ class CacheServer:
         self.metrics_port: int | None = None
         self.metrics_host = config.metrics_host or config.host
         self._prober = threading.Thread(target=self._probe_loop, name="lmtier-probe", daemon=True)
+        self.peer_index = None
+        if config.peer_index:
+            from lmtier.server.peers import IndexPublisher
+
+            advertise = os.path.expandvars(config.advertise)
+            self.peer_index = IndexPublisher(self.store, config.peer_index, advertise, config.peer_index_ttl)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> CacheServer:
@@ -169,6 +176,8 @@ class CacheServer:
         if self._http is not None:
             threading.Thread(target=self._http.serve_forever, name="lmtier-metrics", daemon=True).start()
         self._prober.start()
+        if self.peer_index is not None:
+            self.peer_index.start()
         log.info(
             "lmtier cache server on %s:%d (%s, tiers: %s; data channel: %s)",
             self.config.host,
@@ -205,6 +214,8 @@ class CacheServer:
             return
         self.stopping.set()
         self._set_ready(False)
+        if self.peer_index is not None:  # drained first: peers stop choosing it while it finishes
+            self.peer_index.stop(drain=True)
         grace = self.config.grace if grace is None else grace
         self.grpc.stop(grace).wait(grace + 5)
         if self.service.data is not None:

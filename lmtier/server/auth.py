@@ -43,10 +43,12 @@ class Authenticator:
     }
 
     def __init__(self, tokens: tuple[tuple[str, str], ...] = (), mutual_tls: bool = False,
-                 identity: str = "auto") -> None:  # fmt: skip
+                 identity: str = "auto", peer_tokens: tuple[tuple[str, str], ...] = ()) -> None:  # fmt: skip
         if identity not in self.IDENTITIES:
             raise ValueError(f"tls_identity must be one of {', '.join(self.IDENTITIES)}, got {identity!r}")
-        self._tokens = [(token.encode(), tenant) for token, tenant in tokens]
+        self._tokens = [(token.encode(), tenant) for token, tenant in (*tokens, *peer_tokens)]
+        self._peer_tokens = [token.encode() for token, _ in peer_tokens]  # read only: other instances'
+        self.peers = bool(peer_tokens)
         self.mutual_tls = mutual_tls
         self.identity = identity
         self._tags: dict[str, bytes] = {}
@@ -96,6 +98,18 @@ class Authenticator:
                 found = tenant
         return found
 
+    def reads_only(self, metadata) -> bool:
+        """Whether a call with these headers carries a peer's token: it may read its
+        tenant's chunks, never write or delete them, and is admitted in a lane of its own
+        (``peer_lane``), so that peers cannot take the calls of the instance it serves."""
+        if not self._peer_tokens:
+            return False
+        offered = _bearer(metadata)
+        found = False
+        for token in self._peer_tokens:  # check them all: no early exit to time
+            found |= offered is not None and hmac.compare_digest(token, offered)
+        return found
+
     def tenant(self, context: grpc.ServicerContext) -> str:
         if self._tokens:
             offered = _bearer(context.invocation_metadata())
@@ -115,6 +129,20 @@ class Authenticator:
                 )
             return name  # type: ignore[return-value]
         return "default"
+
+
+PEER_LANE = b"peer:"
+WRITES = frozenset({"Put", "Delete"})  # the methods a peer's token may not call
+
+
+def peer_lane(tag: bytes) -> bytes:
+    """The admission lane of a tenant's peers (calls and data connections are counted per
+    lane: a tenant's peers share one, apart from the tenant's own clients)."""
+    return PEER_LANE + tag
+
+
+def is_peer_lane(lane: bytes) -> bool:
+    return lane.startswith(PEER_LANE) and len(lane) == len(PEER_LANE) + TAG_BYTES
 
 
 def certificate_identity(auth: dict, identity: str) -> str | None:

@@ -44,7 +44,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from lmtier import metrics
-from lmtier.server.auth import Authenticator
+from lmtier.server.auth import WRITES, Authenticator, is_peer_lane, peer_lane
 from lmtier.server.watchdog import Watch, Watchdog
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,8 @@ class Calls:
     def _admitted(self, context: grpc.ServicerContext, admit: bool) -> Iterator[bytes]:
         """The caller's tenant tag, for as long as the call runs."""
         tag = self.auth.tag(context)
-        with self.admitted(tag, admit):
+        lane = peer_lane(tag) if self.auth.reads_only(context.invocation_metadata()) else tag
+        with self.admitted(lane, admit):
             yield tag
 
     @contextmanager
@@ -141,12 +142,15 @@ class Calls:
         """A call of tenant ``tag`` counted for as long as it runs, or ``Abort``
         (RESOURCE_EXHAUSTED) where the tenant is at its limit, its rate or its share (the
         data channel's loads are admitted here too: ``lmtier.server.data``)."""
+        # a tenant's peers, together, at most half the workers: the instance beside its
+        # sidecar always finds some (``peer_lane``)
+        limit = min(self.limit, max(1, self.workers // 2)) if is_peer_lane(tag) else self.limit
         with self._lock:
             held = self._calls.get(tag, 0)
-            if not admit and held >= self.limit + RELEASE_EXTRA:
+            if not admit and held >= limit + RELEASE_EXTRA:
                 raise Abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"this tenant has {held} calls in flight, releases included; the limit is {self.limit} "
+                    f"this tenant has {held} calls in flight, releases included; the limit is {limit} "
                     f"(max_calls_per_tenant) and {RELEASE_EXTRA} more for releases",
                 )
             if admit and self.rate and not self._take(tag):
@@ -154,10 +158,10 @@ class Calls:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"this tenant is over its call rate of {self.rate:g} a second (max_call_rate_per_tenant)",
                 )
-            if admit and held >= self.limit:
+            if admit and held >= limit:
                 raise Abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"this tenant has {held} calls in flight; the limit is {self.limit} (max_calls_per_tenant)",
+                    f"this tenant has {held} calls in flight; the limit is {limit} (max_calls_per_tenant)",
                 )
             tenants = len(self._calls) + (tag not in self._calls)
             fair = max(1, self.workers // tenants)
@@ -236,8 +240,13 @@ class Gate(grpc.GenericRpcHandler):
         handler = self.methods.service(handler_call_details)
         if handler is None:
             return None
-        reason = self.auth.refuse(handler_call_details.invocation_metadata)
+        metadata = handler_call_details.invocation_metadata
+        reason = self.auth.refuse(metadata)
         if reason is None:
+            method = handler_call_details.method.rsplit("/", 1)[-1]
+            if method in WRITES and self.auth.reads_only(metadata):
+                metrics.SERVER_REFUSED.inc()
+                return refusal(grpc.StatusCode.PERMISSION_DENIED, f"a peer's token reads only; {method} refused")
             return handler
         metrics.SERVER_REFUSED.inc()
         return refusal(grpc.StatusCode.UNAUTHENTICATED, reason)

@@ -316,6 +316,7 @@ _REGISTRY: dict[str, tuple[str, str | None]] = {
     "grpc": ("lmtier.tiers.grpc:GrpcTier", "grpc"),
     "grpcs": ("lmtier.tiers.grpc:GrpcTier", "grpc"),
     "s3": ("lmtier.tiers.s3:S3Tier", "s3"),
+    "peers": ("lmtier.tiers.peers:PeerTier", "grpc"),
 }
 
 

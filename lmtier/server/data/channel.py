@@ -52,6 +52,7 @@ import grpc
 from lmtier import metrics
 from lmtier.kv import codec
 from lmtier.kv.chunk import release_all
+from lmtier.server.auth import is_peer_lane
 from lmtier.server.calls import Abort
 from lmtier.server.data.limits import Places, Tickets
 from lmtier.server.data.saves import Pace, receive, recv_paced
@@ -98,7 +99,8 @@ class DataChannel:
         self.tickets = Tickets(TICKET_TTL_S, service.calls.limit)
         first = service.store.tiers[0]
         self.landing = first if isinstance(first, CpuTier) else None  # saves land in its slots
-        self.places = Places(config.max_data_connections, service.calls.limit, service.auth.single_tenant)
+        self.places = Places(config.max_data_connections, service.calls.limit,
+                             service.auth.single_tenant and not service.auth.peers)  # fmt: skip
         self._lock = threading.Lock()
         self._pending: OrderedDict[socket.socket, tuple[float, bytearray, str]] = OrderedDict()
         self._pending_from: dict[str, int] = {}  # source network -> connections pending (bounded by PENDING)
@@ -148,8 +150,8 @@ class DataChannel:
         self.listener.close()
         self._selector.close()
 
-    def issue(self, tag: bytes) -> bytes:
-        return self.tickets.issue(tag)
+    def issue(self, tag: bytes, lane: bytes | None = None) -> bytes:
+        return self.tickets.issue(tag, lane)
 
     # -- before the ticket: one thread for all ----------------------------------------------
     def _accept_loop(self) -> None:
@@ -256,19 +258,20 @@ class DataChannel:
             return
         self._selector.unregister(sock)
         self._forget_pending(sock)
-        tag = self.tickets.redeem(bytes(got[len(HELLO) :])) if got[: len(HELLO)] == HELLO else None
-        if tag is None:
+        redeemed = self.tickets.redeem(bytes(got[len(HELLO) :])) if got[: len(HELLO)] == HELLO else None
+        if redeemed is None:
             metrics.SERVER_RPCS.labels("Data", "UNAUTHENTICATED").inc()
             sock.close()
             return
+        tag, lane = redeemed
         sock.setblocking(True)
-        refused = self.places.take(tag)
+        refused = self.places.take(lane)
         if refused:
             metrics.SERVER_RPCS.labels("Data", "RESOURCE_EXHAUSTED").inc()
             sock.settimeout(1.0)
             _refuse(sock, refused)
             return
-        threading.Thread(target=self._serve, args=(sock, tag), name="lmtier-data-conn", daemon=True).start()
+        threading.Thread(target=self._serve, args=(sock, tag, lane), name="lmtier-data-conn", daemon=True).start()
 
     def _forget_pending(self, sock: socket.socket) -> None:
         entry = self._pending.pop(sock, None)
@@ -286,14 +289,17 @@ class DataChannel:
         sock.close()
 
     # -- with the ticket: a thread per connection --------------------------------------------
-    def _serve(self, sock: socket.socket, tag: bytes) -> None:
+    def _serve(self, sock: socket.socket, tag: bytes, lane: bytes) -> None:
+        """Serve one connection's requests: ``tag`` scopes its keys, ``lane`` admits them
+        (a peer's lane reads only)."""
+        peer = is_peer_lane(lane)
         with self._lock:
             self._sockets.add(sock)
         method = "Data"  # the metric's label: DataGet, DataPut once a request says which
         try:
             while not self._stopping.is_set():
                 sock.settimeout(IDLE_S)
-                if not self.places.idle(sock, tag):
+                if not self.places.idle(sock, lane):
                     return  # its place went to another
                 try:
                     op, n, length = REQUEST.unpack(recv_exact(sock, REQUEST.size))
@@ -305,10 +311,12 @@ class DataChannel:
                 pace()
                 method = {PUT: "DataPut", GET: "DataGet"}.get(op, "Data")
                 if op == PUT:
+                    if peer:
+                        raise Abort(grpc.StatusCode.PERMISSION_DENIED, "a peer's token reads only; a save refused")
                     if not 1 <= n <= self.config.max_keys or length:
                         limit = self.config.max_keys
                         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"a save of {n} frames (1 to {limit})")
-                    with self.service.calls.admitted(tag):
+                    with self.service.calls.admitted(lane):
                         stored, _ = receive(self.service, self.landing, sock, tag, n, pace)
                     sock.sendall(ITEM.pack(END, stored))
                     metrics.SERVER_RPCS.labels("DataPut", "OK").inc()
@@ -322,9 +330,11 @@ class DataChannel:
                     keys = decode_keys(recv_paced(sock, length, pace), n)
                 except ValueError as exc:
                     raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}") from exc
-                with self.service.calls.admitted(tag):
+                with self.service.calls.admitted(lane):
                     sent = self._send(sock, tag, keys, pace)
                 sock.sendall(ITEM.pack(END, sent))
+                if peer:
+                    metrics.SERVER_PEER_CHUNKS.inc(sent)
                 metrics.SERVER_RPCS.labels("DataGet", "OK").inc()
         except Abort as exc:
             metrics.SERVER_RPCS.labels(method, exc.code.name).inc()
@@ -338,7 +348,7 @@ class DataChannel:
             with self._lock:
                 self._sockets.discard(sock)
             sock.close()
-            self.places.give(sock, tag)
+            self.places.give(sock, lane)
 
     def _send(self, sock: socket.socket, tag: bytes, keys: list[bytes], pace: Pace) -> int:
         """The leading run held of ``keys``, frame after frame, as the chunks lie in the

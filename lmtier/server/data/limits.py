@@ -1,7 +1,7 @@
 """The bulk data channel's limits (``lmtier.server.data``): tickets, and the connections
 that hold a thread.
 
-    Tickets(ttl, per_tenant)          issue(tag) -> ticket; redeem(ticket) -> tag | None
+    Tickets(ttl, per_tenant)          issue(tag, lane) -> ticket; redeem(ticket) -> (tag, lane) | None
     Places(capacity, calls_per_tenant, single_tenant)
         take(tag) -> "" or why not    a connection's place; give(sock, tag) when it ends
         idle(sock, tag) / busy(sock)  around a connection's wait for its next request
@@ -35,15 +35,18 @@ class Tickets:
 
     def __init__(self, ttl: float, per_tenant: int, limit: int = TICKETS) -> None:
         self.ttl, self.per_tenant, self.limit = ttl, per_tenant, limit
-        self._open: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()  # ticket -> (tag, expiry)
+        self._open: OrderedDict[bytes, tuple[bytes, float, bytes]] = OrderedDict()  # ticket -> (tag, expiry, lane)
         self._lock = threading.Lock()
 
-    def issue(self, tag: bytes) -> bytes:
+    def issue(self, tag: bytes, lane: bytes | None = None) -> bytes:
+        """A ticket for a connection of tenant ``tag``, admitted in ``lane`` (the tenant's
+        own, or its peers': ``lmtier.server.auth.peer_lane``, which reads only)."""
+        lane = tag if lane is None else lane
         now = time.monotonic()
         with self._lock:
             while self._open and next(iter(self._open.values()))[1] < now:
                 self._open.popitem(last=False)
-            if sum(1 for t, _ in self._open.values() if t == tag) >= self.per_tenant:
+            if sum(1 for _, _, held in self._open.values() if held == lane) >= self.per_tenant:
                 raise Abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"this tenant holds {self.per_tenant} unused data channel tickets; use or let them expire",
@@ -51,16 +54,16 @@ class Tickets:
             if len(self._open) >= self.limit:
                 self._open.popitem(last=False)
             ticket = secrets.token_bytes(TICKET_BYTES)
-            self._open[ticket] = (tag, now + self.ttl)
+            self._open[ticket] = (tag, now + self.ttl, lane)
             return ticket
 
-    def redeem(self, ticket: bytes) -> bytes | None:
-        """The tenant tag of a good ticket, once; None for any other bytes."""
+    def redeem(self, ticket: bytes) -> tuple[bytes, bytes] | None:
+        """The tenant tag and lane of a good ticket, once; None for any other bytes."""
         with self._lock:
             entry = self._open.pop(ticket, None)
         if entry is None or entry[1] < time.monotonic():
             return None
-        return entry[0]
+        return entry[0], entry[2]
 
 
 class Places:

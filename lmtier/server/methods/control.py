@@ -17,6 +17,7 @@ import time
 
 import grpc
 
+from lmtier.server.auth import peer_lane
 from lmtier.server.calls import Abort
 from lmtier.server.match import match
 from lmtier.server.methods.checks import RequestChecks
@@ -39,7 +40,8 @@ class ControlMethods(RequestChecks):
     ) -> cache_pb2.OpenDataResponse:
         if self.data is None:
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, "this server runs no data channel")
-        return cache_pb2.OpenDataResponse(ticket=self.data.issue(tag), port=self.data.port, tls=self.data.tls)
+        lane = peer_lane(tag) if self.auth.reads_only(context.invocation_metadata()) else tag
+        return cache_pb2.OpenDataResponse(ticket=self.data.issue(tag, lane), port=self.data.port, tls=self.data.tls)
 
     def Delete(
         self, request: cache_pb2.DeleteRequest, context: grpc.ServicerContext, tag: bytes

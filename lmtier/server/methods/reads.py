@@ -91,6 +91,8 @@ class ReadMethods(RequestChecks):
         finally:
             batches.close()
             self.leases.finish(lease)
+            if index and self.auth.reads_only(context.invocation_metadata()):
+                metrics.SERVER_PEER_CHUNKS.inc(index)
 
     def _serve(self, key: bytes, chunk: Chunk, region: Region | None, lease: int) -> tuple[list | None, list[bytes]]:
         """One chunk under the caller's key: ``(piece, [])`` when it went through shared

@@ -1,0 +1,276 @@
+"""``PeerTier`` (``peers://``): chunks other instances' sidecars hold, read through the
+same client as a cache server (``GrpcTier``: gRPC, shared memory on one host, the bulk data
+channel across hosts), with a peer's read-only token. It never writes: a prefix loaded
+from a peer lands in this instance's own tiers above it, as any lower tier's hit does.
+
+    peers://?members=10.0.0.5:50051,10.0.0.6:50051     a static list
+    peers://?dns=lmtier-sidecars.ns.svc:50051          a headless Service's pods
+        &index=redis://redis:6379                      the fleet's index (who holds what)
+        &advertise=${POD_IP}:50051                     this instance's own sidecar: never asked
+        &tenant=fleet&token_env=LMTIER_PEER_TOKEN      whose chunks, and the peers' read-only token
+
+Which peer holds a chunk:
+
+- directed: a router named it for the request (``remote_kv_source`` in vLLM's
+  ``kv_transfer_params``); the engine passes it on (``direct``), remembered per key
+  (``HINTS`` at most);
+- found: the fleet's index (``index``): one MGET per lookup, then one ``Lookup`` to the
+  holder. No broadcast: a key with no holder named is a miss.
+
+Either way only a member is asked (``members``/``dns``; with neither, any address the
+index names), never the instance itself, a drained one, or one that failed within
+``cooldown`` seconds. One deadline (``timeout``) bounds each lookup and each read: a peer
+that stalls or is gone costs a miss. A peer's chunks are verified as every load's: a
+wrong byte or a foreign layout is a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from lmtier import metrics
+from lmtier.errors import ConfigError
+from lmtier.kv.chunk import Chunk, release_all
+from lmtier.server.auth import tenant_tag
+from lmtier.tiers.base import Tier, TierContext, TierURL
+from lmtier.tiers.options import TLS_OPTIONS, positive_seconds
+from lmtier.tiers.peers.index import DEFAULT_PREFIX, IndexReader
+from lmtier.tiers.peers.members import Members, joined, split_address
+
+log = logging.getLogger(__name__)
+
+HINTS = 65536  # keys a router directed to a peer, remembered at most
+PASSED_ON = ("token", "token_env", "tls", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "shm", "data")
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+class PeerTier(Tier):
+    scheme = "peers"
+    OPTIONS = {
+        "members": _addresses,
+        "dns": str,
+        "index": str,
+        "prefix": str,
+        "tenant": str,
+        "advertise": str,
+        "timeout": positive_seconds,
+        "cooldown": positive_seconds,
+        "refresh": positive_seconds,
+        "max_peers": int,
+        "token": str,
+        "token_env": str,
+        **TLS_OPTIONS,
+        "tls_server_name": str,
+        "shm": str,
+        "data": str,
+        "name": str,
+    }
+
+    def __init__(
+        self,
+        *,
+        members: tuple[str, ...] = (),
+        dns: str = "",
+        index: str = "",
+        prefix: str = DEFAULT_PREFIX,
+        tenant: str = "default",
+        advertise: str = "",
+        timeout: float = 2.0,
+        cooldown: float = 5.0,
+        refresh: float = 5.0,
+        max_peers: int = 64,
+        name: str = "peers",
+        context: TierContext | None = None,
+        **client: Any,
+    ) -> None:
+        if not (members or dns or index):
+            raise ConfigError("a peers tier needs members=, dns= or index= (who the peers are, or where to look)")
+        if max_peers < 1:
+            raise ConfigError("max_peers must be at least 1")
+        client.setdefault("token_env", "LMTIER_PEER_TOKEN")
+        self.name, self.timeout, self.peer_cooldown, self.max_peers = name, timeout, cooldown, max_peers
+        self.members = Members(members, dns, refresh, os.path.expandvars(advertise))
+        self.index = IndexReader(index, prefix, tenant_tag(tenant), timeout, refresh) if index else None
+        self._context = context or TierContext()
+        self._client_options = {k: v for k, v in client.items() if k in PASSED_ON}
+        self._clients: OrderedDict[str, Tier] = OrderedDict()  # peer -> its client, most recent last
+        self._hints: OrderedDict[bytes, str] = OrderedDict()  # key -> peer a router named
+        self._failed: dict[str, float] = {}  # peer -> when it may be asked again (bounded by max_peers)
+        self._lock = threading.Lock()
+        self.counts = {"hits": 0, "misses": 0, "errors": 0, "refused": 0, "corrupt": 0}
+
+    @classmethod
+    def from_url(cls, url: TierURL, context: TierContext) -> PeerTier:
+        if url.netloc or url.path not in ("", "/"):
+            raise ConfigError(f"a peers tier takes options only: peers://?members=host:port,..., got {url.shown!r}")
+        options = url.typed_options(cls.OPTIONS)
+        for address in options.get("members", ()):
+            split_address(address)
+        return cls(context=context, **options)
+
+    # -- which peer -----------------------------------------------------------------------
+    def direct(self, keys: Sequence[bytes], peer: str) -> bool:
+        """A router named ``peer`` as the holder of ``keys`` (for this request): remembered,
+        if it is a member; False (and ignored) otherwise."""
+        if not self.members.admits(peer):
+            with self._lock:
+                self.counts["refused"] += 1
+            log.warning("peers: a request named %r as the holder of its prefix; not a member: ignored", peer[:200])
+            return False
+        with self._lock:
+            for key in keys:
+                self._hints[key] = peer
+                self._hints.move_to_end(key)
+            while len(self._hints) > HINTS:
+                self._hints.popitem(last=False)
+        return True
+
+    def _holders(self, keys: Sequence[bytes]) -> list[str | None]:
+        with self._lock:
+            found: list[str | None] = [self._hints.get(k) for k in keys]
+        lacking = [i for i, peer in enumerate(found) if peer is None]
+        if lacking and self.index is not None:
+            try:
+                named = self.index.holders([keys[i] for i in lacking])
+            except Exception as exc:
+                log.debug("peers: the index did not answer: %s", exc)
+                named = [None] * len(lacking)
+            drained = self.index.drained()
+            for i, peer in zip(lacking, named, strict=True):
+                if peer is not None and peer not in drained and self.members.admits(peer):
+                    found[i] = peer
+        now = time.monotonic()
+        return [p if p is not None and self._failed.get(p, 0.0) <= now else None for p in found]
+
+    def _runs(self, keys: Sequence[bytes]) -> list[tuple[str, int, int]]:
+        """The leading keys with a holder, as (peer, start, end) runs in prompt order."""
+        runs: list[tuple[str, int, int]] = []
+        for i, peer in enumerate(self._holders(keys)):
+            if peer is None:
+                break
+            if runs and runs[-1][0] == peer:
+                runs[-1] = (peer, runs[-1][1], i + 1)
+            else:
+                runs.append((peer, i, i + 1))
+        return runs
+
+    def _client(self, peer: str) -> Tier:
+        from lmtier.tiers.grpc import GrpcTier
+
+        with self._lock:
+            client = self._clients.get(peer)
+            if client is not None:
+                self._clients.move_to_end(peer)
+                return client
+        host, port = split_address(peer)
+        options = dict(self._client_options)
+        for flag in ("tls", "data"):
+            if isinstance(options.get(flag), str):
+                options[flag] = options[flag].lower() in ("1", "true", "yes", "on")
+        client = GrpcTier(joined(host, port), timeout=self.timeout, retries=0, name=f"peer:{peer}",
+                          context=self._context, **options)  # fmt: skip
+        with self._lock:
+            self._clients[peer] = client
+            evicted = []
+            while len(self._clients) > self.max_peers:
+                evicted.append(self._clients.popitem(last=False))
+        for gone, old in evicted:
+            old.close()
+            self._forget_labels(gone)
+        return client
+
+    def _failing(self, peer: str, exc: BaseException) -> None:
+        log.info("peers: %s failed (%s); not asked for %.0f s", peer, exc, self.peer_cooldown)
+        with self._lock:
+            self.counts["errors"] += 1
+            self._failed[peer] = time.monotonic() + self.peer_cooldown
+            if len(self._failed) > self.max_peers:
+                now = time.monotonic()
+                self._failed = {p: t for p, t in self._failed.items() if t > now}
+
+    # -- the primitives ---------------------------------------------------------------------
+    def contains(self, keys: Sequence[bytes]) -> int:
+        found = 0
+        for peer, start, end in self._runs(keys):
+            try:
+                n = self._client(peer).contains(keys[start:end])
+            except Exception as exc:
+                self._failing(peer, exc)
+                break
+            found += n
+            if n < end - start:
+                break
+        return found
+
+    def get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
+        out: list[Chunk | None] = [None] * len(keys)
+        for peer, start, end in self._runs(keys):
+            try:
+                got = self._client(peer).get(keys[start:end])
+            except Exception as exc:
+                self._failing(peer, exc)
+                metrics.PEER_CHUNKS.labels(peer, "error").inc(end - start)
+                break
+            hits = 0
+            for i, chunk in enumerate(got):
+                if chunk is None or chunk.key != keys[start + i]:
+                    release_all(got[i:])
+                    break
+                out[start + i] = chunk
+                hits += 1
+            metrics.PEER_CHUNKS.labels(peer, "hit").inc(hits)
+            metrics.PEER_CHUNKS.labels(peer, "miss").inc(end - start - hits)
+            metrics.PEER_BYTES.labels(peer).inc(sum(c.nbytes for c in out[start : start + hits]))  # type: ignore[union-attr]
+            with self._lock:
+                self.counts["hits"] += hits
+                self.counts["misses"] += end - start - hits
+            if hits < end - start:
+                break
+        return out
+
+    def put(self, chunks: Sequence[Chunk]) -> None:
+        """Never: a peer's sidecar is written by its own engine only."""
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Never: a peer's chunks are its own (one that fails its check is a miss here, and
+        its holder drops it when it reads it itself)."""
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            peers = list(self._clients)
+            counts = dict(self.counts)
+        with self._lock:
+            corrupt = sum(c.counts.get("corrupt", 0) for c in self._clients.values())  # type: ignore[attr-defined]
+        return {"capacity_bytes": 0, "used_bytes": 0, "chunks": 0, **counts, "corrupt": corrupt,
+                "members": self.members.addresses(), "connected": peers}  # fmt: skip
+
+    def close(self) -> None:
+        self.members.close()
+        with self._lock:
+            clients = list(self._clients.items())
+            self._clients.clear()
+        for _, client in clients:
+            client.close()
+        if self.index is not None:
+            self.index.close()
+
+    @staticmethod
+    def _forget_labels(peer: str) -> None:
+        for result in ("hit", "miss", "error"):
+            try:
+                metrics.PEER_CHUNKS.remove(peer, result)
+            except KeyError:
+                pass
+        try:
+            metrics.PEER_BYTES.remove(peer)
+        except KeyError:
+            pass
