@@ -295,10 +295,10 @@ def test_a_refused_ticket_sends_one_load_through_grpc_and_the_next_through_the_c
     real = server.service.data.issue
     refusals = iter([Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")])
 
-    def issue(tag):
+    def issue(tag, lane=None):
         for refusal in refusals:
             raise refusal
-        return real(tag)
+        return real(tag, lane)
 
     try:
         monkeypatch.setattr(server.service.data, "issue", issue)

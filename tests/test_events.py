@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-
 from lmtier import metrics
 from lmtier.config import ServerConfig
 from lmtier.kv.chunk import release_all
@@ -145,6 +143,34 @@ def test_the_event_book_turns_records_into_vllm_events_and_forgets_them_at_a_res
     assert book.take() == []
 
 
+def test_the_event_book_speaks_in_the_engines_blocks_so_that_a_router_counting_them_credits_chunks():
+    """vllm-router's kv_aware policy counts in the engine's block size and ignores events of
+    any other: a chunk of four 2-token blocks is announced as four blocks, chained, each
+    hash the chunk's key and the block's place in it."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from lmtier.connectors.vllm.events import EventBook, LMTierKVEvents
+
+    book = EventBook(["cpu://?size=1GiB"], chunk_tokens=8, tp_size=1, block_size=2)
+    keys, tokens = [b"k0" * 8, b"k1" * 8], list(range(16))
+    book.remember(keys, tokens)
+    book.absorb(LMTierKVEvents([(0, "stored", 0, keys[:1])]))
+    (first,) = book.take()
+    book.absorb(LMTierKVEvents([(0, "stored", 0, keys[1:])]))
+    (second,) = book.take()
+    assert isinstance(first, BlockStored) and first.block_size == 2
+    assert first.block_hashes == [keys[0] + bytes([0, j]) for j in range(4)] and first.token_ids == tokens[:8]
+    assert first.parent_block_hash is None and first.ownership is None  # this instance's own memory
+    assert second.block_hashes == [keys[1] + bytes([0, j]) for j in range(4)] and second.token_ids == tokens[8:]
+    assert second.parent_block_hash == keys[0] + bytes([0, 3])  # the first chunk's last block
+    book.absorb(LMTierKVEvents([(0, "removed", 0, keys[1:])]))
+    (removed,) = book.take()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == second.block_hashes
+    # a chunk that is no whole number of blocks, or events asked in chunks: one block a chunk
+    assert EventBook(["cpu://"], chunk_tokens=8, tp_size=1, block_size=3).per == 1
+    assert EventBook(["cpu://"], chunk_tokens=8, tp_size=1, block_size=0).per == 1
+
+
 def test_ownership_names_what_is_shared_however_the_url_is_written(monkeypatch):
     """A router counts a shared chunk once per ownership: the same key space written three
     ways is one owner; another tenant, database or key prefix is another; no secret shows."""
@@ -177,6 +203,5 @@ def test_ownership_names_what_is_shared_however_the_url_is_written(monkeypatch):
     assert s3 == ("STORAGE", "REMOTE", "lmtier:s3://minio:9000/kv/fleet-a")
     assert tier_labels("s3://kv/fleet-a?size=2TiB&endpoint=http://minio:9000")[2] == s3[2]  # same bucket prefix
     assert tier_labels("s3://kv/fleet-b?endpoint=http://minio:9000")[2] != s3[2]  # another deployment
-    # a memory tier is this process's own: another instance's memory is another owner
-    medium, locality, memory = tier_labels("cpu://?size=1GiB")
-    assert (medium, locality) == ("CPU", "LOCAL") and memory.endswith(f"/pid={os.getpid()}")
+    # a memory tier is this instance's own host memory: no owner but the instance
+    assert tier_labels("cpu://?size=1GiB") == ("CPU", "LOCAL", "")

@@ -170,6 +170,12 @@ def test_a_router_may_direct_a_load_only_to_a_member(index):
         assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(3)]
         release_all(got)
         tier.close()
+        # with the index alone (no membership), a request may name no peer at all: its
+        # parameters are its sender's, and the peer token must not go where they say
+        open_index = open_tier(peers(f"index={index}"))
+        assert not open_index.direct(prompt.keys, holder.address)
+        assert open_index.contains(prompt.keys) == 0 and open_index.counts["refused"] == 1
+        open_index.close()
     finally:
         holder.stop(0)
 

@@ -170,11 +170,11 @@ class LMTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
         # KV events for routers (vLLM's KVEventsConfig): lmtier's tiers in vLLM's stream
         events = getattr(vllm_config, "kv_events_config", None)
         self._with_events = bool(events is not None and events.enable_kv_cache_events)
-        self._book = (
-            EventBook(self.config.tiers, self.chunk_tokens, self.tp_size, group_specs(kv_cache_config))
-            if self._with_events
-            else None
-        )
+        self._book: EventBook | None = None
+        if self._with_events:
+            blocks = self.block_size if self.config.event_blocks == "engine" else 0
+            specs = group_specs(kv_cache_config)
+            self._book = EventBook(self.config.tiers, self.chunk_tokens, self.tp_size, specs, block_size=blocks)
         self._worker_events: WorkerEvents | None = None
         # scheduler side
         self._requests: dict[str, _Request] = {}

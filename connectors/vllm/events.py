@@ -24,7 +24,9 @@ What each event says:
   instance reaches. ``ownership`` (``tier_labels``)
   names who holds the chunks: a shared tier alike from every instance however its URL is
   written (never a secret), so a router counts a shared chunk once rather than as each
-  pod's; a disk by host and directory; the memory tier by host and process.
+  pod's; a disk by host and directory. The memory tier has none: it is the instance's own
+  host memory (vllm-router credits a chunk with an owner at its "external" rate, one in
+  host memory at its "host" rate).
 - With tensor parallelism a chunk is stored once every rank has stored its slice, and
   removed as soon as one rank has lost its own.
 - After vLLM resets its cache with the connector (a weight update), the instance has moved
@@ -99,8 +101,10 @@ def tier_labels(url: str) -> tuple[str, str, str]:
         return MEDIUM_STORAGE, "REMOTE", f"lmtier:s3://{where}/{parsed.netloc}/{prefix}"
     if scheme == "file":  # shared by the instances on this host that name the same directory
         return MEDIUM_STORAGE, "LOCAL", f"lmtier:file://{socket.gethostname()}{os.path.abspath(parsed.path)}"
-    # a memory tier is this process's alone: no other instance's chunks are these
-    return MEDIUM_CPU, "LOCAL", f"lmtier:{scheme}://{socket.gethostname()}/pid={os.getpid()}"
+    # a memory tier is this process's alone: no owner but the instance, whose event stream
+    # this is (routers credit a chunk with an owner as a shared pool's, vllm-router at its
+    # "external" rate rather than as host memory)
+    return MEDIUM_CPU, "LOCAL", ""
 
 
 def _endpoints(netloc: str, default_port: int) -> str:
@@ -207,8 +211,11 @@ class EventBook:
         chunk_tokens: int,
         tp_size: int,
         specs: Sequence[tuple[str | None, int | None]] = (),
+        block_size: int = 0,
     ) -> None:
         self.labels = [tier_labels(u) for u in tier_urls]
+        # blocks per chunk in the events (block_size: the engine's, which a chunk is a multiple of)
+        self.per = chunk_tokens // block_size if block_size and chunk_tokens % block_size == 0 else 1
         self.specs = list(specs)  # per KV cache group: (kind, sliding window)
         self.chunk_tokens = chunk_tokens
         self.tp_size = tp_size
@@ -265,10 +272,10 @@ class EventBook:
             kind, window = self.specs[group] if group < len(self.specs) else (None, None)
             events.append(
                 BlockStored(
-                    block_hashes=list(run),
-                    parent_block_hash=parent,
+                    block_hashes=self._blocks(run),
+                    parent_block_hash=self._blocks([parent])[-1] if parent is not None else None,
                     token_ids=np.frombuffer(b"".join(self._tokens[k][1] for k in run), dtype=np.int32).tolist(),
-                    block_size=self.chunk_tokens,
+                    block_size=self.chunk_tokens // self.per,
                     lora_id=None,
                     medium=medium,
                     lora_name=None,
@@ -276,7 +283,7 @@ class EventBook:
                     kv_cache_spec_kind=kind,
                     kv_cache_spec_sliding_window=window,
                     locality=locality,
-                    ownership=ownership,
+                    ownership=ownership or None,
                 )
             )
         unknown = sum(1 for _, k in ready if k not in self._tokens)
@@ -290,10 +297,21 @@ class EventBook:
             medium, locality, ownership = self.labels[tier]
             events.append(
                 BlockRemoved(
-                    block_hashes=list(keys), medium=medium, group_idx=group, locality=locality, ownership=ownership
+                    block_hashes=self._blocks(keys),
+                    medium=medium,
+                    group_idx=group,
+                    locality=locality,
+                    ownership=ownership or None,
                 )
             )
         return events
+
+    def _blocks(self, keys) -> list[bytes]:
+        """The hashes of the blocks of chunks ``keys``: the chunk keys themselves (one block
+        a chunk), or each key followed by its block's index in two bytes."""
+        if self.per == 1:
+            return list(keys)
+        return [key + j.to_bytes(2, "big") for key in keys for j in range(self.per)]
 
 
 def _runs(ready: list[tuple[int, bytes]], book: OrderedDict) -> list[tuple[int, list[bytes]]]:

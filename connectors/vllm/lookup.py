@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmtier import metrics
-from lmtier.connectors.vllm.pd import HANDOFF_KEYS, LOCAL_SCHEMES, RECHECK_S, Handoff, forwarded
+from lmtier.connectors.vllm.pd import HANDOFF_KEYS, LOCAL_SCHEMES, RECHECK_S, Handoff, forwarded, remote_source
 from lmtier.connectors.vllm.stats import hit_sources
 from lmtier.kv.keys import chunk_keys
 
@@ -65,6 +65,8 @@ class _Request:
     wait_until: float = 0.0  # ... until then (monotonic)
     next_look: float = 0.0  # ... looked up again from then
     namespaces: list = field(default_factory=list)  # [lane][rank]: the instance's, or salted (cache_salt)
+    source: str = ""  # a peer a router named as the holder of its prefix (remote_kv_source): host:port
+    forwarded: bool = False  # its router forwards this instance's parameters to a decode instance
 
 
 _SWITCHES = ("load", "save")
@@ -168,8 +170,10 @@ class Lookups:
             ]
         state.load = state.load and self.kv_role.loads
         state.save = state.save and self.kv_role.saves
-        state.hold = self.kv_role.producer and state.save and not forwarded(params)
+        state.forwarded = forwarded(params)
+        state.hold = self.kv_role.producer and state.save and not state.forwarded
         if state.load:
+            state.source = remote_source(params)
             state.handoff = self._handoff_of(state, Handoff.of(params))
             if state.handoff is not None:
                 state.wait_until = state.handoff.wait_until(self.config.handoff_timeout)
@@ -256,6 +260,8 @@ class Lookups:
             return 0  # a hybrid model's blocks come from the cache manager, which vLLM binds
         full = [i for i, lane in enumerate(self.lanes) if not lane.window] or [0]
         keys = [self._keys_for(state, prompt_len, i) for i in range(len(self.lanes))]
+        if state.source and not all(self.store.direct(k, state.source) for lane in keys for k in lane):
+            state.source = ""  # not a member: ignored (said once, by the peers tier)
         state.sources = [(t.scheme, n) for t, n in self.store.lookup_tiers(keys[full[0]][0])]
         runs = [sum(n for _, n in state.sources)]
         runs += [self.store.lookup(k) for i in full for k in keys[i][(1 if i == full[0] else 0) :]]

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,41 @@ def handoff_params(namespace: bytes, key: bytes, tokens: int, chunk_tokens: int,
             "deadline": round(time.time() + timeout, 3),
         }
     }
+
+
+def source_params(address: str, request_id: str) -> dict[str, Any]:
+    """vLLM's ``remote_kv_source``: where the decode instance (or any instance a router
+    sends the prompt to) may pull the chunks from, this instance's own sidecar (the
+    ``advertise`` address of its ``peers://`` tier). An instance without one stores them in
+    a shared tier, and the consumer finds them by the prompt alone."""
+    host, _, port = address.rpartition(":")
+    return {
+        "remote_kv_source": {"remote_host": host.strip("[]"), "remote_port": int(port), "kv_request_id": request_id}
+    }
+
+
+_HOST = re.compile(r"[A-Za-z0-9.\-:]{1,253}")
+
+
+def remote_source(params: Any) -> str:
+    """The peer a router named as the holder of a request's prefix (vLLM's
+    ``kv_transfer_params.remote_kv_source``, or ``remote_prefiller`` where a decode instance
+    pulls from its prefill instance: ``remote_host``, ``remote_port``), as
+    ``host:port``; "" when none is named or it cannot be read (a warning). Whether it may be
+    read from is the peers tier's to decide: members only."""
+    source = None
+    if isinstance(params, dict):  # a peer's (remote_kv_source) or a prefill instance's (remote_prefiller)
+        source = params.get("remote_kv_source") or params.get("remote_prefiller")
+    if source is None:
+        return ""
+    host = source.get("remote_host") if isinstance(source, dict) else None
+    port = source.get("remote_port") if isinstance(source, dict) else None
+    if isinstance(port, str) and port.isdigit():
+        port = int(port)
+    if not (isinstance(host, str) and _HOST.fullmatch(host) and _is_int(port) and 0 < port < 65536):
+        log.warning("lmtier: a remote_kv_source that cannot be read (remote_host and remote_port): ignored")
+        return ""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _is_int(x: Any) -> bool:

@@ -22,6 +22,7 @@ class LoadPlan:
     first_block: int  # load blocks block_ids[first_block:] (the engine computed the rest)
     num_blocks: int  # ... up to block_ids[:num_blocks]
     lane: int = 0  # which chain of chunks: the model's, or one group's of a hybrid model
+    source: str = ""  # host:port of the peer a router named as holding them (remote_kv_source)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from lmtier._moved import forward
 from lmtier.connectors import announce
 from lmtier.connectors.vllm.events import LMTierKVEvents
 from lmtier.connectors.vllm.lookup import Lookups, _Request
-from lmtier.connectors.vllm.pd import handoff_params
+from lmtier.connectors.vllm.pd import handoff_params, source_params
 from lmtier.connectors.vllm.plans import LMTierMetadata, LMTierWorkerMeta, LoadPlan, SavePlan
 
 if TYPE_CHECKING:
@@ -132,6 +132,7 @@ class SchedulerSide(Lookups):
                             first_block=(start - first_chunk * size) // self.block_size,
                             num_blocks=(end - first_chunk * size) // self.block_size,
                             lane=i,
+                            source=state.source,
                         )
                     )
             # Save every chunk that is complete after this step and not known to be stored
@@ -210,14 +211,21 @@ class SchedulerSide(Lookups):
 
     def _handoff_params(self, state: _Request) -> dict[str, Any] | None:
         """A producer's hand-off for the router to forward: the chunks of the prompt it
-        stored (``connectors/vllm/pd.py``); None for any other request."""
+        stored (``connectors/vllm/pd.py``) and, where it has a sidecar peers read from, that
+        sidecar as vLLM's ``remote_kv_source``; None for any other request. A ``kv_both``
+        instance hands off a request whose router asks for a remote decode."""
         chunks = state.saved[0] if state.saved else 0
-        if not (self.kv_role.producer and state.save and chunks and state.keys and len(state.keys[0][0]) >= chunks):
+        producing = self.kv_role.producer or state.forwarded  # kv_both: when a router asks for a remote decode
+        if not (producing and state.save and chunks and state.keys and len(state.keys[0][0]) >= chunks):
             return None
         namespace = state.namespaces[0][0].digest
         key = state.keys[0][0][chunks - 1]
         timeout = self.config.handoff_timeout
-        return handoff_params(namespace, key, chunks * self.chunk_tokens, self.chunk_tokens, timeout)
+        params = handoff_params(namespace, key, chunks * self.chunk_tokens, self.chunk_tokens, timeout)
+        advertised = self.store.advertised()  # its own sidecar, where peers read: named for the router
+        if advertised:
+            params.update(source_params(advertised, state.request.request_id))
+        return params
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

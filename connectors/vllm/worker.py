@@ -168,6 +168,8 @@ class WorkerSide(WorkerSaves):
         what failed) and everything from the first chunk missing on (a chunk that a tier
         finds damaged is missing: a prefix ends there, unless another tier holds it)."""
         keys = plan.keys[self._rank]
+        if plan.source:  # a router named the peer that holds them
+            self.store.direct(keys, plan.source)
         if self._worker_events is not None:
             self._worker_events.remember(keys, plan.keys[0])
         per, size = self.blocks_per_chunk, self.block_size

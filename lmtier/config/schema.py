@@ -82,6 +82,10 @@ class StoreConfig:
     handoff_timeout: float = setting(5.0, NUMBER)
     # kv_role kv_consumer: also store what it computes (off: a consumer never writes).
     save_decoded: bool = setting(False, BOOL)
+    # KV events (vLLM's KVEventsConfig): lmtier's chunks announced in the engine's own
+    # blocks ("engine": routers that index one block size, vllm-router's kv_aware among
+    # them, take them beside the engine's own events) or one block per chunk ("chunk").
+    event_blocks: str = setting("engine", STRING)
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, str):
@@ -91,6 +95,8 @@ class StoreConfig:
             raise ConfigError("at least one tier is needed")
         if self.chunk_tokens < 0:
             raise ConfigError(f"chunk_tokens must be positive (or 0 / 'auto'), got {self.chunk_tokens}")
+        if self.event_blocks not in ("engine", "chunk"):
+            raise ConfigError(f"event_blocks must be 'engine' or 'chunk', got {self.event_blocks!r}")
         if self.hash not in HASHES:
             raise ConfigError(f"hash must be one of {HASHES}, got {self.hash!r}")
         if self.write_queue < 1:

@@ -29,6 +29,15 @@ FORMAT_VERSION = 1  # bump when the canonical chunk bytes change meaning
 HASHES = ("xxh3", "sha256")
 ChunkKey = bytes  # 16 bytes (xxh3-128) or 32 bytes (sha256)
 
+# A tenant's tag prefixes every key it stores in a shared server (``tag + key``). A
+# cryptographic digest, 128 bits: no tenant name can be found that collides with another's
+# (a collision would share keys), by design or by luck.
+TAG_BYTES = 16
+
+
+def tenant_tag(tenant: str) -> bytes:
+    return hashlib.blake2b(tenant.encode(), digest_size=TAG_BYTES, person=b"lmtier.tenant").digest()
+
 
 def _hash_fn(name: str):
     if name == "xxh3":

@@ -7,19 +7,13 @@ lookup, get, list or delete of another's key finds nothing.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 
 import grpc
 
-# A cryptographic digest, 128 bits: no tenant name can be found that collides with
-# another's (a collision would share keys), by design or by luck.
-TAG_BYTES = 16
+from lmtier.kv.keys import TAG_BYTES, tenant_tag
+
 PROBE_TAG = b"\xff" * TAG_BYTES  # readiness probes; no tenant name digests to it
-
-
-def tenant_tag(tenant: str) -> bytes:
-    return hashlib.blake2b(tenant.encode(), digest_size=TAG_BYTES, person=b"lmtier.tenant").digest()
 
 
 class Authenticator:

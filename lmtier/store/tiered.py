@@ -204,6 +204,21 @@ class TieredStore(ReadPath, WritePath, WriteBack):
             found += best
         return runs
 
+    def direct(self, keys: Sequence[bytes], peer: str) -> bool:
+        """A router named ``peer`` (host:port) as the holder of ``keys``: told to the tiers
+        that read from peers (``peers://``). False where none takes it (no such tier, or
+        the peer is not a member)."""
+        taken = False
+        for tier in self.tiers:
+            direct = getattr(tier, "direct", None)
+            if direct is not None:
+                taken = bool(self._call(tier, "direct", direct, keys, peer, default=False)) or taken
+        return taken
+
+    def advertised(self) -> str:
+        """Where peers read this instance's chunks (its ``peers://`` tier's ``advertise``), or ""."""
+        return next((t.advertise for t in self.tiers if getattr(t, "advertise", "")), "")
+
     def answering(self, tier: Tier) -> bool:
         """Whether ``tier`` answers now: its breaker is closed and, if it could not be
         opened at start, it has opened since (a caller waiting on it can stop early)."""

@@ -22,7 +22,8 @@ class VllmServer:
     """``vllm serve`` as a user runs it (its own process group: ``kill(signal)`` reaches the
     engine core and the workers too), with lmtier's ``extra`` settings over a memory and a
     disk tier, or over ``tiers`` in ``role``, or any ``transfer`` (a whole
-    ``--kv-transfer-config``)."""
+    ``--kv-transfer-config``); ``args``: more of ``vllm serve``'s flags, ``env``: more of
+    its environment."""
 
     def __init__(
         self,
@@ -36,6 +37,8 @@ class VllmServer:
         block: int = BLOCK,
         chunk: int = CHUNK,
         max_model_len: int = 2048,
+        args: tuple[str, ...] = (),
+        env: dict | None = None,
         **extra,
     ) -> None:
         self.port = free_port()
@@ -53,8 +56,8 @@ class VllmServer:
         cmd = [str(Path(sys.executable).parent / "vllm"), "serve", model, "--host", "127.0.0.1",
                "--port", str(self.port), "--kv-transfer-config", json.dumps(transfer), "--dtype", "bfloat16",
                "--block-size", str(block), "--max-model-len", str(max_model_len), "--max-num-seqs", "2",
-               "--enforce-eager", "--enable-prompt-tokens-details"]  # fmt: skip
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+               "--enforce-eager", "--enable-prompt-tokens-details", *args]  # fmt: skip
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
         self.log = log
         self.proc = subprocess.Popen(
             cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True

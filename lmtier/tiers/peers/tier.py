@@ -13,7 +13,7 @@ Which peer holds a chunk:
 
 - directed: a router named it for the request (``remote_kv_source`` in vLLM's
   ``kv_transfer_params``); the engine passes it on (``direct``), remembered per key
-  (``HINTS`` at most);
+  (``HINTS`` at most); taken only from a membership (``members``/``dns``);
 - found: the fleet's index (``index``): one MGET per lookup, then one ``Lookup`` to the
   holder. No broadcast: a key with no holder named is a miss.
 
@@ -37,7 +37,7 @@ from typing import Any
 from lmtier import metrics
 from lmtier.errors import ConfigError
 from lmtier.kv.chunk import Chunk, release_all
-from lmtier.server.auth import tenant_tag
+from lmtier.kv.keys import tenant_tag
 from lmtier.tiers.base import Tier, TierContext, TierURL
 from lmtier.tiers.options import TLS_OPTIONS, positive_seconds
 from lmtier.tiers.peers.index import DEFAULT_PREFIX, IndexReader
@@ -98,7 +98,8 @@ class PeerTier(Tier):
             raise ConfigError("max_peers must be at least 1")
         client.setdefault("token_env", "LMTIER_PEER_TOKEN")
         self.name, self.timeout, self.peer_cooldown, self.max_peers = name, timeout, cooldown, max_peers
-        self.members = Members(members, dns, refresh, os.path.expandvars(advertise))
+        self.advertise = os.path.expandvars(advertise)
+        self.members = Members(members, dns, refresh, self.advertise)
         self.index = IndexReader(index, prefix, tenant_tag(tenant), timeout, refresh) if index else None
         self._context = context or TierContext()
         self._client_options = {k: v for k, v in client.items() if k in PASSED_ON}
@@ -120,8 +121,10 @@ class PeerTier(Tier):
     # -- which peer -----------------------------------------------------------------------
     def direct(self, keys: Sequence[bytes], peer: str) -> bool:
         """A router named ``peer`` as the holder of ``keys`` (for this request): remembered,
-        if it is a member; False (and ignored) otherwise."""
-        if not self.members.admits(peer):
+        if it is a member; False (and ignored) otherwise. A request's parameters come from
+        whoever sends it: without a membership (``members``/``dns``) no address it names is
+        dialled, so that no client can send the peer token to a host of its choosing."""
+        if self.members.open or not self.members.admits(peer):
             with self._lock:
                 self.counts["refused"] += 1
             log.warning("peers: a request named %r as the holder of its prefix; not a member: ignored", peer[:200])
