@@ -63,11 +63,12 @@ def lmtier_config(cm: dict, tmp_path: Path) -> Config:
     path = tmp_path / "lmtier.yaml"
     path.write_text(cm["data"]["lmtier.yaml"])
     data = yaml.safe_load(path.read_text())
-    token_file = data.get("server", {}).pop("token_file", None)
-    if token_file:  # a Secret in the pod; a stand-in here
-        (tmp_path / "tokens").write_text("secret=tenant\n")
-        data["server"]["token_file"] = str(tmp_path / "tokens")
-        path.write_text(yaml.safe_dump(data))
+    for key in ("token_file", "peer_token_file"):
+        token_file = data.get("server", {}).pop(key, None)
+        if token_file:  # a Secret in the pod; a stand-in here
+            (tmp_path / key).write_text(f"{key}-secret=tenant\n")
+            data["server"][key] = str(tmp_path / key)
+            path.write_text(yaml.safe_dump(data))
     return load(path, env={})
 
 
@@ -107,7 +108,15 @@ KUSTOMIZE_FIELDS = {
 }
 # strategic merge: lists of these are merged item by item on the key, others replaced
 MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
-              "volumeMounts": "mountPath", "imagePullSecrets": "name"}  # fmt: skip
+              "volumeMounts": "mountPath", "imagePullSecrets": "name", "ports": "containerPort"}  # fmt: skip
+
+
+def merge_key(field: str, item: dict) -> str:
+    """The key a strategic merge matches ``field``'s items by: a container's ports by
+    ``containerPort``, a Service's by ``port``."""
+    return "port" if field == "ports" and "containerPort" not in item else MERGE_KEYS[field]
+
+
 CLUSTER_KINDS = {"Namespace", "ClusterRole", "ClusterRoleBinding", "StorageClass", "CustomResourceDefinition"}
 
 
@@ -178,7 +187,8 @@ def _merge(base: dict, patch: dict) -> None:
             _merge(base[key], value)
         elif isinstance(value, list) and key in MERGE_KEYS and isinstance(base.get(key), list):
             for item in value:
-                match = next((b for b in base[key] if b[MERGE_KEYS[key]] == item[MERGE_KEYS[key]]), None)
+                field = merge_key(key, item)
+                match = next((b for b in base[key] if b.get(field) == item[field]), None)
                 if match is None:
                     base[key].append(copy.deepcopy(item))
                 else:

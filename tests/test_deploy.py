@@ -42,6 +42,7 @@ from manifests import (
     kustomize,
     lmtier_config,
     memory_tier,
+    merge_key,
     mounts_of,
     network_tiers,
     one,
@@ -263,7 +264,7 @@ def _unordered(value):
     items a patch names to the front of their list, which means nothing to Kubernetes."""
     if isinstance(value, dict):
         return {
-            k: sorted((_unordered(i) for i in v), key=lambda i: str(i[MERGE_KEYS[k]]))
+            k: sorted((_unordered(i) for i in v), key=lambda i, k=k: str(i[merge_key(k, i)]))
             if k in MERGE_KEYS and isinstance(v, list)
             else _unordered(v)
             for k, v in value.items()
@@ -410,3 +411,50 @@ def test_the_object_store_overlay_gives_the_server_a_bucket_and_its_keys(tmp_pat
     server = container_named(pod_spec(in_build(docs, "StatefulSet", "lmtier-server")), "lmtier")
     env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") for e in server["env"]}
     assert env["AWS_ACCESS_KEY_ID"] == env["AWS_SECRET_ACCESS_KEY"] == "lmtier-s3"  # where the AWS chain reads them
+
+
+def test_the_peers_overlay_wires_each_pods_sidecar_to_the_others(tmp_path):
+    """Each engine reads its peers through the headless Service of the engine pods, finds
+    holders in the overlay's Redis, never asks its own sidecar (the pod's address), and
+    holds the peers' token; each sidecar listens on the pod's address with tokens only,
+    announces to the same Redis under the address the others dial."""
+    docs = built("overlays/peers")
+    namespace = yaml.safe_load((K8S / "overlays/peers/kustomization.yaml").read_text())["namespace"]
+    cfg = lmtier_config(in_build(docs, "ConfigMap", "lmtier-sidecar"), tmp_path)
+    peers = TierURL.parse(cfg.store.tiers[-1])
+    assert peers.scheme == "peers" and set(peers.options) <= set(tier_class("peers").OPTIONS)
+    pods = in_build(docs, "Deployment", "vllm-lmtier")
+    labels = pods["spec"]["template"]["metadata"]["labels"]
+
+    # the members: a headless Service over the engine pods, on the sidecar's gRPC port
+    host, port = peers.options["dns"].rsplit(":", 1)
+    service = service_for(docs, host, int(port), namespace)
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"].items() <= labels.items()
+    sidecar = container_named(pod_spec(pods), "lmtier")
+    assert int(port) == cfg.server.port and ports_of(sidecar)["grpc"] == cfg.server.port
+    assert ports_of(sidecar)["data"] == cfg.server.data_port  # the bulk channel across pods
+
+    # the index: one Redis, the same for readers and the sidecars, a Service of the overlay
+    assert peers.options["index"] == cfg.server.peer_index
+    index = TierURL.parse(cfg.server.peer_index)
+    (node,) = hosts(index)
+    assert service_for(docs, *node, namespace)["spec"]["selector"].items() <= (
+        in_build(docs, "Deployment", "lmtier-index")["spec"]["template"]["metadata"]["labels"].items()
+    )
+
+    # the address each sidecar announces is the one peers dial, and never asked by itself
+    assert cfg.server.advertise == peers.options["advertise"] == "${POD_IP}:50051"
+    for name in ("vllm", "lmtier"):
+        env = {v["name"]: v for v in container_named(pod_spec(pods), name)["env"]}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+    # open to the network with tokens only: the engine's own, and the peers' read-only one
+    assert cfg.server.host == "0.0.0.0" and cfg.server.tokens and cfg.server.peer_tokens
+    engine = {v["name"]: v for v in container_named(pod_spec(pods), "vllm")["env"]}
+    assert engine["LMTIER_PEER_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "lmtier-peers", "key": "peer-token"}
+    grpc_tier = TierURL.parse(cfg.store.tiers[1])
+    assert engine[grpc_tier.options["token_env"]]["valueFrom"]["secretKeyRef"]["name"] == "lmtier-peers"
+    assert "token" not in peers.options and "token" not in grpc_tier.options
+    mounted = mounts_of(sidecar)
+    secret = {v["name"]: v for v in pod_spec(pods)["volumes"]}[mounted["/etc/lmtier/tokens"]]["secret"]
+    assert {i["key"] for i in secret["items"]} <= what_you_create()[("Secret", "lmtier-peers")]["keys"]
