@@ -256,6 +256,9 @@ def public_view(config: Config) -> dict[str, Any]:
 
     data = asdict(config)
     data["server"]["tokens"] = sorted({tenant for _, tenant in config.server.tokens})
+    data["server"]["peer_tokens"] = sorted({tenant for _, tenant in config.server.peer_tokens})
+    if config.server.peer_index:
+        data["server"]["peer_index"] = redact_url(config.server.peer_index)
     data["server"]["tiers"] = [redact_url(url) for url in config.server.tiers]
     data["store"]["tiers"] = [redact_url(url) for url in config.store.tiers]
     for secret in ("tls_key", "metrics_token"):

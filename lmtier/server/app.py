@@ -31,7 +31,7 @@ import grpc
 from lmtier import metrics
 from lmtier.config.schema import ServerConfig
 from lmtier.config.tokens import warn_weak_tokens
-from lmtier.server.auth import PROBE_TAG, TAG_BYTES, Authenticator
+from lmtier.server.auth import PROBE_TAG, TAG_BYTES, Authenticator, tenant_tag
 from lmtier.server.calls import Gate
 from lmtier.server.chain import UpstreamTier
 from lmtier.server.data.channel import DataChannel
@@ -141,7 +141,10 @@ class CacheServer:
             from lmtier.server.peers import IndexPublisher
 
             advertise = os.path.expandvars(config.advertise)
-            self.peer_index = IndexPublisher(self.store, config.peer_index, advertise, config.peer_index_ttl)
+            tenants = frozenset(tenant_tag(t) for _, t in config.peer_tokens) if config.peer_tokens else None
+            self.peer_index = IndexPublisher(
+                self.store, config.peer_index, advertise, config.peer_index_ttl, tenants=tenants
+            )
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> CacheServer:

@@ -126,7 +126,10 @@ class Authenticator:
 
 
 PEER_LANE = b"peer:"
-WRITES = frozenset({"Put", "Delete"})  # the methods a peer's token may not call
+# What a peer's token may call: reads of chunks, by gRPC or the bulk channel. Not writes,
+# not Stats (uncached for one tenant: a peer must not spend the holder's time on it), not
+# the same-host shared-memory calls (Directory, Release: leases are the instance's own).
+PEER_METHODS = frozenset({"Lookup", "Get", "OpenData"})
 
 
 def peer_lane(tag: bytes) -> bytes:

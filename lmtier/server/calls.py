@@ -44,7 +44,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from lmtier import metrics
-from lmtier.server.auth import WRITES, Authenticator, is_peer_lane, peer_lane
+from lmtier.server.auth import PEER_METHODS, Authenticator, is_peer_lane, peer_lane
 from lmtier.server.watchdog import Watch, Watchdog
 
 log = logging.getLogger(__name__)
@@ -244,9 +244,9 @@ class Gate(grpc.GenericRpcHandler):
         reason = self.auth.refuse(metadata)
         if reason is None:
             method = handler_call_details.method.rsplit("/", 1)[-1]
-            if method in WRITES and self.auth.reads_only(metadata):
+            if method not in PEER_METHODS and self.auth.reads_only(metadata):
                 metrics.SERVER_REFUSED.inc()
-                return refusal(grpc.StatusCode.PERMISSION_DENIED, f"a peer's token reads only; {method} refused")
+                return refusal(grpc.StatusCode.PERMISSION_DENIED, f"a peer's token reads chunks only; {method} refused")
             return handler
         metrics.SERVER_REFUSED.inc()
         return refusal(grpc.StatusCode.UNAUTHENTICATED, reason)

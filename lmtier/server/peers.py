@@ -10,8 +10,10 @@ are withdrawn once no tier of the store holds them (compare and delete: an entry
 sidecar wrote since stays). Every ``ttl / 3`` seconds the chunks the tiers still hold are
 announced again (at most ``REFRESH_KEYS``), so entries of live chunks do not expire. On
 stop, the sidecar is marked drained first: readers stop choosing it while it finishes.
-A Redis that does not answer costs peers their hits, never this server a call: failures
-are logged once a minute, and the events queue is bounded (``lmtier.store.events``).
+Only the chunks of tenants that have peers (``peer_tokens``) are announced: the others'
+keys, which no peer may read, stay out of the fleet's Redis. A Redis that does not answer
+costs peers their hits, never this server a call: failures are logged once a minute, and
+the events queue is bounded (``lmtier.store.events``).
 """
 
 from __future__ import annotations
@@ -33,8 +35,18 @@ WARN_EVERY_S = 60.0
 
 
 class IndexPublisher:
-    def __init__(self, store: TieredStore, url: str, advertise: str, ttl: float, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        url: str,
+        advertise: str,
+        ttl: float,
+        prefix: str = DEFAULT_PREFIX,
+        tenants: frozenset[bytes] | None = None,
+    ) -> None:
         self.store = store
+        # the tags of the tenants whose chunks are announced (those peers may read); None: all
+        self.tenants = tenants
         self.writer = IndexWriter(url, prefix, advertise, ttl)
         self.ttl = ttl
         self.events = store.watch()
@@ -70,7 +82,8 @@ class IndexPublisher:
         last: dict[bytes, bool] = {}  # key -> stored (True) or removed, as its last record says
         for record in self.events.drain():
             for key in record.keys:
-                last[key] = record.kind == "stored"
+                if self._announced(key):
+                    last[key] = record.kind == "stored"
         stored = [k for k, held in last.items() if held]
         gone = [k for k, held in last.items() if not held and not self._held(k)]
         for i in range(0, len(stored), BATCH):
@@ -81,6 +94,9 @@ class IndexPublisher:
             self.writer.removed(gone[i : i + BATCH], TAG_BYTES)
             self.withdrawn += len(gone[i : i + BATCH])
 
+    def _announced(self, scoped: bytes) -> bool:
+        return self.tenants is None or scoped[:TAG_BYTES] in self.tenants
+
     def _held(self, key: bytes) -> bool:
         return any(self.store._call(t, "contains", t.contains, [key], default=0) for t in self.store.tiers)
 
@@ -89,7 +105,8 @@ class IndexPublisher:
         for tier in self.store.tiers:
             if not tier.capabilities.listing or left <= 0:
                 continue
-            keys = [k for k in self.store._call(tier, "keys", tier.keys, b"", left, default=[]) if len(k) > TAG_BYTES]
+            listed = self.store._call(tier, "keys", tier.keys, b"", left, default=[])
+            keys = [k for k in listed if len(k) > TAG_BYTES and self._announced(k)]
             for i in range(0, len(keys), BATCH):
                 self.writer.stored(keys[i : i + BATCH], TAG_BYTES)
             left -= len(keys)

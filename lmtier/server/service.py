@@ -70,7 +70,9 @@ class CacheService(ReadMethods, SaveMethods, ControlMethods):
         view = public_view(Config(server=config))["server"]
         self._config_json = json.dumps(view, sort_keys=True)
         # a tenant's view: no other tenant's name, no operator's
-        self._tenant_config_json = json.dumps({**view, "tokens": [], "operators": []}, sort_keys=True)
+        self._tenant_config_json = json.dumps(
+            {**view, "tokens": [], "peer_tokens": [], "operators": []}, sort_keys=True
+        )
         self._operators = {tenant_tag(t) for t in config.operators}
         self._stats: dict[bytes, tuple[float, cache_pb2.StatsResponse]] = {}
         self._stats_lock = threading.Lock()

@@ -54,6 +54,8 @@ class ReadMethods(RequestChecks):
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "landing regions name more than one segment")
         if landing and self.maps is None:
             raise Abort(grpc.StatusCode.FAILED_PRECONDITION, self._no_shm)
+        if landing and self.auth.reads_only(context.invocation_metadata()):  # segments are the instance's
+            raise Abort(grpc.StatusCode.PERMISSION_DENIED, "a peer's token reads through no shared memory")
         index = 0
         if landing and self.shared is not None:
             self._not_own(landing[0].segment)

@@ -36,7 +36,7 @@ from typing import TypeVar
 import grpc
 
 from lmtier.buffers import BufferPool
-from lmtier.errors import IntegrityError, LmtierError
+from lmtier.errors import IntegrityError, LmtierError, TierError
 from lmtier.kv import codec
 from lmtier.kv.chunk import Chunk, release_all
 from lmtier.transport.datachannel import (
@@ -61,7 +61,26 @@ KEEP = 2  # idle connections kept (the server closes idle ones for others when i
 RETRY_S = 60.0  # after a server that runs none, or cannot be reached
 BROKEN_S = 1.0  # after a refusal (the server's limits) or a broken connection
 CONNECT_S = 2.0
-MAX_FRAME = 1 << 30
+MAX_FRAME = 1 << 30  # where the chunk size is not known
+FRAME_SLACK = 1 << 20  # a frame's header and more, beyond a known chunk size
+MIN_RATE = 100e6  # bytes/s: a load's deadline grows by the bytes its frames announce at this rate
+
+
+class Deadline:
+    """When a load must be over: ``arm`` gives a socket what is left (``socket.timeout``
+    once nothing is), ``extend`` moves it later."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def extend(self, seconds: float) -> None:
+        self.at += seconds
+
+    def arm(self, sock: socket.socket) -> None:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the load's deadline passed")
+        sock.settimeout(left)
 
 
 class Unusable(Exception):
@@ -84,8 +103,9 @@ class DataChannel:
         on_corrupt: Callable[[bytes], None],
         tier: str,
         timeout: float,
+        max_frame: int = MAX_FRAME,
     ) -> None:
-        self.host = host
+        self.host, self.max_frame = host, max_frame
         self._open_data, self._ssl_context = open_data, ssl_context
         self.server_name = server_name or host
         self._buffers, self._on_corrupt, self.tier, self.timeout = buffers, on_corrupt, tier, timeout
@@ -119,6 +139,9 @@ class DataChannel:
             except Unusable as exc:
                 self._off(str(exc), exc.pause)
                 return None
+            except TimeoutError as exc:  # a server that stalls or trickles: no second try through gRPC
+                self._off(f"timed out: {exc}", BROKEN_S)
+                raise TierError(f"data channel: no answer within the load's deadline ({exc})") from exc
             except (OSError, Closed) as exc:
                 if reused:
                     continue
@@ -192,16 +215,21 @@ class DataChannel:
     def _load(self, sock: socket.socket, keys: Sequence[bytes]) -> list[Chunk | None]:
         out: list[Chunk | None] = [None] * len(keys)
         done = False
+        # one deadline for the whole load (a server that trickles a byte a second never
+        # trips a per-recv timeout), later by the bytes its frames announce at MIN_RATE
+        deadline = Deadline(self.timeout)
         try:
             sock.settimeout(self.timeout)
             sock.sendall(encode_request(keys))
             index = 0
             while True:
+                deadline.arm(sock)
                 kind, length = ITEM.unpack(recv_exact(sock, ITEM.size))
                 if kind == FRAME:
-                    if index >= len(keys) or length > MAX_FRAME:
+                    if index >= len(keys) or length > self.max_frame:
                         raise Unusable(f"protocol error: frame {index} of {length} bytes for {len(keys)} keys")
-                    out[index] = self._frame(sock, keys[index], length)
+                    deadline.extend(length / MIN_RATE)
+                    out[index] = self._frame(sock, keys[index], length, deadline)
                     index += 1
                 elif kind == END:
                     if length != index:
@@ -243,13 +271,14 @@ class DataChannel:
             else:
                 sock.close()
 
-    def _frame(self, sock: socket.socket, want: bytes, length: int) -> Chunk | None:
+    def _frame(self, sock: socket.socket, want: bytes, length: int, deadline: Deadline) -> Chunk | None:
         buf = self._buffers.acquire(length)
         try:
             view = memoryview(buf)[:length]
             hashed = codec.PayloadHash(view)  # while the bytes are in cache and the link is the wait
             got = 0
             while got < length:
+                deadline.arm(sock)
                 n = sock.recv_into(view[got:])
                 if n == 0:
                     raise Closed(f"connection closed after {got} of {length} bytes of a frame")

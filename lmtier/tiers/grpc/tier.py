@@ -46,7 +46,7 @@ from lmtier.errors import ConfigError, TierError
 from lmtier.kv.chunk import Chunk
 from lmtier.tiers.base import DEFAULT_PORTS, Capabilities, Tier, TierContext, TierURL, parse_bool
 from lmtier.tiers.grpc.channel import MAX_MESSAGE, Channel, credentials, failure, is_local
-from lmtier.tiers.grpc.data import DataChannel
+from lmtier.tiers.grpc.data import FRAME_SLACK, MAX_FRAME, DataChannel
 from lmtier.tiers.grpc.memory import NoShm, SharedMemory
 from lmtier.tiers.grpc.published import DirectoryReads
 from lmtier.tiers.grpc.stream import GetStream, finish_slots, put_messages
@@ -151,6 +151,7 @@ class GrpcTier(Tier):
                 self._drop_corrupt,
                 name,
                 timeout,
+                max_frame=chunk_bytes + FRAME_SLACK if chunk_bytes else MAX_FRAME,  # a chunk and its header
             )
             if data
             else None

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "lmtier:peers"
 DRAIN_S = 600.0  # a drained sidecar is skipped this long (it stops well within it)
+ADDRESS_BYTES = 256  # of an entry read at most (a host:port)
 # Delete the entry only if it still names this sidecar: another may have stored it since.
 _DELETE_MINE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 
@@ -54,8 +55,12 @@ class IndexReader:
     def holders(self, keys: Sequence[bytes]) -> list[str | None]:
         if not keys:
             return []
-        values = self._redis.mget([entry(self.prefix, self.tag, k) for k in keys])
-        return [v.decode("ascii", "replace") if v else None for v in values]
+        # at most ADDRESS_BYTES of each entry: a huge value (written by whoever can write the
+        # index) costs this lookup nothing more than an address would
+        pipe = self._redis.pipeline(transaction=False)
+        for k in keys:
+            pipe.getrange(entry(self.prefix, self.tag, k), 0, ADDRESS_BYTES - 1)
+        return [v.decode("ascii", "replace") if v else None for v in pipe.execute()]
 
     def drained(self) -> set[str]:
         """Sidecars that announced a drain, read at most every ``refresh`` seconds (a
@@ -66,7 +71,9 @@ class IndexReader:
                 if now - self._drained_at >= self.refresh:
                     self._drained_at = now
                     try:
-                        found = self._redis.zrangebyscore(f"{self.prefix}:drained", time.time(), "+inf", 0, 1024)
+                        now_s = time.time()  # a drain ends within DRAIN_S: one said to end later is not taken
+                        name = f"{self.prefix}:drained"
+                        found = self._redis.zrangebyscore(name, now_s, now_s + DRAIN_S + 60, 0, 1024)
                         self._drained = {m.decode("ascii", "replace") for m in found}
                     except Exception as exc:
                         log.debug("peers: reading the drained sidecars failed: %s", exc)

@@ -46,7 +46,7 @@ from lmtier.tiers.peers.members import Members, joined, split_address
 log = logging.getLogger(__name__)
 
 HINTS = 65536  # keys a router directed to a peer, remembered at most
-PASSED_ON = ("token", "token_env", "tls", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "shm", "data")
+PASSED_ON = ("token", "token_env", "tls", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "data")
 
 
 def _addresses(text: str) -> tuple[str, ...]:
@@ -70,7 +70,6 @@ class PeerTier(Tier):
         "token_env": str,
         **TLS_OPTIONS,
         "tls_server_name": str,
-        "shm": str,
         "data": str,
         "name": str,
     }
@@ -154,6 +153,14 @@ class PeerTier(Tier):
         now = time.monotonic()
         return [p if p is not None and self._failed.get(p, 0.0) <= now else None for p in found]
 
+    def _unhint(self, keys: Sequence[bytes], peer: str) -> None:
+        """A peer a router named lacked ``keys`` or failed: its word for them is dropped, so
+        that one request's parameters cost later requests nothing (the index answers)."""
+        with self._lock:
+            for key in keys:
+                if self._hints.get(key) == peer:
+                    del self._hints[key]
+
     def _runs(self, keys: Sequence[bytes]) -> list[tuple[str, int, int]]:
         """The leading keys with a holder, as (peer, start, end) runs in prompt order."""
         runs: list[tuple[str, int, int]] = []
@@ -175,7 +182,7 @@ class PeerTier(Tier):
                 self._clients.move_to_end(peer)
                 return client
         host, port = split_address(peer)
-        options = dict(self._client_options)
+        options = {**self._client_options, "shm": "off"}  # a holder lends no shared memory to peers
         for flag in ("tls", "data"):
             if isinstance(options.get(flag), str):
                 options[flag] = options[flag].lower() in ("1", "true", "yes", "on")
@@ -208,9 +215,11 @@ class PeerTier(Tier):
                 n = self._client(peer).contains(keys[start:end])
             except Exception as exc:
                 self._failing(peer, exc)
+                self._unhint(keys[start:end], peer)
                 break
             found += n
             if n < end - start:
+                self._unhint(keys[start + n : end], peer)
                 break
         return found
 
@@ -221,11 +230,12 @@ class PeerTier(Tier):
                 got = self._client(peer).get(keys[start:end])
             except Exception as exc:
                 self._failing(peer, exc)
+                self._unhint(keys[start:end], peer)
                 metrics.PEER_CHUNKS.labels(peer, "error").inc(end - start)
                 break
             hits = 0
             for i, chunk in enumerate(got):
-                if chunk is None or chunk.key != keys[start + i]:
+                if chunk is None or chunk.key != keys[start + i] or not self._fits(chunk):
                     release_all(got[i:])
                     break
                 out[start + i] = chunk
@@ -237,8 +247,20 @@ class PeerTier(Tier):
                 self.counts["hits"] += hits
                 self.counts["misses"] += end - start - hits
             if hits < end - start:
+                self._unhint(keys[start + hits : end], peer)
                 break
         return out
+
+    def _fits(self, chunk: Chunk) -> bool:
+        """No larger than this instance's chunks (another model's layout, from a peer that
+        lies, is refused here before it takes room in this instance's tiers; the engine
+        checks the layout itself too)."""
+        limit = self._context.chunk_bytes
+        if limit and chunk.nbytes > limit:
+            with self._lock:
+                self.counts["corrupt"] += 1
+            return False
+        return True
 
     def put(self, chunks: Sequence[Chunk]) -> None:
         """Never: a peer's sidecar is written by its own engine only."""
@@ -253,7 +275,7 @@ class PeerTier(Tier):
             counts = dict(self.counts)
         with self._lock:
             corrupt = sum(c.counts.get("corrupt", 0) for c in self._clients.values())  # type: ignore[attr-defined]
-        return {"capacity_bytes": 0, "used_bytes": 0, "chunks": 0, **counts, "corrupt": corrupt,
+        return {"capacity_bytes": 0, "used_bytes": 0, "chunks": 0, **counts, "corrupt": corrupt + counts["corrupt"],
                 "members": self.members.addresses(), "connected": peers}  # fmt: skip
 
     def close(self) -> None:

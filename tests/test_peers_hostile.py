@@ -1,0 +1,244 @@
+"""The peer path against its attackers: a tenant that wants the peers' token, a peer that
+wants more than reads of chunks (the holder's statistics, its shared memory, its instance's
+leases), a member that lies, trickles or announces a gigabyte, an index with poisoned
+entries, a request whose parameters name a peer that lacks the prefix. Real cache servers
+on port 0 and a real redis-server; the lying member is a gRPC server and a raw socket of
+this file's own (mocks only for fault injection)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from test_peers import OTHER, READER, WRITER, client, peers, sidecar, writer
+
+from lmtier.kv import codec
+from lmtier.kv.chunk import release_all
+from lmtier.kv.keys import tenant_tag
+from lmtier.kv.layout import KVLayout
+from lmtier.tiers.base import TierContext, open_tier
+from lmtier.tiers.peers.index import DEFAULT_PREFIX, IndexReader, entry
+from lmtier.transport.datachannel import END, FRAME, HELLO, ITEM, REQUEST, TICKET_BYTES, decode_keys, recv_exact
+from lmtier.v1 import cache_pb2
+
+from conftest import eventually, make_namespace, make_prompt
+
+SERVICE = "lmtier.v1.CacheService"
+
+
+@pytest.fixture
+def index(redis_server):
+    client(redis_server).flushall()
+    return redis_server.url
+
+
+def _call(srv, method: str, request, token: str):
+    channel = grpc.insecure_channel(srv.address)
+    try:
+        rpc = channel.unary_unary(f"/{SERVICE}/{method}", type(request).SerializeToString, lambda b: b)
+        return rpc(request, timeout=5, metadata=[("authorization", f"Bearer {token}")])
+    finally:
+        channel.close()
+
+
+def test_no_tenant_learns_the_peers_token_or_the_index_password_from_stats(index):
+    url = index.replace("redis://", "redis://:index-password-0123@")
+    holder = sidecar(peer_index=url, advertise="127.0.0.1:1")
+    try:
+        for token in (OTHER[0], WRITER[0]):
+            raw = _call(holder, "Stats", cache_pb2.StatsRequest(), token)
+            config = json.loads(cache_pb2.StatsResponse.FromString(raw).config_json)
+            text = json.dumps(config)
+            assert READER[0] not in text and "index-password-0123" not in text
+            assert config["peer_tokens"] == []  # a tenant's view: not even the peers' tenants
+    finally:
+        holder.stop(0)
+
+
+def test_a_peers_token_calls_the_reads_of_chunks_and_nothing_else(index):
+    """Not Stats (uncached on a one-tenant sidecar: a peer would spend the holder's time),
+    not the same-host calls (the directory, leases: the instance's own), not landing
+    regions in a Get (a peer on the same node would have the holder write into segments)."""
+    holder = sidecar()
+    prompt = make_prompt(2, seed=30)
+    try:
+        w = writer(holder)
+        w.put(prompt.chunks())
+        w.close()
+        for method, request in (
+            ("Stats", cache_pb2.StatsRequest()),
+            ("List", cache_pb2.ListRequest()),
+            ("Match", cache_pb2.MatchRequest()),
+            ("Directory", cache_pb2.DirectoryRequest()),
+            ("Release", cache_pb2.ReleaseRequest(lease=1)),
+            ("Put", cache_pb2.Pieces()),
+            ("Delete", cache_pb2.DeleteRequest(keys=prompt.keys)),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                _call(holder, method, request, READER[0])
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, method
+        landing = cache_pb2.GetRequest(keys=prompt.keys[:1])
+        landing.landing.add(segment="lmtier-0123456789abcdef", offset=0, length=1 << 16)
+        channel = grpc.insecure_channel(holder.address)
+        get = channel.unary_stream(f"/{SERVICE}/Get", cache_pb2.GetRequest.SerializeToString, lambda b: b)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(get(landing, timeout=5, metadata=[("authorization", f"Bearer {READER[0]}")]))
+        channel.close()
+        assert refused.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION)
+        # what a peer may do, it does
+        reader = open_tier(f"grpc://{holder.address}?shm=off&token={READER[0]}")
+        got = reader.get(prompt.keys)
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(2)]
+        release_all(got)
+        reader.close()
+    finally:
+        holder.stop(0)
+
+
+class LyingMember:
+    """A member that answers every lookup with a hit and every load on its data channel
+    with ``behaviour(sock, keys)``."""
+
+    def __init__(self, behaviour) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.behaviour = behaviour
+        threading.Thread(target=self._accept, daemon=True).start()
+        handlers = {
+            "Lookup": grpc.unary_unary_rpc_method_handler(
+                lambda raw, ctx: cache_pb2.LookupResponse(
+                    hits=len(cache_pb2.LookupRequest.FromString(raw).keys)
+                ).SerializeToString()
+            ),
+            "OpenData": grpc.unary_unary_rpc_method_handler(
+                lambda raw, ctx: cache_pb2.OpenDataResponse(
+                    ticket=os.urandom(TICKET_BYTES), port=self.listener.getsockname()[1]
+                ).SerializeToString()
+            ),
+        }
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(sock,), daemon=True).start()
+
+    def _one(self, sock: socket.socket) -> None:
+        try:
+            recv_exact(sock, len(HELLO) + TICKET_BYTES)
+            _, n, length = REQUEST.unpack(recv_exact(sock, REQUEST.size))
+            self.behaviour(sock, decode_keys(recv_exact(sock, length), n))
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    def stop(self) -> None:
+        self.listener.close()
+        self.server.stop(0)
+
+
+def _trickle(sock, keys):
+    sock.sendall(ITEM.pack(FRAME, 60000))
+    for _ in range(40):  # a byte every half second, for 20 s
+        sock.sendall(b"x")
+        time.sleep(0.5)
+
+
+def _gigabyte(sock, keys):
+    sock.sendall(ITEM.pack(FRAME, 1 << 30) + b"x" * 1024)
+    time.sleep(20)
+
+
+FOREIGN = make_prompt(2, seed=9, namespace=make_namespace(layout=KVLayout(32, 8, 128, "bfloat16"), chunk_tokens=16))
+
+
+def _foreign(sock, keys):  # well-formed chunks of another model, under the keys asked for
+    for i, key in enumerate(keys):
+        frame = codec.encode(FOREIGN.chunks()[i % 2].view_as(key))
+        sock.sendall(ITEM.pack(FRAME, len(frame)) + frame)
+    sock.sendall(ITEM.pack(END, len(keys)))
+
+
+@pytest.mark.parametrize("behaviour", [_trickle, _gigabyte, _foreign], ids=["trickle", "gigabyte", "foreign"])
+def test_a_member_that_lies_or_trickles_costs_a_miss_within_the_deadline(behaviour):
+    prompt = make_prompt(2, seed=31)
+    member = LyingMember(behaviour)
+    context = TierContext(chunk_bytes=len(prompt.chunk_bytes(0)))
+    tier = open_tier(peers(f"members={member.address}"), context)  # timeout=2
+    try:
+        assert tier.direct(prompt.keys, member.address)
+        started = time.monotonic()
+        got = tier.get(prompt.keys)
+        assert got == [None, None]
+        assert time.monotonic() - started < 8  # the deadline (2 s), not the member's 20 s
+    finally:
+        tier.close()
+        member.stop()
+
+
+def test_a_poisoned_index_costs_a_miss_and_no_drain_lasts_longer_than_a_drain_can(index, redis_server):
+    redis_client = client(redis_server)
+    prompt = make_prompt(2, seed=32)
+    tag = tenant_tag("fleet")
+    redis_client.set(entry(DEFAULT_PREFIX, tag, prompt.keys[0]), b"a" * (64 << 20))  # 64 MiB "address"
+    redis_client.set(entry(DEFAULT_PREFIX, tag, prompt.keys[1]), "127.0.0.1:9")
+    reader = IndexReader(index, DEFAULT_PREFIX, tag, timeout=2)
+    first, second = reader.holders(prompt.keys)
+    assert len(first) <= 256 and second == "127.0.0.1:9"
+    # a drain said to end in thirty years is not taken; one of the usual length is
+    redis_client.zadd(f"{DEFAULT_PREFIX}:drained", {"127.0.0.1:7": time.time() + 30 * 365 * 86400})
+    redis_client.zadd(f"{DEFAULT_PREFIX}:drained", {"127.0.0.1:8": time.time() + 300})
+    assert reader.drained() == {"127.0.0.1:8"}
+    reader.close()
+    tier = open_tier(peers(f"members=127.0.0.1:9&index={index}"))
+    assert tier.contains(prompt.keys) == 0  # the first key's holder is no member: no run at all
+    tier.close()
+
+
+def test_a_request_that_named_a_peer_without_the_prefix_costs_later_requests_nothing(index):
+    holder, empty = sidecar(index), sidecar()
+    prompt = make_prompt(3, seed=33)
+    try:
+        w = writer(holder)
+        w.put(prompt.chunks())
+        w.close()
+        tier = open_tier(peers(f"members={holder.address},{empty.address}&index={index}"))
+        assert eventually(lambda: tier.contains(prompt.keys) == 3, 10)
+        assert tier.direct(prompt.keys, empty.address)  # a client's parameters: a member, but empty
+        assert tier.contains(prompt.keys) == 0  # this request's miss
+        assert tier.contains(prompt.keys) == 3  # the next request asks the index again
+        tier.close()
+    finally:
+        holder.stop(0)
+        empty.stop(0)
+
+
+def test_only_the_chunks_of_tenants_with_peers_are_announced(index, redis_server):
+    holder = sidecar(index)
+    fleet, other = make_prompt(2, seed=34), make_prompt(2, seed=35)
+    try:
+        w = writer(holder)
+        w.put(fleet.chunks())
+        w.close()
+        theirs = writer(holder, OTHER[0])  # a tenant with no peers' token
+        theirs.put(other.chunks())
+        theirs.close()
+        redis_client = client(redis_server)
+        assert eventually(lambda: redis_client.exists(*(entry(DEFAULT_PREFIX, tenant_tag("fleet"), k)
+                                                        for k in fleet.keys)) == 2, 10)  # fmt: skip
+        time.sleep(0.5)  # the publisher's rounds after both puts
+        assert not redis_client.exists(*(entry(DEFAULT_PREFIX, tenant_tag("other"), k) for k in other.keys))
+    finally:
+        holder.stop(0)
