@@ -100,3 +100,6 @@ def test_an_external_hit_is_split_by_the_tier_of_each_chunk():
     # the engine's own prefix hit covers the first 250 tokens; 300 are loaded
     assert hit_sources(runs, 100, 250, 300) == {CacheHitSource.DISK: 250, CacheHitSource.EXTERNAL_UNSPECIFIED: 50}
     assert sum(hit_sources([("cpu", 1)], 100, 0, 150).values()) == 150  # never less than vLLM counts
+    # another instance's sidecar is vLLM's p2p: KV transferred from another instance
+    sources = hit_sources([("peers", 2), ("grpc", 1)], 100, 0, 300)
+    assert sources == {CacheHitSource.P2P: 200, CacheHitSource.EXTERNAL_UNSPECIFIED: 100}

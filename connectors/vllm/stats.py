@@ -17,8 +17,9 @@ plain data (``to_dict``), rebuilds them there (``build_kv_connector_stats``), lo
         requests the workers' object-storage tiers sent: what a cloud bill counts
 
 It also tells vLLM where an external hit came from (``hit_sources``): the memory tier is
-``host``, a disk tier ``disk``, a shared tier (Redis, the cache server) unspecified, as
-vLLM's ``CacheHitSource`` has no member for a store every instance reaches.
+``host``, a disk tier ``disk``, a peers tier ``p2p`` (another instance's sidecar), a shared
+tier (Redis, the cache server) unspecified, as vLLM's ``CacheHitSource`` has no member for
+a store every instance reaches.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 TOKEN_RESULTS = ("loaded", "failed", "stored", "dropped")
 HANDOFF_RESULTS = ("ready", "late", "down", "ignored")
-SOURCES = {"cpu": CacheHitSource.HOST, "file": CacheHitSource.DISK}
+# a peer's sidecar: another instance's KV (vLLM's p2p); other shared tiers: unspecified
+SOURCES = {
+    "cpu": CacheHitSource.HOST,
+    "file": CacheHitSource.DISK,
+    "peers": getattr(CacheHitSource, "P2P", CacheHitSource.EXTERNAL_UNSPECIFIED),
+}
 
 
 def hit_sources(runs: list[tuple[str, int]], chunk_tokens: int, start: int, count: int) -> dict[CacheHitSource, int]:
