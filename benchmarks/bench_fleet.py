@@ -184,6 +184,10 @@ def second_instance_hits(fleet: Fleet, docs: int, length: int, seed: int) -> lis
     or from the shared server)."""
     a, b = fleet.engines[0], fleet.engines[1]
     times = []
+    warm = ids(length, seed * 1000 - 1)  # a first load, untimed: connections opened, paths warm
+    ttft(a, fleet.model, warm)
+    time.sleep(1.0)
+    ttft(b, fleet.model, warm)
     for d in range(docs):
         p = ids(length, seed * 1000 + d)
         ttft(a, fleet.model, p)
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-len", type=int, default=8 * CHUNK)
     parser.add_argument("--suffix-len", type=int, default=BLOCK)
     parser.add_argument("--concurrency", type=int, default=2)
-    parser.add_argument("--docs", type=int, default=3, help="prompts of the peer-against-shared comparison")
+    parser.add_argument("--docs", type=int, default=8, help="prompts of the peer-against-shared comparison")
     parser.add_argument("--hit-len", type=int, default=16 * CHUNK)
     parser.add_argument("--peer-rate", type=float, default=5.0)
     parser.add_argument("--holder-rounds", type=int, default=4)

@@ -70,7 +70,8 @@ class Fleet:
             events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events[i]}",
                       "topic": ""}  # fmt: skip
             args = ("--kv-events-config", json.dumps(events), "--num-gpu-blocks-override", "40")
-            return VllmServer(self.model, None, tmp / f"engine-{i}.log", tiers=tiers, handoff_timeout=30, args=args)
+            return VllmServer(self.model, None, tmp / f"engine-{i}.log", tiers=tiers, handoff_timeout=30, args=args,
+                              event_relay=self.redis.url)  # fmt: skip
 
         with ThreadPoolExecutor(2) as pool:
             self.engines = list(pool.map(engine, range(2)))
@@ -173,3 +174,29 @@ def test_vllm_routers_kv_aware_policy_credits_lmtiers_memory_as_host_memory_and_
         router.stop()
     worker, credited = decisions(log)[-1]
     assert worker == engine.url and credited == int(0.8 * 4 * CHUNK)  # the host rate, not 0.6 external
+
+
+def test_a_chunk_in_a_shared_tier_is_credited_to_every_instance_that_can_load_it(fleet, tmp_path):
+    """Instance 0 computes a prompt: its chunks land in its sidecar, which instance 1 reads
+    as a peer. Instance 1's event stream announces them too (relayed through the fleet's
+    Redis), so a router that knows only instance 1 credits it with the prefix (at its
+    external rate) and instance 1 loads it."""
+    a, b = fleet.engines
+    log = tmp_path / "router.log"
+    source = f"{b.url}=tcp://127.0.0.1:{fleet.events[1]}"
+    flags = ["--kv-event-block-size", str(BLOCK), "--kv-event-model", fleet.model, "--log-level", "debug"]
+    router = Router(log, "--worker-urls", b.url, "--policy", "kv_aware", "--kv-event-source", source, *flags)
+    try:
+        time.sleep(1.0)  # subscribed
+        p = prompt(4 * CHUNK + 10, seed=5)
+        a.complete(fleet.model, p, max_tokens=1)
+        time.sleep(1.0)  # the relay carries instance 0's events to instance 1
+        b.complete(fleet.model, prompt(70, seed=6), max_tokens=1)  # a step: instance 1 announces them
+        time.sleep(1.0)
+        answer = router.post("/v1/completions", {"model": fleet.model, "prompt": p[: 4 * CHUNK] + prompt(20, seed=7),
+                                                 "max_tokens": 1, "temperature": 0})  # fmt: skip
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * CHUNK  # from instance 0's sidecar
+    finally:
+        router.stop()
+    worker, credited = decisions(log)[-1]
+    assert worker == b.url and credited == int(0.6 * 4 * CHUNK)  # a shared tier's chunk: the external rate

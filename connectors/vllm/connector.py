@@ -175,6 +175,11 @@ class LMTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
             blocks = self.block_size if self.config.event_blocks == "engine" else 0
             specs = group_specs(kv_cache_config)
             self._book = EventBook(self.config.tiers, self.chunk_tokens, self.tp_size, specs, block_size=blocks)
+        self._relay = None  # the other instances' shared-tier events (connectors/vllm/relay.py)
+        if self._book is not None and self.config.event_relay and role == KVConnectorRole.SCHEDULER:
+            from lmtier.connectors.vllm.relay import EventRelay
+
+            self._relay = EventRelay(self.config.event_relay, self.namespaces[0].digest)
         self._worker_events: WorkerEvents | None = None
         # scheduler side
         self._requests: dict[str, _Request] = {}

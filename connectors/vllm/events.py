@@ -12,12 +12,15 @@ subscribe to), beside vLLM's own events for its GPU blocks.
 What each event says:
 
 - ``BlockStored`` when chunks land in a tier, ``BlockRemoved`` when a tier evicts or
-  deletes them (or drops one that failed its check). One block is one lmtier chunk:
-  ``block_size`` is the chunk size, the granularity at which a tier can serve, never
-  the engine's smaller block size; ``block_hashes`` are chunk keys (rank 0's, so every
-  rank of a tensor-parallel engine names a chunk alike), each a hash of all the tokens
-  before it; ``parent_block_hash`` the previous chunk's key; ``token_ids`` the chunks'
-  tokens. A router can rebuild the prefix from the tokens alone.
+  deletes them (or drops one that failed its check). A chunk is announced as the
+  engine's blocks (``event_blocks: engine``: ``block_size`` the engine's, each block's
+  hash the chunk's key and the block's place in it, two bytes), so that a router that
+  indexes one block size (vllm-router's ``kv_aware``) takes them beside vLLM's own; or as
+  one block (``event_blocks: chunk``: ``block_size`` the chunk size, the hash its key).
+  Keys are rank 0's, so every rank of a tensor-parallel engine names a chunk alike, each
+  a hash of all the tokens before it; ``parent_block_hash`` is the previous chunk's last
+  block; ``token_ids`` the chunks' tokens. A router can rebuild the prefix from the
+  tokens alone.
 - ``medium``: ``CPU`` for the memory tier, ``STORAGE`` for a local disk, ``CPU`` for Redis
   and a cache server (memory, elsewhere), ``STORAGE`` for an object store (S3).
   ``locality``: ``LOCAL`` for this instance's own tiers, ``REMOTE`` for a tier every
@@ -33,9 +36,10 @@ What each event says:
   to a fresh namespace and serves nothing it announced before: vLLM's own
   ``AllBlocksCleared`` (no medium: every tier of the instance) says so.
 - Stores are published at the step after they land (a save finishes in the background);
-  an idle engine publishes at its next step. What a tier evicts on its own (Redis, a
-  cache server, another process sharing a disk) is not seen here: routers ask a shared
-  tier (``lmtier match``, the server's ``Match``).
+  an idle engine publishes at its next step. With ``event_relay`` (connectors/vllm/relay.py)
+  the shared tiers' events of every instance of the model are announced by each. What a
+  tier evicts on its own (Redis, a cache server, another process sharing a disk) is not
+  seen here: routers ask a shared tier (``lmtier match``, the server's ``Match``).
 
 Bounded: the store's queue (``lmtier.store.events``, drops counted), the book of token ids
 (``BOOK_CHUNKS``), the pending tensor-parallel counts and the worker's key map.

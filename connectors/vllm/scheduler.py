@@ -37,7 +37,8 @@ class SchedulerSide(Lookups):
     Besides what ``Lookups`` reads and keeps: ``blocks_per_chunk``, ``windowed``,
     ``_workers`` (worker processes, each reporting its copies), ``_released`` (requests
     finished without holding their blocks, for the next step), ``_book`` (KV events, or
-    None), ``namespaces`` and ``_model_id`` (for ``reset_cache``)."""
+    None), ``_relay`` (the other instances' shared-tier events, or None), ``namespaces``
+    and ``_model_id`` (for ``reset_cache``)."""
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
@@ -52,7 +53,13 @@ class SchedulerSide(Lookups):
             self._book.absorb(events)
 
     def take_events(self):  # type: ignore[override]
-        return self._book.take() if self._book is not None else ()
+        if self._book is None:
+            return ()
+        events = self._book.take()
+        if self._relay is not None:  # this instance's shared-tier events out, the others' in
+            self._relay.publish(events)
+            events = [*events, *self._relay.take()]
+        return events
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)

@@ -86,6 +86,10 @@ class StoreConfig:
     # blocks ("engine": routers that index one block size, vllm-router's kv_aware among
     # them, take them beside the engine's own events) or one block per chunk ("chunk").
     event_blocks: str = setting("engine", STRING)
+    # A Redis URL ("" none): instances publish their shared tiers' KV events there and
+    # announce each other's, so that a router credits every instance that can load a
+    # shared chunk (connectors/vllm/relay.py).
+    event_relay: str = setting("", STRING)
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, str):

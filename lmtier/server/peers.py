@@ -28,7 +28,7 @@ from lmtier.tiers.peers.index import DEFAULT_PREFIX, IndexWriter
 
 log = logging.getLogger(__name__)
 
-EVERY_S = 0.2
+EVERY_S = 0.05  # a chunk stored is announced within this (peers find it no later)
 REFRESH_KEYS = 1_000_000  # chunks announced again per refresh at most
 BATCH = 4096  # keys per Redis pipeline
 WARN_EVERY_S = 60.0
