@@ -164,6 +164,8 @@ def test_a_router_may_direct_a_load_only_to_a_member(index):
         assert not tier.direct(prompt.keys, "10.1.2.3:50051")  # not a member: never dialled
         assert not tier.direct(prompt.keys, "metadata.google.internal:80")
         assert tier.counts["refused"] == 2 and tier.contains(prompt.keys) == 0
+        # a router that names the engine (its host, the engine's port) means the sidecar beside it
+        assert tier.direct(prompt.keys, "127.0.0.1:8000") and tier.contains(prompt.keys) == 3
         assert tier.direct(prompt.keys, holder.address)
         assert tier.contains(prompt.keys) == 3
         got = tier.get(prompt.keys)

@@ -76,6 +76,21 @@ class Members:
         with self._lock:
             return entry in self._known
 
+    def sidecar_of(self, address: str) -> str | None:
+        """The member a router's address names: itself, or, where a router names the engine
+        (its host and the engine's own port, as llm-d's P2P mode does), the one member on
+        that host. None: no member, or several on that host (which one is not known)."""
+        if self.admits(address):
+            return address
+        try:
+            host, _ = split_address(address)
+        except ConfigError:
+            return None
+        host = _canonical(host)
+        with self._lock:
+            on_host = [(h, p) for h, p in self._known if h == host and (h, p) not in self.me]
+        return joined(*on_host[0]) if len(on_host) == 1 else None
+
     def addresses(self) -> list[str]:
         with self._lock:
             return sorted(joined(h, p) for h, p in self._known if (h, p) not in self.me)

@@ -123,11 +123,13 @@ class PeerTier(Tier):
         if it is a member; False (and ignored) otherwise. A request's parameters come from
         whoever sends it: without a membership (``members``/``dns``) no address it names is
         dialled, so that no client can send the peer token to a host of its choosing."""
-        if self.members.open or not self.members.admits(peer):
+        sidecar = None if self.members.open else self.members.sidecar_of(peer)
+        if sidecar is None:
             with self._lock:
                 self.counts["refused"] += 1
             log.warning("peers: a request named %r as the holder of its prefix; not a member: ignored", peer[:200])
             return False
+        peer = sidecar
         with self._lock:
             for key in keys:
                 self._hints[key] = peer
