@@ -23,7 +23,7 @@ from lmtier.kv.chunk import release_all
 from lmtier.kv.keys import tenant_tag
 from lmtier.kv.layout import KVLayout
 from lmtier.tiers.base import TierContext, open_tier
-from lmtier.tiers.peers.index import DEFAULT_PREFIX, IndexReader, entry
+from lmtier.tiers.peers.index import DEFAULT_PREFIX, IndexReader, drain_key, entry
 from lmtier.transport.datachannel import END, FRAME, HELLO, ITEM, REQUEST, TICKET_BYTES, decode_keys, recv_exact
 from lmtier.v1 import cache_pb2
 
@@ -188,7 +188,7 @@ def test_a_member_that_lies_or_trickles_costs_a_miss_within_the_deadline(behavio
         member.stop()
 
 
-def test_a_poisoned_index_costs_a_miss_and_no_drain_lasts_longer_than_a_drain_can(index, redis_server):
+def test_a_poisoned_index_costs_a_miss_and_reads_no_more_than_addresses(index, redis_server):
     redis_client = client(redis_server)
     prompt = make_prompt(2, seed=32)
     tag = tenant_tag("fleet")
@@ -197,10 +197,9 @@ def test_a_poisoned_index_costs_a_miss_and_no_drain_lasts_longer_than_a_drain_ca
     reader = IndexReader(index, DEFAULT_PREFIX, tag, timeout=2)
     first, second = reader.holders(prompt.keys)
     assert len(first) <= 256 and second == "127.0.0.1:9"
-    # a drain said to end in thirty years is not taken; one of the usual length is
-    redis_client.zadd(f"{DEFAULT_PREFIX}:drained", {"127.0.0.1:7": time.time() + 30 * 365 * 86400})
-    redis_client.zadd(f"{DEFAULT_PREFIX}:drained", {"127.0.0.1:8": time.time() + 300})
-    assert reader.drained() == {"127.0.0.1:8"}
+    # a drain mark is one key per sidecar, its value never read (a huge one costs nothing)
+    redis_client.set(drain_key(DEFAULT_PREFIX, "127.0.0.1:7"), b"d" * (64 << 20))
+    assert reader.drained({"127.0.0.1:7", "127.0.0.1:8"}) == {"127.0.0.1:7"}
     reader.close()
     tier = open_tier(peers(f"members=127.0.0.1:9&index={index}"))
     assert tier.contains(prompt.keys) == 0  # the first key's holder is no member: no run at all
@@ -240,5 +239,41 @@ def test_only_the_chunks_of_tenants_with_peers_are_announced(index, redis_server
                                                         for k in fleet.keys)) == 2, 10)  # fmt: skip
         time.sleep(0.5)  # the publisher's rounds after both puts
         assert not redis_client.exists(*(entry(DEFAULT_PREFIX, tenant_tag("other"), k) for k in other.keys))
+    finally:
+        holder.stop(0)
+
+
+def test_an_index_that_stops_answering_is_not_asked_again_at_once():
+    """A Redis that accepts and never answers: one lookup waits its timeout, the next ones
+    (for ``cooldown`` seconds) do not wait at all."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        tier = open_tier(peers(f"members=127.0.0.1:9&index=redis://127.0.0.1:{silent.getsockname()[1]}&cooldown=60"))
+        keys = make_prompt(2, seed=36).keys
+        assert tier.contains(keys) == 0 and tier.counts["errors"] == 1
+        started = time.monotonic()
+        assert tier.contains(keys) == 0 and tier.counts["errors"] == 1  # not asked: no second wait
+        assert time.monotonic() - started < 1
+        tier.close()
+
+
+def test_what_is_dialled_is_the_members_own_spelling_and_a_departed_members_hint_is_not_used(index):
+    holder = sidecar()
+    prompt = make_prompt(2, seed=37)
+    try:
+        w = writer(holder)
+        w.put(prompt.chunks())
+        w.close()
+        port = holder.address.rsplit(":", 1)[1]
+        tier = open_tier(peers(f"members={holder.address}"))
+        for spelling in (f"127.0.0.1.:{port}", f"..:{port}", f"...:{port}"):
+            tier.direct(prompt.keys, spelling)
+            tier.contains(prompt.keys)
+        assert set(tier.stats()["connected"]) <= {holder.address}  # no client for another spelling
+        assert tier.direct(prompt.keys, holder.address) and tier.contains(prompt.keys) == 2
+        tier.members._static, tier.members._known = [], set()  # the member left (fault injection)
+        assert tier.contains(prompt.keys) == 0  # its hint is not dialled
+        tier.close()
     finally:
         holder.stop(0)

@@ -5,7 +5,7 @@ sidecar, with a time to live.
     entry(prefix, tag, key) -> bytes          the Redis key of a tenant's chunk
     IndexReader(url, prefix, tag, timeout)    an engine's peer tier
         .holders(keys) -> list[str | None]    one MGET: the sidecar that last stored each
-        .drained() -> set[str]                sidecars draining before they stop
+        .drained(peers) -> set[str]           which of them are draining before they stop
     IndexWriter(url, prefix, advertise, ttl)  a sidecar (``lmtier serve --peer-index``)
         .stored(scoped_keys), .removed(scoped_keys), .drain(), .close()
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,13 @@ log = logging.getLogger(__name__)
 DEFAULT_PREFIX = "lmtier:peers"
 DRAIN_S = 600.0  # a drained sidecar is skipped this long (it stops well within it)
 ADDRESS_BYTES = 256  # of an entry read at most (a host:port)
+DRAINED_KEPT = 1024  # sidecars whose drain mark is remembered
 # Delete the entry only if it still names this sidecar: another may have stored it since.
 _DELETE_MINE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+
+
+def drain_key(prefix: str, address: str) -> str:
+    return f"{prefix}:drained:{address}"
 
 
 def entry(prefix: str, tag: bytes, key: bytes) -> bytes:
@@ -48,8 +54,7 @@ class IndexReader:
     def __init__(self, url: str, prefix: str, tag: bytes, timeout: float, refresh: float = 5.0) -> None:
         self.prefix, self.tag, self.refresh = prefix, tag, refresh
         self._redis = _client(url, timeout)
-        self._drained: set[str] = set()
-        self._drained_at = -refresh
+        self._drained: OrderedDict[str, tuple[float, bool]] = OrderedDict()  # peer -> (read at, drained)
         self._lock = threading.Lock()
 
     def holders(self, keys: Sequence[bytes]) -> list[str | None]:
@@ -62,22 +67,28 @@ class IndexReader:
             pipe.getrange(entry(self.prefix, self.tag, k), 0, ADDRESS_BYTES - 1)
         return [v.decode("ascii", "replace") if v else None for v in pipe.execute()]
 
-    def drained(self) -> set[str]:
-        """Sidecars that announced a drain, read at most every ``refresh`` seconds (a
-        failed read keeps the last answer)."""
+    def drained(self, peers: set[str]) -> set[str]:
+        """Which of ``peers`` announced a drain: one key per sidecar (its value never read),
+        each answer kept ``refresh`` seconds (a failed read keeps the last answer)."""
         now = time.monotonic()
-        if now - self._drained_at >= self.refresh:
-            with self._lock:
-                if now - self._drained_at >= self.refresh:
-                    self._drained_at = now
-                    try:
-                        now_s = time.time()  # a drain ends within DRAIN_S: one said to end later is not taken
-                        name = f"{self.prefix}:drained"
-                        found = self._redis.zrangebyscore(name, now_s, now_s + DRAIN_S + 60, 0, 1024)
-                        self._drained = {m.decode("ascii", "replace") for m in found}
-                    except Exception as exc:
-                        log.debug("peers: reading the drained sidecars failed: %s", exc)
-        return self._drained
+        with self._lock:
+            stale = sorted(p for p in peers if now - self._drained.get(p, (-self.refresh, False))[0] >= self.refresh)
+        if stale:
+            try:
+                pipe = self._redis.pipeline(transaction=False)
+                for peer in stale:
+                    pipe.exists(drain_key(self.prefix, peer))
+                answers = pipe.execute()
+                with self._lock:
+                    for peer, found in zip(stale, answers, strict=True):
+                        self._drained[peer] = (now, bool(found))
+                        self._drained.move_to_end(peer)
+                    while len(self._drained) > DRAINED_KEPT:
+                        self._drained.popitem(last=False)
+            except Exception as exc:
+                log.debug("peers: reading the drained sidecars failed: %s", exc)
+        with self._lock:
+            return {p for p in peers if self._drained.get(p, (0.0, False))[1]}
 
     def close(self) -> None:
         self._redis.close()
@@ -106,15 +117,13 @@ class IndexWriter:
         pipe.execute()
 
     def drain(self, undo: bool = False) -> None:
-        """Tell readers to stop choosing this sidecar (``undo``: it serves again)."""
-        name = f"{self.prefix}:drained"
+        """Tell readers to stop choosing this sidecar (``undo``: it serves again); the mark
+        ends by itself after ``DRAIN_S``."""
+        name = drain_key(self.prefix, self.advertise)
         if undo:
-            self._redis.zrem(name, self.advertise)
-            return
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.zadd(name, {self.advertise: time.time() + DRAIN_S})
-        pipe.zremrangebyscore(name, "-inf", time.time())  # bounded: expired drains go
-        pipe.execute()
+            self._redis.delete(name)
+        else:
+            self._redis.set(name, b"1", ex=int(DRAIN_S))
 
     def close(self) -> None:
         self._redis.close()

@@ -76,12 +76,25 @@ class Members:
         with self._lock:
             return entry in self._known
 
+    def admitted(self, address: str) -> str | None:
+        """``address`` as the membership spells it, if it is a member's (what is dialled is
+        never a request's or an index's own spelling of it); None otherwise."""
+        try:
+            host, port = split_address(address)
+        except ConfigError:
+            return None
+        host = _canonical(host)
+        if not host or host.startswith(".") or not self.admits(address):
+            return None
+        return joined(host, port)
+
     def sidecar_of(self, address: str) -> str | None:
         """The member a router's address names: itself, or, where a router names the engine
         (its host and the engine's own port, as llm-d's P2P mode does), the one member on
         that host. None: no member, or several on that host (which one is not known)."""
-        if self.admits(address):
-            return address
+        admitted = self.admitted(address)
+        if admitted is not None:
+            return admitted
         try:
             host, _ = split_address(address)
         except ConfigError:

@@ -105,6 +105,7 @@ class PeerTier(Tier):
         self._clients: OrderedDict[str, Tier] = OrderedDict()  # peer -> its client, most recent last
         self._hints: OrderedDict[bytes, str] = OrderedDict()  # key -> peer a router named
         self._failed: dict[str, float] = {}  # peer -> when it may be asked again (bounded by max_peers)
+        self._index_off_until = 0.0  # the index failed: not asked until then
         self._lock = threading.Lock()
         self.counts = {"hits": 0, "misses": 0, "errors": 0, "refused": 0, "corrupt": 0}
 
@@ -141,17 +142,23 @@ class PeerTier(Tier):
     def _holders(self, keys: Sequence[bytes]) -> list[str | None]:
         with self._lock:
             found: list[str | None] = [self._hints.get(k) for k in keys]
+        # a hint is a member's when it was given; members leave (and their addresses are reused)
+        found = [self.members.admitted(p) if p is not None else None for p in found]
         lacking = [i for i, peer in enumerate(found) if peer is None]
-        if lacking and self.index is not None:
+        now = time.monotonic()
+        if lacking and self.index is not None and now >= self._index_off_until:
             try:
                 named = self.index.holders([keys[i] for i in lacking])
-            except Exception as exc:
-                log.debug("peers: the index did not answer: %s", exc)
+            except Exception as exc:  # a Redis that does not answer is not asked for cooldown seconds
+                log.info("peers: the index did not answer (%s); not asked for %.0f s", exc, self.peer_cooldown)
+                with self._lock:
+                    self.counts["errors"] += 1
+                self._index_off_until = time.monotonic() + self.peer_cooldown
                 named = [None] * len(lacking)
-            drained = self.index.drained()
+            drained = self.index.drained({p for p in named if p is not None}) if any(named) else set()
             for i, peer in zip(lacking, named, strict=True):
-                if peer is not None and peer not in drained and self.members.admits(peer):
-                    found[i] = peer
+                if peer is not None and peer not in drained:
+                    found[i] = self.members.admitted(peer)
         now = time.monotonic()
         return [p if p is not None and self._failed.get(p, 0.0) <= now else None for p in found]
 
