@@ -277,3 +277,44 @@ def test_what_is_dialled_is_the_members_own_spelling_and_a_departed_members_hint
         tier.close()
     finally:
         holder.stop(0)
+
+
+def test_peers_found_by_dns_join_and_leave_as_a_headless_services_pods_do(index, monkeypatch):
+    """``dns=``: the peers are what the name resolves to, resolved again every ``refresh``
+    seconds; a pod that joins is read from, one that left is not dialled, and a name that
+    stops resolving for a moment keeps the last answer. The resolver is the platform's:
+    its answers are injected here (the name's pods are real cache servers)."""
+    from lmtier.tiers.peers import members as members_module
+
+    holder = sidecar()
+    prompt = make_prompt(2, seed=38)
+    real = socket.getaddrinfo
+    pods: list[str] = []
+
+    def resolve(host, port, *args, **kwargs):
+        if host != "peers.fleet.svc":
+            return real(host, port, *args, **kwargs)
+        if pods == ["fail"]:
+            raise socket.gaierror("temporary failure")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in pods]
+
+    try:
+        w = writer(holder)
+        w.put(prompt.chunks())
+        w.close()
+        monkeypatch.setattr(members_module.socket, "getaddrinfo", resolve)
+        port = holder.address.rsplit(":", 1)[1]
+        tier = open_tier(peers(f"dns=peers.fleet.svc:{port}&refresh=0.1"))
+        assert not tier.direct(prompt.keys, holder.address)  # no pod yet
+        pods[:] = ["127.0.0.1"]  # the holder's pod joins
+        assert eventually(lambda: tier.direct(prompt.keys, holder.address), 5)
+        assert tier.contains(prompt.keys) == 2
+        pods[:] = ["fail"]  # DNS fails for a moment: the fleet is not emptied
+        time.sleep(0.3)
+        assert tier.direct(prompt.keys, holder.address)
+        pods[:] = []  # the pod left
+        assert eventually(lambda: not tier.members.admits(holder.address), 5)
+        assert tier.contains(prompt.keys) == 0  # its hints are not dialled
+        tier.close()
+    finally:
+        holder.stop(0)
