@@ -104,6 +104,7 @@ class DataChannel:
         self._lock = threading.Lock()
         self._pending: OrderedDict[socket.socket, tuple[float, bytearray, str]] = OrderedDict()
         self._pending_from: dict[str, int] = {}  # source network -> connections pending (bounded by PENDING)
+        self.pushed_out = [0, 0, 0]  # pending connections closed for newcomers, by what they had shown
         self._listening_at = 0.0  # after a failed accept: when to watch the listener again
         self._warned_at = -WARN_EVERY_S
         self._selector = selectors.DefaultSelector()
@@ -232,6 +233,7 @@ class DataChannel:
                 victim, least = sock, shown
                 if shown == 0:
                     break  # silent: none shows less
+        self.pushed_out[least] += 1
         self._drop(victim)
 
     def _advance(self, sock: socket.socket) -> None:
