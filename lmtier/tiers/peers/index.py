@@ -4,7 +4,7 @@ sidecar, with a time to live.
 
     entry(prefix, tag, key) -> bytes          the Redis key of a tenant's chunk
     IndexReader(url, prefix, tag, timeout)    an engine's peer tier
-        .holders(keys) -> list[str | None]    one MGET: the sidecar that last stored each
+        .holders(keys) -> list[str | None]    one round trip: the sidecar that last stored each
         .drained(peers) -> set[str]           which of them are draining before they stop
     IndexWriter(url, prefix, advertise, ttl)  a sidecar (``lmtier serve --peer-index``)
         .stored(scoped_keys), .removed(scoped_keys), .drain(), .close()

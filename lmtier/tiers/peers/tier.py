@@ -14,7 +14,7 @@ Which peer holds a chunk:
 - directed: a router named it for the request (``remote_kv_source`` in vLLM's
   ``kv_transfer_params``); the engine passes it on (``direct``), remembered per key
   (``HINTS`` at most); taken only from a membership (``members``/``dns``);
-- found: the fleet's index (``index``): one MGET per lookup, then one ``Lookup`` to the
+- found: the fleet's index (``index``): one round trip per lookup, then one ``Lookup`` to the
   holder. No broadcast: a key with no holder named is a miss.
 
 Either way only a member is asked (``members``/``dns``; with neither, any address the
