@@ -19,13 +19,17 @@ fleet's hit ratio (cached prompt tokens over prompt tokens, summed over the inst
 ``vllm:prompt_tokens_cached`` / ``vllm:prompt_tokens``), and where the hits came from
 (vLLM's own prefix cache, lmtier's memory, the sidecar, peers, the shared server).
 
-Then, per run, two paired measurements on the ``peers`` and ``shared`` fleets:
+Then, per run, two paired measurements:
 
-- **one hit from a peer against the same hit from the shared server**: a prompt computed on
-  instance 0 and then asked of instance 1 (streamed, TTFT to the first token);
-- **the holder under peer load**: instance 0's TTFT on fresh prompts, alternately alone
-  and while a client reads from its sidecar through a ``peers://`` tier at ``--peer-rate``
-  loads a second.
+- **one hit from a peer against the same hit from the shared server**, on a fourth fleet
+  (``pair``) whose engines are kept up side by side: a prompt computed on instance 0 (which
+  saves to its sidecar and to a shared server), then asked of instance 1 (a peers fleet's
+  instance: it loads from instance 0's sidecar) and of instance 2 (a shared fleet's: it
+  loads from the shared server), in alternating order; streamed, TTFT to the first token,
+  the ratio taken per prompt;
+- **the holder under peer load**, on the ``peers`` fleet: instance 0's TTFT on fresh
+  prompts, alternately alone and while a client reads from its sidecar through a
+  ``peers://`` tier at ``--peer-rate`` loads a second.
 
 Targets (issue 49): the peer hit's TTFT <= 1.3x the shared server's; the peers fleet's
 hit ratio >= 0.95x the shared fleet's; the holder's TTFT under peer load <= 1.1x. Each is
@@ -62,9 +66,10 @@ from lmtier.testing.vllm_serve import BLOCK, CHUNK, VllmServer
 
 from common import emit
 
-FLEETS = ("isolated", "peers", "shared")
+FLEETS = ("isolated", "peers", "shared", "pair")
 ENGINES = 3
 WRITER, PEER = "fleet-writer-token-0123456789", "fleet-peer-token-0123456789"
+SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 TARGETS = {"peer_over_shared_ttft": 1.3, "hit_ratio_peers_over_shared": 0.95, "holder_under_peer_load": 1.1}
 
 
@@ -74,39 +79,57 @@ def ids(n: int, seed: int) -> list[int]:
 
 class Fleet:
     """Three engines, each with its sidecar (isolated, peers) or all with one shared server
-    (shared), a Redis index (peers), and vllm-router round robin in front."""
+    (shared), a Redis index (peers), and vllm-router round robin in front.
+
+    ``pair``: the side-by-side comparison, no router. Instance 0 saves to its sidecar and
+    to a shared server; instance 1 is a peers fleet's instance (its own sidecar, and
+    peers), instance 2 a shared fleet's (the shared server): the same hit, from a peer and
+    from the shared server, on engines kept up side by side."""
 
     def __init__(self, kind: str, tmp: Path, model: str) -> None:
         self.kind, self.model = kind, model
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "tokens").write_text(f"{WRITER}=fleet\n")
         (tmp / "peers").write_text(f"{PEER}=fleet\n")
-        self.redis = RedisServer(tmp) if kind == "peers" else None
+        self.redis = RedisServer(tmp) if kind in ("peers", "pair") else None
         self.servers: list[ServerProcess] = []
         auth = ["--token-file", str(tmp / "tokens"), "--tier", "cpu://?size=512MiB", "--no-shm"]
-        if kind == "shared":
-            self.servers.append(ServerProcess(tmp, *auth))
-            own = [self.servers[0].address] * ENGINES
-        else:
-            ports = [free_port() for _ in range(ENGINES)]
-            index = ["--peer-token-file", str(tmp / "peers"), "--peer-index", self.redis.url] if self.redis else []
-            for p in ports:
-                extra = [*index, "--advertise", f"127.0.0.1:{p}"] if self.redis else []
-                self.servers.append(ServerProcess(tmp, *auth, *extra, port=p))
-            own = [s.address for s in self.servers]
+        sidecars = {"isolated": ENGINES, "peers": ENGINES, "shared": 0, "pair": 2}[kind]
+        ports = [free_port() for _ in range(sidecars)]
+        index = ["--peer-token-file", str(tmp / "peers"), "--peer-index", self.redis.url] if self.redis else []
+        for p in ports:
+            extra = [*index, "--advertise", f"127.0.0.1:{p}"] if self.redis else []
+            self.servers.append(ServerProcess(tmp, *auth, *extra, port=p))
         members = ",".join(s.address for s in self.servers)
+        if kind in ("shared", "pair"):
+            self.servers.append(ServerProcess(tmp, *auth))
+        shared = self.servers[-1].address
+
+        def grpc(address: str) -> str:
+            return f"grpc://{address}?token={WRITER}&shm=off"
+
+        def peers(own: str) -> str:
+            return (f"peers://?index={self.redis.url}&members={members}&advertise={own}"
+                    f"&token={PEER}&tenant=fleet&timeout=5")  # fmt: skip
+
+        def tiers(i: int) -> list[str]:
+            if kind == "shared":
+                return [grpc(shared)]
+            if kind == "pair":
+                own = self.servers[i].address if i < 2 else shared
+                return {0: [grpc(own), grpc(shared)], 1: [grpc(own), peers(own)], 2: [grpc(shared)]}[i]
+            own = self.servers[i].address
+            return [grpc(own), peers(own)] if kind == "peers" else [grpc(own)]
 
         def engine(i: int) -> VllmServer:
-            tiers = ["cpu://?size=256MiB", f"grpc://{own[i]}?token={WRITER}&shm=off"]
-            if kind == "peers":
-                tiers.append(f"peers://?index={self.redis.url}&members={members}&advertise={own[i]}"
-                             f"&token={PEER}&tenant=fleet&timeout=5")  # fmt: skip
-            return VllmServer(model, None, tmp / f"engine-{i}.log", tiers=tiers, max_model_len=4096)
+            return VllmServer(model, None, tmp / f"engine-{i}.log", tiers=["cpu://?size=256MiB", *tiers(i)],
+                              max_model_len=4096)  # fmt: skip
 
         with ThreadPoolExecutor(ENGINES) as pool:
             self.engines = list(pool.map(engine, range(ENGINES)))
         urls = [e.url for e in self.engines]
-        self.router = Router(tmp / "router.log", "--worker-urls", *urls, "--policy", "round_robin")
+        self.router = None if kind == "pair" else Router(tmp / "router.log", "--worker-urls", *urls,
+                                                         "--policy", "round_robin")  # fmt: skip
 
     def counters(self) -> dict[str, float]:
         """The fleet's prompt tokens, cached tokens, and lmtier's chunk hits per tier."""
@@ -125,7 +148,8 @@ class Fleet:
         return out
 
     def stop(self) -> None:
-        self.router.stop()
+        if self.router:
+            self.router.stop()
         for e in self.engines:
             e.stop()
         for s in self.servers:
@@ -179,21 +203,34 @@ def traffic(fleet: Fleet, tmp: Path, args, seed: int) -> dict:
     }
 
 
-def second_instance_hits(fleet: Fleet, docs: int, length: int, seed: int) -> list[float]:
-    """TTFT of instance 1 on prompts instance 0 computed (loaded from instance 0's sidecar,
-    or from the shared server)."""
-    a, b = fleet.engines[0], fleet.engines[1]
-    times = []
-    warm = ids(length, seed * 1000 - 1)  # a first load, untimed: connections opened, paths warm
-    ttft(a, fleet.model, warm)
+def side_by_side(fleet: Fleet, docs: int, length: int, seed: int) -> dict:
+    """A ``pair`` fleet: each prompt computed on instance 0, then asked of instance 1 (from
+    instance 0's sidecar, as a peer) and of instance 2 (from the shared server), in
+    alternating order; TTFT of each, and their ratio per prompt."""
+    writer, peer, shared = fleet.engines
+    before = [peer.metric(SOURCE, source="p2p"), shared.metric(SOURCE, source="external_unspecified")]
+    warm = ids(length, seed * 1000 - 1)  # a first load on each, untimed: connections opened, paths warm
+    ttft(writer, fleet.model, warm)
     time.sleep(1.0)
-    ttft(b, fleet.model, warm)
+    ttft(peer, fleet.model, warm)
+    ttft(shared, fleet.model, warm)
+    from_peer, from_server = [], []
     for d in range(docs):
         p = ids(length, seed * 1000 + d)
-        ttft(a, fleet.model, p)
+        ttft(writer, fleet.model, p)
         time.sleep(1.0)  # the sidecar announces, the shared server has the writes
-        times.append(ttft(b, fleet.model, p))
-    return times
+        first, second = (peer, shared) if d % 2 == 0 else (shared, peer)
+        times = {first: ttft(first, fleet.model, p), second: ttft(second, fleet.model, p)}
+        from_peer.append(times[peer] * 1e3)
+        from_server.append(times[shared] * 1e3)
+    loaded = [peer.metric(SOURCE, source="p2p") - before[0],
+              shared.metric(SOURCE, source="external_unspecified") - before[1]]  # fmt: skip
+    expected = (docs + 1) * (length - CHUNK)  # all but the last chunk (vLLM computes a prompt's last token)
+    if min(loaded) < expected:  # a comparison of hits that were not hits measures nothing
+        raise RuntimeError(f"side by side: {loaded[0]:.0f} tokens from the peer and {loaded[1]:.0f} from the "
+                           f"server, {expected} expected of each")  # fmt: skip
+    ratios = [a / b for a, b in zip(from_peer, from_server, strict=True)]
+    return {"peer_ms": from_peer, "shared_ms": from_server, "ratios": ratios, "ratio": statistics.median(ratios)}
 
 
 def holder_under_load(fleet: Fleet, tmp: Path, rounds: int, length: int, rate: float, seed: int) -> dict:
@@ -276,11 +313,10 @@ def main(argv: list[str] | None = None) -> int:
             for kind in args.fleets:
                 fleet = Fleet(kind, tmp / f"{kind}-{run}", model)
                 try:
+                    if kind == "pair":
+                        row[kind] = side_by_side(fleet, args.docs, args.hit_len, 50 + run)
+                        continue
                     row[kind] = traffic(fleet, tmp / f"{kind}-{run}", args, seed=run)
-                    if kind in ("peers", "shared"):
-                        row[kind]["second_instance_ttft_ms"] = [
-                            t * 1e3 for t in second_instance_hits(fleet, args.docs, args.hit_len, 50 + run)
-                        ]
                     if kind == "peers":
                         row[kind]["holder"] = holder_under_load(fleet, tmp, args.holder_rounds, args.hit_len,
                                                                 args.peer_rate, 90 + run)  # fmt: skip
@@ -298,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarize(runs: list[dict], args) -> dict:
-    fleets = [k for k in FLEETS if k in runs[0]]
+    fleets = [k for k in FLEETS if k in runs[0] and k != "pair"]
     out: dict = {"benchmark": "fleet", "engines": ENGINES, "prompts": args.prompts, "prefixes": args.prefixes,
                  "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "runs": runs, "fleets": {}}  # fmt: skip
     for kind in fleets:
@@ -311,19 +347,16 @@ def summarize(runs: list[dict], args) -> dict:
             where: statistics.median(r["sources"][where] for r in rows) for where in rows[0]["sources"]
         }
     targets = {}
+    measured = []
+    if "pair" in runs[0]:
+        measured.append(("peer_over_shared_ttft", [r["pair"]["ratio"] for r in runs], True))
     if {"peers", "shared"} <= set(fleets):
         hit = [r["peers"]["hit_ratio"] / r["shared"]["hit_ratio"] for r in runs]
-        peer_ttft = [
-            statistics.median(r["peers"]["second_instance_ttft_ms"])
-            / statistics.median(r["shared"]["second_instance_ttft_ms"])
-            for r in runs
-        ]
-        holder = [r["peers"]["holder"]["ratio"] for r in runs]
-        for name, values, at_most in (
-            ("peer_over_shared_ttft", peer_ttft, True),
-            ("hit_ratio_peers_over_shared", hit, False),
-            ("holder_under_peer_load", holder, True),
-        ):
+        measured.append(("hit_ratio_peers_over_shared", hit, False))
+    if "peers" in fleets:
+        measured.append(("holder_under_peer_load", [r["peers"]["holder"]["ratio"] for r in runs], True))
+    if measured:
+        for name, values, at_most in measured:
             limit = TARGETS[name]
             met = [v <= limit if at_most else v >= limit for v in values]
             targets[name] = {**spread(values), "target": limit, "met_in": f"{sum(met)} of {len(met)}", "met": all(met)}

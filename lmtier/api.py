@@ -209,7 +209,7 @@ def open_store(
     )
     store = TieredStore.open(
         cfg.tiers,
-        TierContext(chunk_bytes=namespace.chunk_bytes),
+        TierContext(chunk_bytes=namespace.chunk_bytes, layouts=(layout,)),
         defer=True,
         write_queue=cfg.write_queue,
         write_mode=cfg.write_mode,

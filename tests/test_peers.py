@@ -51,6 +51,13 @@ def writer(srv, token=WRITER[0]):
     return open_tier(f"grpc://{srv.address}?shm=off&token={token}")
 
 
+def stored(srv, chunks) -> None:
+    """``chunks`` written to ``srv`` as its engine writes them (the writer's token)."""
+    w = writer(srv)
+    w.put(chunks)
+    w.close()
+
+
 def peers(query: str, token: str = READER[0]) -> str:
     return f"peers://?{query}&token={token}&tenant=fleet&timeout=2"
 
@@ -71,9 +78,7 @@ def test_a_chunk_one_sidecar_holds_is_found_through_the_index_and_loaded_byte_fo
     holder, other = sidecar(index), sidecar(index)
     prompt = make_prompt(6, seed=1)
     try:
-        w = writer(holder)
-        w.put(prompt.chunks())
-        w.close()
+        stored(holder, prompt.chunks())
         tier = open_tier(peers(f"index={index}&members={holder.address},{other.address}&advertise={other.address}"))
         assert eventually(lambda: tier.contains(prompt.keys) == 6, 10)
         got = tier.get(prompt.keys)
@@ -86,13 +91,37 @@ def test_a_chunk_one_sidecar_holds_is_found_through_the_index_and_loaded_byte_fo
         other.stop(0)
 
 
+def test_a_load_right_after_its_lookup_goes_straight_to_the_holder(index, redis_server):
+    """The lookup asks the index; the load that follows it within FOUND_S does not ask
+    again (one index round trip per hit, not two), and a lookup always asks afresh."""
+    holder = sidecar(index)
+    prompt = make_prompt(4, seed=12)
+    redis_client = client(redis_server)
+
+    def index_reads() -> int:
+        return int(redis_client.info("commandstats").get("cmdstat_getrange", {}).get("calls", 0))
+
+    try:
+        stored(holder, prompt.chunks())
+        tier = open_tier(peers(f"index={index}"))
+        assert eventually(lambda: tier.contains(prompt.keys) == 4, 10)
+        before = index_reads()
+        got = tier.get(prompt.keys)
+        assert [c.tobytes() for c in got] == [prompt.chunk_bytes(i) for i in range(4)]
+        release_all(got)
+        assert index_reads() == before  # the load used the lookup's answer
+        assert tier.contains(prompt.keys) == 4
+        assert index_reads() == before + 4  # a lookup asks the index for every key
+        tier.close()
+    finally:
+        holder.stop(0)
+
+
 def test_what_a_peer_loads_lands_in_its_own_tiers_and_it_never_writes_to_the_holder(index, tmp_path):
     holder = sidecar(index)
     prompt = make_prompt(4, seed=2)
     try:
-        w = writer(holder)
-        w.put(prompt.chunks())
-        w.close()
+        stored(holder, prompt.chunks())
         store = TieredStore.open(["cpu://?size=16MiB", peers(f"index={index}")])
         assert eventually(lambda: store.lookup(prompt.keys) == 4, 10)
         release_all(store.get(prompt.keys))
@@ -108,9 +137,7 @@ def test_a_peers_token_reads_and_is_refused_every_write(index):
     holder = sidecar(index)
     prompt = make_prompt(2, seed=4)
     try:
-        w = writer(holder)
-        w.put(prompt.chunks())
-        w.close()
+        stored(holder, prompt.chunks())
         reader = open_tier(f"grpc://{holder.address}?shm=off&token={READER[0]}")
         assert reader.contains(prompt.keys) == 2
         release_all(reader.get(prompt.keys))
@@ -156,9 +183,7 @@ def test_a_router_may_direct_a_load_only_to_a_member(index):
     holder = sidecar()
     prompt = make_prompt(3, seed=7)
     try:
-        w = writer(holder)
-        w.put(prompt.chunks())
-        w.close()
+        stored(holder, prompt.chunks())
         tier = open_tier(peers(f"members={holder.address}"))
         assert tier.contains(prompt.keys) == 0  # no index, not directed: no broadcast
         assert not tier.direct(prompt.keys, "10.1.2.3:50051")  # not a member: never dialled
@@ -185,9 +210,7 @@ def test_a_router_may_direct_a_load_only_to_a_member(index):
 def test_a_peer_that_is_gone_or_stalls_costs_a_miss_in_bounded_time(index):
     holder = sidecar(index)
     prompt = make_prompt(3, seed=8)
-    w = writer(holder)
-    w.put(prompt.chunks())
-    w.close()
+    stored(holder, prompt.chunks())
     tier = open_tier(peers(f"index={index}"))
     assert eventually(lambda: tier.contains(prompt.keys) == 3, 10)
     address = holder.address
@@ -215,9 +238,7 @@ def test_a_drained_sidecar_is_not_chosen_and_a_stale_entry_is_a_miss(index, redi
     holder = sidecar(index)
     prompt = make_prompt(2, seed=9)
     try:
-        w = writer(holder)
-        w.put(prompt.chunks())
-        w.close()
+        stored(holder, prompt.chunks())
         tier = open_tier(peers(f"index={index}&refresh=0.1"))
         assert eventually(lambda: tier.contains(prompt.keys) == 2, 10)
         holder.peer_index.writer.drain()

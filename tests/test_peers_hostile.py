@@ -16,7 +16,7 @@ from concurrent import futures
 
 import grpc
 import pytest
-from test_peers import OTHER, READER, WRITER, client, peers, sidecar, writer
+from test_peers import OTHER, READER, WRITER, client, peers, sidecar, stored, writer
 
 from lmtier.kv import codec
 from lmtier.kv.chunk import release_all
@@ -68,9 +68,7 @@ def test_a_peers_token_calls_the_reads_of_chunks_and_nothing_else(index):
     holder = sidecar()
     prompt = make_prompt(2, seed=30)
     try:
-        w = writer(holder)
-        w.put(prompt.chunks())
-        w.close()
+        stored(holder, prompt.chunks())
         for method, request in (
             ("Stats", cache_pb2.StatsRequest()),
             ("List", cache_pb2.ListRequest()),
@@ -188,6 +186,118 @@ def test_a_member_that_lies_or_trickles_costs_a_miss_within_the_deadline(behavio
         member.stop()
 
 
+class GrpcLiar:
+    """A member with no data channel (``OpenData`` unimplemented: loads go over gRPC) whose
+    ``Lookup`` claims ``hits`` chunks and whose ``Get`` streams a frame of ``frame_size``."""
+
+    def __init__(self, hits: int, frame_size: int = 0) -> None:
+        from lmtier.transport.pieces import pack, piece
+
+        def get(raw, ctx):
+            keys = cache_pb2.GetRequest.FromString(raw).keys
+            for _ in range(512):  # up to 512 MiB of it, a MiB a message
+                yield pack(piece(keys[0], frame_size, 0, data=[b"x" * (1 << 20)]))
+                time.sleep(0.001)
+
+        handlers = {
+            "Lookup": grpc.unary_unary_rpc_method_handler(
+                lambda raw, ctx: cache_pb2.LookupResponse(hits=hits).SerializeToString()
+            ),
+            "Get": grpc.unary_stream_rpc_method_handler(get),
+        }
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop(0)
+
+
+def test_a_member_that_claims_more_chunks_than_were_asked_finds_none():
+    from lmtier.store.tiered import TieredStore
+
+    prompt = make_prompt(2, seed=36)
+    member = GrpcLiar(hits=1000)
+    store = TieredStore.open(["cpu://?size=16MiB", peers(f"members={member.address}")])
+    try:
+        peer_tier = store.tiers[1]
+        assert peer_tier.direct(prompt.keys, member.address)
+        assert peer_tier.contains(prompt.keys) == 0  # a protocol error: that member is not asked for a while
+        assert peer_tier.counts["errors"] == 1
+        assert store.lookup(prompt.keys) == 0
+    finally:
+        store.close()
+        member.stop()
+
+
+def test_a_member_that_announces_a_gigabyte_over_grpc_is_refused_at_its_first_piece():
+    import resource
+
+    prompt = make_prompt(2, seed=37)
+    member = GrpcLiar(hits=2, frame_size=1 << 30)
+    context = TierContext(chunk_bytes=len(prompt.chunk_bytes(0)))
+    tier = open_tier(peers(f"members={member.address}"), context)
+    try:
+        assert tier.direct(prompt.keys, member.address)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert tier.get(prompt.keys) == [None, None]
+        grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        assert grown_mib < 64  # a frame of a chunk and its header at most, never the member's 512 MiB
+    finally:
+        tier.close()
+        member.stop()
+
+
+def test_a_chunk_of_another_layout_from_a_peer_is_a_miss_and_lands_nowhere(index):
+    from lmtier.store.tiered import TieredStore
+
+    holder = sidecar(index)
+    ours = make_prompt(2, seed=38)
+    small = make_namespace(layout=KVLayout(1, 1, 64, "float16"), chunk_tokens=16)
+    theirs = make_prompt(2, seed=40, namespace=small).chunks()  # smaller chunks of another model, under our keys
+    try:
+        stored(holder, [c.view_as(k) for c, k in zip(theirs, ours.keys, strict=True)])
+        context = TierContext(chunk_bytes=len(ours.chunk_bytes(0)), layouts=(ours.namespace.layout,))
+        store = TieredStore.open(["cpu://?size=16MiB", peers(f"index={index}&members={holder.address}")], context)
+        assert eventually(lambda: store.lookup(ours.keys) == 2, 10)  # offered
+        assert all(c is None for c in store.tiers[1].get(ours.keys))  # refused
+        assert store.tiers[1].counts["corrupt"] == 1 and store.tiers[1].counts["hits"] == 0
+        got = store.get(ours.keys)
+        assert got == [] or all(c is None for c in got)
+        store.flush()
+        assert store.tiers[0].contains(ours.keys) == 0  # nothing of it in this instance's memory
+        store.close()
+    finally:
+        holder.stop(0)
+
+
+def test_a_router_cannot_direct_a_load_to_a_drained_sidecar(index):
+    holder = sidecar(index)
+    prompt = make_prompt(2, seed=39)
+    try:
+        stored(holder, prompt.chunks())
+        tier = open_tier(peers(f"index={index}&members={holder.address}&refresh=0.1"))
+        assert eventually(lambda: tier.contains(prompt.keys) == 2, 10)
+        holder.peer_index.writer.drain()
+        time.sleep(0.2)
+        assert tier.direct(prompt.keys, holder.address)  # a member: taken as a hint
+        assert tier.contains(prompt.keys) == 0 and tier.get(prompt.keys) == [None, None]  # drained: not asked
+        tier.close()
+    finally:
+        holder.stop(0)
+
+
+def test_a_sidecar_refuses_one_secret_for_its_engine_and_its_peers_and_an_index_with_no_peers():
+    from lmtier.config.schema import ServerConfig
+    from lmtier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="both in tokens and in peer_tokens"):
+        ServerConfig(tokens=(("same-secret-0123456789", "a"),), peer_tokens=(("same-secret-0123456789", "b"),))
+    with pytest.raises(ConfigError, match="peer_index needs peer_tokens"):
+        ServerConfig(tokens=(WRITER,), peer_index="redis://127.0.0.1:1", advertise="127.0.0.1:2")
+
+
 def test_a_poisoned_index_costs_a_miss_and_reads_no_more_than_addresses(index, redis_server):
     redis_client = client(redis_server)
     prompt = make_prompt(2, seed=32)
@@ -210,9 +320,7 @@ def test_a_request_that_named_a_peer_without_the_prefix_costs_later_requests_not
     holder, empty = sidecar(index), sidecar()
     prompt = make_prompt(3, seed=33)
     try:
-        w = writer(holder)
-        w.put(prompt.chunks())
-        w.close()
+        stored(holder, prompt.chunks())
         tier = open_tier(peers(f"members={holder.address},{empty.address}&index={index}"))
         assert eventually(lambda: tier.contains(prompt.keys) == 3, 10)
         assert tier.direct(prompt.keys, empty.address)  # a client's parameters: a member, but empty
@@ -228,9 +336,7 @@ def test_only_the_chunks_of_tenants_with_peers_are_announced(index, redis_server
     holder = sidecar(index)
     fleet, other = make_prompt(2, seed=34), make_prompt(2, seed=35)
     try:
-        w = writer(holder)
-        w.put(fleet.chunks())
-        w.close()
+        stored(holder, fleet.chunks())
         theirs = writer(holder, OTHER[0])  # a tenant with no peers' token
         theirs.put(other.chunks())
         theirs.close()
@@ -262,9 +368,7 @@ def test_what_is_dialled_is_the_members_own_spelling_and_a_departed_members_hint
     holder = sidecar()
     prompt = make_prompt(2, seed=37)
     try:
-        w = writer(holder)
-        w.put(prompt.chunks())
-        w.close()
+        stored(holder, prompt.chunks())
         port = holder.address.rsplit(":", 1)[1]
         tier = open_tier(peers(f"members={holder.address}"))
         for spelling in (f"127.0.0.1.:{port}", f"..:{port}", f"...:{port}"):
@@ -299,9 +403,7 @@ def test_peers_found_by_dns_join_and_leave_as_a_headless_services_pods_do(index,
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in pods]
 
     try:
-        w = writer(holder)
-        w.put(prompt.chunks())
-        w.close()
+        stored(holder, prompt.chunks())
         monkeypatch.setattr(members_module.socket, "getaddrinfo", resolve)
         port = holder.address.rsplit(":", 1)[1]
         tier = open_tier(peers(f"dns=peers.fleet.svc:{port}&refresh=0.1"))

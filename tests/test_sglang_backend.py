@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,14 @@ def cache_server():
     server.stop(0)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.mark.parametrize("tier", ["cpu", "disk", "redis", "redis-cluster", "grpc", "s3"])
 def test_every_tier_serves_as_the_l3(request, tmp_path, tier):
     url = {
@@ -150,6 +159,75 @@ def test_every_tier_serves_as_the_l3(request, tmp_path, tier):
         assert storage.batch_get_v1(keys, dst) == [True] * 5
         assert sglang_env.page_bytes(pool, dst) == sglang_env.page_bytes(pool, src)
         storage.close()
+
+
+def test_an_instance_loads_what_another_instances_sidecar_holds_through_peers(redis_server, tmp_path):
+    """Two SGLang instances, each with its sidecar: the second reads the first's pages
+    through a ``peers://`` tier (found in the fleet's index, with the peers' read-only
+    token) into its own host pool, byte for byte; a peer's page of another model's layout
+    is a miss there, and the second instance's saves never reach the first's sidecar."""
+    import numpy as np
+
+    from lmtier.kv.chunk import Chunk
+    from lmtier.tiers.base import open_tier
+
+    redis_server.call("FLUSHALL")
+    writer, peer = "sgl-writer-secret-0123456", "sgl-peer-secret-012345678"
+    servers = []
+    for _ in range(2):
+        port = _free_port()
+        srv, _ = create_server(ServerConfig(port=port, tiers=("cpu://?size=64MiB",), shm_dir="",
+                                            tokens=((writer, "fleet"),), peer_tokens=((peer, "fleet"),),
+                                            peer_index=redis_server.url, advertise=f"127.0.0.1:{port}"))  # fmt: skip
+        srv.address = f"127.0.0.1:{port}"
+        servers.append(srv)
+    members = ",".join(s.address for s in servers)
+
+    def tiers(i: int) -> list[str]:
+        own = servers[i].address
+        return ["cpu://?size=16MiB", f"grpc://{own}?token={writer}&shm=off",
+                f"peers://?index={redis_server.url}&members={members}&advertise={own}&token={peer}"
+                "&tenant=fleet&timeout=2"]  # fmt: skip
+
+    try:
+        first, pool = backend(tiers(0))
+        keys = page_keys(5, seed=31)
+        src = alloc(pool, 5)
+        sglang_env.fill_random(pool, src, seed=31)
+        assert all(first.batch_set_v1(keys, src))
+        first.store.flush()
+        second, pool2 = backend(tiers(1), layout="layer_first")  # another host layout
+        deadline = time.monotonic() + 10
+        while second.batch_exists(keys) < 5 and time.monotonic() < deadline:  # the sidecar announces
+            time.sleep(0.05)
+        dst = alloc(pool2, 5)
+        assert second.batch_get_v1(keys, dst) == [True] * 5
+        assert torch.equal(token_kv(pool, src).view(torch.int16), token_kv(pool2, dst).view(torch.int16))
+        assert second.store.tiers[2].counts["hits"] == 5  # from the peer
+        second.batch_set_v1(page_keys(2, seed=32), alloc(pool2, 2))
+        second.store.flush()
+        assert servers[0].service.store.tiers[0].stats()["chunks"] == 5  # nothing written to the holder
+
+        # the holder's sidecar serves a chunk of another model's layout under a key the
+        # second instance asks for: a miss there, nothing lands in its pool
+        mla, _ = backend(["cpu://?size=16MiB"], mla=True)
+        key = page_keys(1, seed=33)
+        zeros = np.zeros(mla.layout.byte_shape(mla.namespace.chunk_tokens), np.uint8)
+        foreign = Chunk(second._keys(key)[0], mla.layout, zeros, namespace=second.namespace.digest)
+        planted = open_tier(f"grpc://{servers[0].address}?token={writer}&shm=off")
+        planted.put([foreign])
+        planted.close()
+        deadline = time.monotonic() + 10
+        while second.store.tiers[2].contains(second._keys(key)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert second.store.tiers[2].contains(second._keys(key)) == 1  # the peer offers it
+        assert second.batch_get_v1(key, alloc(pool2, 1)) == [False]
+        mla.close()
+        second.close()
+        first.close()
+    finally:
+        for srv in servers:
+            srv.stop(0)
 
 
 # ------------------------------------------------------------------------------------------

@@ -76,6 +76,18 @@ def worker_for(config) -> LMTierConnector:
     return worker
 
 
+def slowed(worker: LMTierConnector, monkeypatch) -> LMTierConnector:
+    """Fault injection: the worker's writes to every tier take 0.3 s (the shared tier is far away)."""
+    put_all = worker.store.put_all
+
+    def slow(chunks):
+        time.sleep(0.3)
+        return put_all(chunks)
+
+    monkeypatch.setattr(worker.store, "put_all", slow)
+    return worker
+
+
 def prefill(scheduler, worker, prompt, req_id="r", params=None):
     """One producer request through the scheduler and a worker, as the engine runs it
     with max_tokens=1: returns its scheduler output and what request_finished returned."""
@@ -156,14 +168,7 @@ def test_a_producers_step_holds_its_output_until_the_chunks_are_in_redis(model, 
     """No parameters forwarded: wait_for_save returns only once a second store (another
     instance) can read every chunk, with the writes to Redis slowed by 0.3 s."""
     scheduler, config = producer(model, redis)
-    worker = worker_for(config)
-    put_all = worker.store.put_all
-
-    def slow(chunks):  # fault injection: the shared tier is far away
-        time.sleep(0.3)
-        return put_all(chunks)
-
-    monkeypatch.setattr(worker.store, "put_all", slow)
+    worker = slowed(worker_for(config), monkeypatch)
     prompt = tokens(700, seed=5)
     decode, _ = consumer(model, redis)
     ns = decode.connector.namespaces[0]
@@ -173,6 +178,28 @@ def test_a_producers_step_holds_its_output_until_the_chunks_are_in_redis(model, 
     handoff = Handoff.of(params)
     assert handoff is not None and handoff.tokens == 640 and handoff.chunk_tokens == CHUNK
     assert handoff.key == ns.keys(prompt)[4].hex() and handoff.namespace == ns.digest.hex()
+
+
+def test_a_colocated_instance_named_as_prefill_by_its_decoder_holds_as_a_producer(model, redis, monkeypatch):
+    """llm-d's P2P mode: the prefill instance (``kv_both``) gets ``remote_decoder``, answers,
+    and only then is the decode instance asked. The answer waits for every tier (the
+    writes to Redis slowed by 0.3 s), and names the hand-off; a plain request does not."""
+    scheduler, config = engine(model, "kv_both", ["cpu://?size=64MiB", redis.url])
+    worker = slowed(worker_for(config), monkeypatch)
+    prompt = tokens(700, seed=15)
+    decode, _ = consumer(model, redis)
+    ns = decode.connector.namespaces[0]
+    out, params = prefill(scheduler, worker, prompt, params={"remote_decoder": {"kv_request_id": "x-1"}})
+    assert out.kv_connector_metadata.hold == ["r"]
+    assert all(plan.hand_off for plan in out.kv_connector_metadata.saves)
+    assert decode.connector.store.lookup(ns.keys(prompt)[:5]) == 5  # readable when the step ended
+    assert Handoff.of(params).tokens == 640
+    out, params = prefill(scheduler, worker, tokens(700, seed=16), "plain")
+    assert out.kv_connector_metadata.hold == [] and params is None  # a colocated request: no hold, no hand-off
+    assert not any(plan.hand_off for plan in out.kv_connector_metadata.saves)
+    alone, config = engine(model, "kv_both", ["cpu://?size=64MiB"])  # no tier another instance reads
+    out, params = prefill(alone, worker_for(config), prompt, "mine", params={"remote_decoder": {"kv_request_id": "x"}})
+    assert out.kv_connector_metadata.hold == [] and params is None  # nothing to wait for, nothing to hand off
 
 
 def test_a_forwarding_router_gets_the_answer_at_once_and_the_decoder_waits_for_the_chunks(model, redis, monkeypatch):

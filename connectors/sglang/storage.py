@@ -101,7 +101,7 @@ class LMTierStorage(HiCacheStorage):
         old = self.store
         self.store = TieredStore.open(
             self.config.tiers,
-            TierContext(chunk_bytes=namespace.chunk_bytes),
+            TierContext(chunk_bytes=namespace.chunk_bytes, layouts=(layout,)),
             defer=True,
             write_queue=self.config.write_queue,
             write_mode=self.config.write_mode,

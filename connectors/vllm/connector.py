@@ -71,16 +71,17 @@ def flush_all(timeout: float = 30.0) -> list[dict[str, Any]]:
     return [store.stats() for store in stores]
 
 
-def _shared_store(cfg: StoreConfig, chunk_bytes: int) -> TieredStore:
+def _shared_store(cfg: StoreConfig, layouts: tuple[KVLayout, ...], chunk_tokens: int) -> TieredStore:
     """The scheduler and worker connectors of one process share their tiers, so that in
     single-process mode a chunk in host memory is visible to both. Keyed by process."""
-    key = (os.getpid(), cfg.tiers, cfg.write_mode, cfg.save_policy, cfg.min_tokens, chunk_bytes)
+    chunk_bytes = max(layout.chunk_bytes(chunk_tokens) for layout in layouts)
+    key = (os.getpid(), cfg.tiers, cfg.write_mode, cfg.save_policy, cfg.min_tokens, chunk_bytes, layouts)
     with _STORES_LOCK:
         store = _STORES.get(key)
         if store is None:
             store = _STORES[key] = TieredStore.open(
                 cfg.tiers,
-                TierContext(chunk_bytes=chunk_bytes),
+                TierContext(chunk_bytes=chunk_bytes, layouts=layouts),
                 defer=True,
                 write_queue=cfg.write_queue,
                 write_mode=cfg.write_mode,
@@ -150,7 +151,7 @@ class LMTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
         self.namespaces = self.lane_namespaces[0]
         self._model_id = model_id
         self.windowed = any(lane.window for lane in self.lanes)
-        self.store = _shared_store(self.config, max(lane.layout.chunk_bytes(self.chunk_tokens) for lane in self.lanes))
+        self.store = _shared_store(self.config, tuple(lane.layout for lane in self.lanes), self.chunk_tokens)
         announce("vllm", self.config.tiers, self.namespaces, model_id)
         if self.kv_role.name != "kv_both" and role == KVConnectorRole.SCHEDULER:
             log.info(

@@ -26,7 +26,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmtier import metrics
-from lmtier.connectors.vllm.pd import HANDOFF_KEYS, LOCAL_SCHEMES, RECHECK_S, Handoff, forwarded, remote_source
+from lmtier.connectors.vllm.pd import (
+    HANDOFF_KEYS,
+    LOCAL_SCHEMES,
+    RECHECK_S,
+    Handoff,
+    forwarded,
+    named_decoder,
+    remote_source,
+)
 from lmtier.connectors.vllm.stats import hit_sources
 from lmtier.kv.keys import chunk_keys
 
@@ -67,6 +75,7 @@ class _Request:
     namespaces: list = field(default_factory=list)  # [lane][rank]: the instance's, or salted (cache_salt)
     source: str = ""  # a peer a router named as the holder of its prefix (remote_kv_source): host:port
     forwarded: bool = False  # its router forwards this instance's parameters to a decode instance
+    hands_off: bool = False  # a producer's, or one naming its decode instance: written to every tier
 
 
 _SWITCHES = ("load", "save")
@@ -171,7 +180,11 @@ class Lookups:
         state.load = state.load and self.kv_role.loads
         state.save = state.save and self.kv_role.saves
         state.forwarded = forwarded(params)
-        state.hold = self.kv_role.producer and state.save and not state.forwarded
+        # a request naming its decode instance hands off as a producer's does, where another
+        # instance can read this one's tiers at all (else holding its answer gains nothing)
+        named = self.kv_role.shares and named_decoder(params)
+        state.hands_off = state.save and (self.kv_role.producer or named)
+        state.hold = state.hands_off and not state.forwarded
         if state.load:
             state.source = remote_source(params)
             state.handoff = self._handoff_of(state, Handoff.of(params))

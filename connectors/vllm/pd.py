@@ -6,6 +6,7 @@ hand-off a router forwards from the prefill instance to the decode instance.
     Handoff.of(params) -> Handoff | None    the hand-off in a request's kv_transfer_params
     handoff_params(...) -> dict             what a producer's request_finished returns
     forwarded(params) -> bool               whether the router forwards parameters
+    named_decoder(params) -> bool           whether it names the decode instance (remote_decoder)
 
 Roles (vLLM's ``kv_role``):
 
@@ -67,30 +68,39 @@ class Role:
     loads: bool
     saves: bool
     producer: bool  # writes every tier before a save counts, answers only once readable
+    shares: bool = True  # has a tier another instance reads (a kv_both's request naming its decoder holds)
 
 
 def role_of(kv_role: str | None, config: StoreConfig) -> Role:
     role = kv_role or "kv_both"
     if role not in ROLES:
         raise ConfigError(f"lmtier: kv_role must be one of {ROLES}, got {role!r}")
-    if role != "kv_both":
-        schemes = [TierURL.parse(url).scheme for url in config.tiers]
-        if all(s in LOCAL_SCHEMES for s in schemes):
-            raise ConfigError(
-                f"lmtier: kv_role {role} needs a tier the other side reads too (redis://, redis+cluster://, "
-                f"grpc://, ...), but every tier is this instance's own: {', '.join(schemes)}"
-            )
+    schemes = [TierURL.parse(url).scheme for url in config.tiers]
+    if role != "kv_both" and all(s in LOCAL_SCHEMES for s in schemes):
+        raise ConfigError(
+            f"lmtier: kv_role {role} needs a tier the other side reads too (redis://, redis+cluster://, "
+            f"grpc://, ...), but every tier is this instance's own: {', '.join(schemes)}"
+        )
     if role == "kv_producer":
         return Role(role, loads=False, saves=True, producer=True)
     if role == "kv_consumer":
         return Role(role, loads=True, saves=config.save_decoded, producer=False)
-    return Role(role, loads=True, saves=True, producer=False)
+    # a peers tier is read-only: what this instance writes, others read from its sidecar (grpc://)
+    shares = any(s not in (*LOCAL_SCHEMES, "peers") for s in schemes)
+    return Role(role, loads=True, saves=True, producer=False, shares=shares)
 
 
 def forwarded(params: Any) -> bool:
     """Whether a producer's request comes from a router that forwards parameters to the
     decode instance (it asks for a remote decode, as vLLM's proxies and Dynamo do)."""
     return isinstance(params, dict) and params.get("do_remote_decode") is True
+
+
+def named_decoder(params: Any) -> bool:
+    """Whether a request names the instance that will decode it (``remote_decoder``, as
+    llm-d's P2P mode sends its prefill instance): that instance pulls next, so this one,
+    even a ``kv_both``, hands off as a producer does (its answer waits for its writes)."""
+    return isinstance(params, dict) and isinstance(params.get("remote_decoder"), dict)
 
 
 def handoff_params(namespace: bytes, key: bytes, tokens: int, chunk_tokens: int, timeout: float) -> dict[str, Any]:

@@ -32,6 +32,7 @@ class SavePlan:
     block_ids: list[int]  # engine blocks of those chunks, in token order
     lane: int = 0
     digests: list[bytes] = field(default_factory=list)  # [rank]: the namespace the keys are in
+    hand_off: bool = False  # a producer's: written to every tier before it counts as saved
 
 
 @dataclass

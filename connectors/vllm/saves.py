@@ -9,9 +9,10 @@ blocks until the copies reading them are done.
   reports the copies done), and a request preempted with a copy in flight is fenced
   (``handle_preemptions``): the next step waits for its copy before the forward pass can
   write its freed blocks.
-- A producer (``kv_producer``, ``connectors/vllm/pd.py``) writes every tier before a save
-  counts as done, and the step that completes a prompt whose router forwards nothing
-  waits in ``wait_for_save`` until that prompt's chunks have landed (at most
+- A producer (``kv_producer``, ``connectors/vllm/pd.py``; or any instance's request that
+  names its decode instance, ``remote_decoder``) writes every tier before a save counts
+  as done, and the step that completes a prompt whose router forwards nothing waits in
+  ``wait_for_save`` until that prompt's chunks have landed (at most
   ``handoff_timeout``): its answer leaves once a decode instance can read them.
 
     WorkerSaves          the saves, mixed into the connector (via WorkerSide)
@@ -96,11 +97,11 @@ class WorkerSaves:
             with self._copy_cond:
                 self._saving.add(plan.req_id)
                 self._copying[plan.req_id] = self._copying.get(plan.req_id, 0) + 1
-                if self.kv_role.producer:
+                if plan.hand_off:
                     self._storing[plan.req_id] = self._storing.get(plan.req_id, 0) + 1
             if not self._enqueue_save(plan, written):  # the queue is full: a future miss, never a stall
                 self._copied_one(plan.req_id)
-                self._stored_one(plan.req_id)
+                self._stored_one(plan)
                 self._count("dropped", len(plan.keys[self._rank]) * self.chunk_tokens)
         if meta.hold:
             self._hold(meta.hold)
@@ -121,16 +122,16 @@ class WorkerSaves:
                 len(req_ids), timeout,
             )  # fmt: skip
 
-    def _stored_one(self, req_id: str) -> None:
-        """One save plan of a producer's ``req_id`` has reached every tier (or failed)."""
-        if not self.kv_role.producer:
+    def _stored_one(self, plan: SavePlan) -> None:
+        """One save plan of a producer's request has reached every tier (or failed)."""
+        if not plan.hand_off:
             return
         with self._copy_cond:
-            left = self._storing.get(req_id, 0) - 1
+            left = self._storing.get(plan.req_id, 0) - 1
             if left > 0:
-                self._storing[req_id] = left
+                self._storing[plan.req_id] = left
             else:
-                self._storing.pop(req_id, None)
+                self._storing.pop(plan.req_id, None)
                 self._copy_cond.notify_all()
 
     def _enqueue_save(self, plan: SavePlan, written: Any = None) -> bool:
@@ -199,7 +200,7 @@ class WorkerSaves:
                 for key, buf in zip(keys, bufs, strict=False)
             ]
             if chunks:
-                if self.kv_role.producer:  # a hand-off: readable by the other side before the answer leaves
+                if plan.hand_off:  # a hand-off: readable by the other side before the answer leaves
                     self.store.put_all(chunks)
                 else:
                     self.store.put(chunks)  # copies into the first tier; lower tiers read it back from there
@@ -207,7 +208,7 @@ class WorkerSaves:
         finally:
             for buf in bufs:
                 buffers.release(buf)
-            self._stored_one(plan.req_id)
+            self._stored_one(plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished requests whose blocks no save still reads: exactly those with save

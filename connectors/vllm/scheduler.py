@@ -161,6 +161,7 @@ class SchedulerSide(Lookups):
                     [b for c in chunks for b in blocks[c * per : (c + 1) * per]],
                     lane=i,
                     digests=[ns.digest for ns in state.namespaces[i]],
+                    hand_off=state.hands_off,
                 )
             )
             state.plans += 1
@@ -220,9 +221,10 @@ class SchedulerSide(Lookups):
         """A producer's hand-off for the router to forward: the chunks of the prompt it
         stored (``connectors/vllm/pd.py``) and, where it has a sidecar peers read from, that
         sidecar as vLLM's ``remote_kv_source``; None for any other request. A ``kv_both``
-        instance hands off a request whose router asks for a remote decode."""
+        instance hands off a request whose router asks for a remote decode or names the
+        decode instance."""
         chunks = state.saved[0] if state.saved else 0
-        producing = self.kv_role.producer or state.forwarded  # kv_both: when a router asks for a remote decode
+        producing = state.hands_off or state.forwarded  # kv_both: when a router asks for a remote decode
         if not (producing and state.save and chunks and state.keys and len(state.keys[0][0]) >= chunks):
             return None
         namespace = state.namespaces[0][0].digest

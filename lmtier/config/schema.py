@@ -248,6 +248,15 @@ class ServerConfig:
         object.__setattr__(self, "peer_tokens", tuple(tuple(t) for t in self.peer_tokens))
         if self.peer_index and not self.advertise:
             raise ConfigError("peer_index needs advertise: the host:port other instances reach this server at")
+        if self.peer_index and not self.peer_tokens:
+            raise ConfigError("peer_index needs peer_tokens: only what peers may read is announced, and no peer may "
+                              "read here")  # fmt: skip
+        both = {secret for secret, _ in self.tokens} & {secret for secret, _ in self.peer_tokens}
+        if both:
+            raise ConfigError(
+                f"{len(both)} token(s) are both in tokens and in peer_tokens: a peer's token reads only, so the "
+                "engine's own writes would be refused; give peers a secret of their own"
+            )
         if self.peer_index_ttl < 1:
             raise ConfigError(f"peer_index_ttl must be at least 1 second, got {self.peer_index_ttl}")
         object.__setattr__(self, "operators", tuple(self.operators))

@@ -198,6 +198,7 @@ class TieredStore(ReadPath, WritePath, WriteBack):
             best, tier = max(
                 ((self._call(t, "contains", t.contains, rest, default=0), t) for t in asked), key=lambda c: c[0]
             )
+            best = max(0, min(best, len(rest)))  # no tier finds more than it was asked for
             if best == 0:
                 break
             runs.append((tier, best))

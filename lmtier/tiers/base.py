@@ -89,6 +89,9 @@ class TierContext:
     """What a tier may want to know about the chunks it will hold (all optional)."""
 
     chunk_bytes: int | None = None  # payload size of one full chunk
+    # The layouts of the chunks the store's owner reads (an engine's own): a tier that
+    # serves what others wrote (peers) refuses a chunk of any other; (): not known.
+    layouts: tuple[KVLayout, ...] = ()
     # A shared-memory directory for a memory tier to keep its slab in, so that same-host
     # readers can map it (the cache server's zero-copy path); "" keeps it private.
     shared_dir: str = ""

@@ -7,7 +7,7 @@ is ``GrpcTier``'s.
         to a message), the rest as bytes cut into pieces of ``piece_bytes`` (a message each)
     finish_slots(segment, slots, done)
         slots a call used go back: at once when it ended well, after a rest otherwise
-    GetStream(keys, segment, memory, buffers, release_lease, on_corrupt, tier)
+    GetStream(keys, segment, memory, buffers, release_lease, on_corrupt, tier, max_frame)
         .landing                         slots of our segment offered to the server
         .read(messages) -> list[Chunk | None]   one entry per key, in order
         .close(done)                     returns what the call holds: after a failure, the
@@ -95,6 +95,7 @@ class GetStream:
         release_lease: Callable[[int], None],
         on_corrupt: Callable[[bytes], None],
         tier: str,
+        max_frame: int = MAX_FRAME,
     ) -> None:
         self.keys, self.segment, self.memory = keys, segment, memory
         self._release_lease, self._on_corrupt, self._tier = release_lease, on_corrupt, tier
@@ -108,7 +109,7 @@ class GetStream:
         ]
         self._by_offset = {segment.offset(s): s for s in self.slots} if segment is not None else {}
         self._used: set[int] = set()
-        self._assembler = FrameAssembler(buffers, MAX_FRAME)
+        self._assembler = FrameAssembler(buffers, max_frame)  # a frame claiming more is refused unread
         self._lease: Lease | None = None  # the server's lease on chunks read in its memory
         self.out: list[Chunk | None] = [None] * len(keys)
 

@@ -131,6 +131,7 @@ class GrpcTier(Tier):
         self._buffers = BufferPool(max_free=64, max_free_bytes=128 << 20)
         chunk_bytes = context.chunk_bytes if context else None
         self._frame_guess = (chunk_bytes or 1 << 20) + 4096
+        self._max_frame = chunk_bytes + FRAME_SLACK if chunk_bytes else MAX_FRAME  # a chunk and its header
         if shm == "auto":
             shm = "on" if is_local(target) and os.access(shm_dir, os.W_OK) else "off"
         # A slot holds one frame: the chunk plus its header, rounded up to 64 KiB.
@@ -151,7 +152,7 @@ class GrpcTier(Tier):
                 self._drop_corrupt,
                 name,
                 timeout,
-                max_frame=chunk_bytes + FRAME_SLACK if chunk_bytes else MAX_FRAME,  # a chunk and its header
+                max_frame=self._max_frame,
             )
             if data
             else None
@@ -224,7 +225,10 @@ class GrpcTier(Tier):
         if self.directory.contains(keys) == len(keys):
             return len(keys)
         request = cache_pb2.LookupRequest(keys=list(keys))
-        return self._rpc(lambda: self._channel().lookup(request, timeout=self.timeout, metadata=self._metadata).hits)
+        hits = self._rpc(lambda: self._channel().lookup(request, timeout=self.timeout, metadata=self._metadata).hits)
+        if not 0 <= hits <= len(keys):  # no server of ours answers so: a peer that lies, or another protocol
+            raise TierError(f"grpc tier {self.name}: the server found {hits} of {len(keys)} chunks asked for")
+        return hits
 
     def get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
         if not keys:
@@ -249,9 +253,8 @@ class GrpcTier(Tier):
             if chunks is not None:
                 self._count("data_loads")
                 return chunks
-        stream = GetStream(
-            keys, self.memory.segment(), self.memory, self._buffers, self._release, self._drop_corrupt, self.name
-        )
+        stream = GetStream(keys, self.memory.segment(), self.memory, self._buffers, self._release,
+                           self._drop_corrupt, self.name, self._max_frame)  # fmt: skip
         request = cache_pb2.GetRequest(keys=list(keys), landing=stream.landing)
         call, done = None, False
         try:

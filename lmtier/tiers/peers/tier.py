@@ -15,7 +15,9 @@ Which peer holds a chunk:
   ``kv_transfer_params``); the engine passes it on (``direct``), remembered per key
   (``HINTS`` at most); taken only from a membership (``members``/``dns``);
 - found: the fleet's index (``index``): one round trip per lookup, then one ``Lookup`` to the
-  holder. No broadcast: a key with no holder named is a miss.
+  holder; its answer is kept ``FOUND_S`` seconds for the load that follows the lookup,
+  which goes straight to the holder (a lookup always asks the index). No broadcast: a
+  key with no holder named is a miss.
 
 Either way only a member is asked (``members``/``dns``; with neither, any address the
 index names), never the instance itself, a drained one, or one that failed within
@@ -46,6 +48,7 @@ from lmtier.tiers.peers.members import Members, joined, split_address
 log = logging.getLogger(__name__)
 
 HINTS = 65536  # keys a router directed to a peer, remembered at most
+FOUND_S = 1.0  # the index's answer for a key, kept from a lookup to the load that follows it
 PASSED_ON = ("token", "token_env", "tls", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "data")
 
 
@@ -99,11 +102,15 @@ class PeerTier(Tier):
         self.name, self.timeout, self.peer_cooldown, self.max_peers = name, timeout, cooldown, max_peers
         self.advertise = os.path.expandvars(advertise)
         self.members = Members(members, dns, refresh, self.advertise)
+        if self.members.open:
+            log.warning("peers: no members= or dns=: any address the index names is asked, with the peer token "
+                        "(keep the index's Redis as trusted as a shared tier, or give the membership)")  # fmt: skip
         self.index = IndexReader(index, prefix, tenant_tag(tenant), timeout, refresh) if index else None
         self._context = context or TierContext()
         self._client_options = {k: v for k, v in client.items() if k in PASSED_ON}
         self._clients: OrderedDict[str, Tier] = OrderedDict()  # peer -> its client, most recent last
         self._hints: OrderedDict[bytes, str] = OrderedDict()  # key -> peer a router named
+        self._found: OrderedDict[bytes, tuple[str, float]] = OrderedDict()  # key -> (peer the index named, until)
         self._failed: dict[str, float] = {}  # peer -> when it may be asked again (bounded by max_peers)
         self._index_off_until = 0.0  # the index failed: not asked until then
         self._lock = threading.Lock()
@@ -139,13 +146,21 @@ class PeerTier(Tier):
                 self._hints.popitem(last=False)
         return True
 
-    def _holders(self, keys: Sequence[bytes]) -> list[str | None]:
+    def _holders(self, keys: Sequence[bytes], loading: bool = False) -> list[str | None]:
+        """Each key's holder: a router's hint, else (``loading`` only) what a lookup just
+        found, else the index's answer."""
         with self._lock:
             found: list[str | None] = [self._hints.get(k) for k in keys]
         # a hint is a member's when it was given; members leave (and their addresses are reused)
         found = [self.members.admitted(p) if p is not None else None for p in found]
-        lacking = [i for i, peer in enumerate(found) if peer is None]
         now = time.monotonic()
+        if loading:
+            with self._lock:
+                recent = [self._found.get(k) if p is None else None for k, p in zip(keys, found, strict=True)]
+            for i, seen in enumerate(recent):
+                if seen is not None and seen[1] > now:
+                    found[i] = self.members.admitted(seen[0])
+        lacking = [i for i, peer in enumerate(found) if peer is None]
         if lacking and self.index is not None and now >= self._index_off_until:
             try:
                 named = self.index.holders([keys[i] for i in lacking])
@@ -159,6 +174,18 @@ class PeerTier(Tier):
             for i, peer in zip(lacking, named, strict=True):
                 if peer is not None and peer not in drained:
                     found[i] = self.members.admitted(peer)
+            until = time.monotonic() + FOUND_S
+            with self._lock:
+                for i in lacking:
+                    if found[i] is not None:
+                        self._found[keys[i]] = (found[i], until)  # type: ignore[assignment]
+                        self._found.move_to_end(keys[i])
+                while len(self._found) > HINTS:
+                    self._found.popitem(last=False)
+        chosen = {p for p in found if p is not None}
+        if chosen and self.index is not None:  # a router's hint, or a lookup's answer, names no drained peer either
+            drained = self.index.drained(chosen)
+            found = [None if p in drained else p for p in found]
         now = time.monotonic()
         return [p if p is not None and self._failed.get(p, 0.0) <= now else None for p in found]
 
@@ -169,11 +196,13 @@ class PeerTier(Tier):
             for key in keys:
                 if self._hints.get(key) == peer:
                     del self._hints[key]
+                if (recent := self._found.get(key)) is not None and recent[0] == peer:
+                    del self._found[key]
 
-    def _runs(self, keys: Sequence[bytes]) -> list[tuple[str, int, int]]:
+    def _runs(self, keys: Sequence[bytes], loading: bool = False) -> list[tuple[str, int, int]]:
         """The leading keys with a holder, as (peer, start, end) runs in prompt order."""
         runs: list[tuple[str, int, int]] = []
-        for i, peer in enumerate(self._holders(keys)):
+        for i, peer in enumerate(self._holders(keys, loading)):
             if peer is None:
                 break
             if runs and runs[-1][0] == peer:
@@ -225,7 +254,9 @@ class PeerTier(Tier):
             except Exception as exc:
                 self._failing(peer, exc)
                 self._unhint(keys[start:end], peer)
+                metrics.PEER_CHUNKS.labels(peer, "error").inc(end - start)
                 break
+            n = max(0, min(n, end - start))
             found += n
             if n < end - start:
                 self._unhint(keys[start + n : end], peer)
@@ -234,7 +265,7 @@ class PeerTier(Tier):
 
     def get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
         out: list[Chunk | None] = [None] * len(keys)
-        for peer, start, end in self._runs(keys):
+        for peer, start, end in self._runs(keys, loading=True):
             try:
                 got = self._client(peer).get(keys[start:end])
             except Exception as exc:
@@ -261,11 +292,11 @@ class PeerTier(Tier):
         return out
 
     def _fits(self, chunk: Chunk) -> bool:
-        """No larger than this instance's chunks (another model's layout, from a peer that
-        lies, is refused here before it takes room in this instance's tiers; the engine
-        checks the layout itself too)."""
-        limit = self._context.chunk_bytes
-        if limit and chunk.nbytes > limit:
+        """Of this instance's layouts, and no larger than its chunks: another model's
+        chunk, from a peer that lies, is refused here before it takes room in this
+        instance's tiers (the engine checks the layout itself too)."""
+        limit, layouts = self._context.chunk_bytes, self._context.layouts
+        if (limit and chunk.nbytes > limit) or (layouts and chunk.layout not in layouts):
             with self._lock:
                 self.counts["corrupt"] += 1
             return False
