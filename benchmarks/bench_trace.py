@@ -37,15 +37,12 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-import xxhash
-
+from lmtier.plan.traces import conversations, mooncake, no_reuse, system_prompts
 from lmtier.store.admission import SavePolicy
 
 from common import emit
@@ -61,59 +58,9 @@ NEVER = 1 << 62
 Request = tuple[list[bytes], int]  # (keys of the prompt's full chunks, prompt tokens)
 
 
-# -- workloads ------------------------------------------------------------------------
-def _chain(ids: Sequence[int], salt: bytes = b"") -> list[bytes]:
-    """Chained keys, as lmtier.kv.keys makes them: key i names chunk i and all before it."""
-    keys, key = [], salt
-    for i in ids:
-        key = xxhash.xxh3_128_digest(key + int(i).to_bytes(8, "little"))
-        keys.append(key)
-    return keys
-
-
+# -- workloads (lmtier.plan.traces: the same generators `lmtier plan` replays) ---------
 def load_trace(path: Path, limit: int | None = None) -> list[Request]:
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f):
-            if limit is not None and n >= limit:
-                break
-            r = json.loads(line)
-            full = r["input_length"] // CHUNK_TOKENS  # the partial last block is never stored
-            out.append((_chain(r["hash_ids"][:full]), r["input_length"]))
-    return out
-
-
-def no_reuse(n: int, seed: int = 1) -> list[Request]:
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(CHUNK_TOKENS, 40 * CHUNK_TOKENS, n)
-    return [(_chain(range(t // CHUNK_TOKENS), rng.bytes(8)), int(t)) for t in lengths]
-
-
-def system_prompts(n: int, seed: int = 2, prompts: int = 8) -> list[Request]:
-    rng = np.random.default_rng(seed)
-    heads = [_chain(range(int(rng.integers(2, 12))), b"system%d" % i) for i in range(prompts)]
-    weights = 1 / np.arange(1, prompts + 1)
-    out = []
-    for which in rng.choice(prompts, n, p=weights / weights.sum()):
-        tail = int(rng.integers(2, 30))
-        keys = heads[which] + _chain(range(tail), heads[which][-1] + rng.bytes(8))
-        out.append((keys, len(keys) * CHUNK_TOKENS + int(rng.integers(0, CHUNK_TOKENS))))
-    return out
-
-
-def conversations(n: int, seed: int = 3) -> list[Request]:
-    """Chats of geometric length (mean 4 turns), each turn 1-6 chunks longer than the last,
-    starting anywhere in the run, turns a mean of 1/8 of the run apart."""
-    rng = np.random.default_rng(seed)
-    events: list[tuple[float, list[bytes]]] = []
-    while len(events) < n:
-        t, keys, salt = float(rng.uniform(0, 1)), [], rng.bytes(8)
-        for _ in range(int(rng.geometric(0.25))):
-            keys = keys + _chain(range(int(rng.integers(1, 7))), (keys[-1] if keys else salt))
-            events.append((t, keys))
-            t += float(rng.exponential(1 / 8))
-    events.sort(key=lambda e: e[0])
-    return [(keys, len(keys) * CHUNK_TOKENS + int(rng.integers(0, CHUNK_TOKENS))) for _, keys in events[:n]]
+    return [(r.keys, r.tokens) for r in mooncake(path, limit, CHUNK_TOKENS)]
 
 
 # -- references -----------------------------------------------------------------------

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tiers", ("lmtier.tiers",)),
     ("store and engine side", ("lmtier.store", "lmtier.engine")),
     ("configuration", ("lmtier.config",)),
+    ("planning", ("lmtier.plan",)),
     ("embedded API", ("lmtier.api",)),
     ("server and adapters", ("lmtier.server", "lmtier.connectors")),
     ("entry points", ("lmtier.cli", "lmtier.__main__", "lmtier")),

@@ -19,6 +19,7 @@ import sys
 
 from lmtier.cli.demo import add_bench, add_demo
 from lmtier.cli.keys import add_keys
+from lmtier.cli.plan import add_plan
 from lmtier.cli.reports import add_inspect, add_match, add_stats
 from lmtier.cli.serve import add_serve
 from lmtier.cli.size import add_size
@@ -35,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lmtier", description="Multi-tier KV-cache offloading for LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (add_size, add_keys, add_match, add_demo, add_serve, add_stats, add_inspect, add_bench):
+    for add in (add_size, add_plan, add_keys, add_match, add_demo, add_serve, add_stats, add_inspect, add_bench):
         add(sub)
     return parser
 

@@ -220,15 +220,13 @@ class GrpcTier(Tier):
         return self.timeout + nbytes / MIN_RATE
 
     def contains(self, keys: Sequence[bytes]) -> int:
-        if not keys:
-            return 0
-        if self.directory.contains(keys) == len(keys):
+        if not keys or self.directory.contains(keys) == len(keys):
             return len(keys)
         request = cache_pb2.LookupRequest(keys=list(keys))
         hits = self._rpc(lambda: self._channel().lookup(request, timeout=self.timeout, metadata=self._metadata).hits)
-        if not 0 <= hits <= len(keys):  # no server of ours answers so: a peer that lies, or another protocol
-            raise TierError(f"grpc tier {self.name}: the server found {hits} of {len(keys)} chunks asked for")
-        return hits
+        if 0 <= hits <= len(keys):  # no server of ours answers otherwise: a peer that lies, another protocol
+            return hits
+        raise TierError(f"grpc tier {self.name}: the server found {hits} of {len(keys)} chunks asked for")
 
     def get(self, keys: Sequence[bytes]) -> list[Chunk | None]:
         if not keys:
@@ -259,8 +257,7 @@ class GrpcTier(Tier):
         call, done = None, False
         try:
             call = channel.get(request, timeout=self._deadline(len(keys) * self._frame_guess), metadata=self._metadata)
-            chunks = stream.read(call)
-            done = True
+            chunks, done = stream.read(call), True
             return chunks
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and stream.landing:

@@ -1,0 +1,157 @@
+"""A fleet as ``lmtier plan`` reads it: a YAML (or JSON) file, every size per instance.
+
+    instances: 4                 # engines
+    router: kv_aware             # round_robin | affinity | kv_aware
+    spill: 2.0                   # kv_aware: an instance with more than 2x the mean recent
+                                 # requests (the last `window` seconds) sends new ones elsewhere
+    chunk_tokens: 512            # lmtier's chunk (a trace's block, for a Mooncake trace)
+    kv_bytes_per_token: 131072   # `lmtier size` prints it (Llama-3-8B, bf16: 128 KiB)
+    prefill_tokens_per_s: 8000   # one instance's prefill rate
+    gpu: 20GiB                   # the engine's own prefix cache (0: none)
+    memory: 64GiB                # lmtier's memory tier
+    disk: 1TiB                   # a local disk tier (0: none)
+    shared: {kind: server, size: 2TiB}   # one shared tier: server | redis | s3 (none: omit)
+    peers: true                  # instances read each other's memory and disk
+    save_policy: always          # always | min_tokens | reuse (lmtier.store.admission)
+    min_tokens: 0
+    costs:                       # per medium: GB/s and ms a load (defaults below)
+      disk: {gbps: 3.0, ms: 0.2}
+
+``Fleet.load(path)``, ``Fleet.from_dict(d)``, ``fleet.replace(**changes)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmtier.errors import ConfigError
+from lmtier.store.admission import POLICIES
+from lmtier.units import parse_size
+
+ROUTERS = ("round_robin", "affinity", "kv_aware")
+SHARED = ("server", "redis", "s3")
+MEDIA = ("memory", "disk", "peers", "shared")
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One medium's load: ``ms`` a load (a round trip) plus its bytes at ``gbps`` (GB/s)."""
+
+    gbps: float
+    ms: float
+
+    def seconds(self, nbytes: int) -> float:
+        return self.ms / 1000 + nbytes / (self.gbps * 1e9)
+
+
+# Rough figures of a node with a PCIe 4 NVMe and a 25 Gb/s network, for a plan made before
+# anything is measured; `lmtier bench` on the fleet's own machines gives its own.
+DEFAULT_COSTS = {
+    "memory": Cost(gbps=20.0, ms=0.05),
+    "disk": Cost(gbps=3.0, ms=0.2),
+    "peers": Cost(gbps=2.5, ms=1.0),
+    "shared": Cost(gbps=2.5, ms=1.0),
+}
+SHARED_COSTS = {"server": Cost(2.5, 1.0), "redis": Cost(1.5, 1.0), "s3": Cost(1.0, 30.0)}
+
+
+@dataclass(frozen=True)
+class Fleet:
+    instances: int = 1
+    router: str = "round_robin"
+    spill: float = 2.0
+    window: float = 10.0
+    chunk_tokens: int = 512
+    kv_bytes_per_token: int = 131072
+    prefill_tokens_per_s: float = 8000.0
+    gpu: int = 0
+    memory: int = 0
+    disk: int = 0
+    shared: str = ""  # "" (none), or one of SHARED
+    shared_size: int = 0
+    peers: bool = False
+    save_policy: str = "always"
+    min_tokens: int = 0
+    costs: dict[str, Cost] = field(default_factory=lambda: dict(DEFAULT_COSTS))
+
+    def __post_init__(self) -> None:
+        if self.instances < 1:
+            raise ConfigError(f"instances must be at least 1, got {self.instances}")
+        if self.router not in ROUTERS:
+            raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        if self.shared and self.shared not in SHARED:
+            raise ConfigError(f"shared.kind must be one of {', '.join(SHARED)}, got {self.shared!r}")
+        if self.save_policy not in POLICIES:
+            raise ConfigError(f"save_policy must be one of {', '.join(POLICIES)}, got {self.save_policy!r}")
+        for name in ("chunk_tokens", "kv_bytes_per_token", "prefill_tokens_per_s", "spill", "window"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("gpu", "memory", "disk", "shared_size", "min_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.shared and not self.shared_size:
+            raise ConfigError("a shared tier needs its size")
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk_tokens * self.kv_bytes_per_token
+
+    def chunks(self, nbytes: int) -> int:
+        """Whole chunks a tier of ``nbytes`` holds."""
+        return nbytes // self.chunk_bytes
+
+    def replace(self, **changes: Any) -> Fleet:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Fleet:
+        if not isinstance(data, dict):
+            raise ConfigError("a fleet is a mapping of settings")
+        known = {f.name for f in dataclasses.fields(cls)} | {"shared"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown fleet settings: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        d = dict(data)
+        for name in ("gpu", "memory", "disk"):
+            if name in d:
+                d[name] = parse_size(d[name] or 0)
+        shared = d.pop("shared", None)
+        if shared:
+            if not isinstance(shared, dict) or "kind" not in shared or "size" not in shared:
+                raise ConfigError("shared is {kind: server|redis|s3, size: 2TiB}")
+            d["shared"], d["shared_size"] = str(shared["kind"]), parse_size(shared["size"])
+        costs = dict(DEFAULT_COSTS)
+        if d.get("shared") in SHARED_COSTS:
+            costs["shared"] = SHARED_COSTS[d["shared"]]
+        for medium, cost in (d.pop("costs", None) or {}).items():
+            if medium not in MEDIA or not isinstance(cost, dict):
+                raise ConfigError(f"costs are per medium ({', '.join(MEDIA)}): {{gbps: 3.0, ms: 0.2}}, got {medium!r}")
+            base = costs[medium]
+            costs[medium] = Cost(float(cost.get("gbps", base.gbps)), float(cost.get("ms", base.ms)))
+            if costs[medium].gbps <= 0 or costs[medium].ms < 0:
+                raise ConfigError(f"costs of {medium}: gbps must be positive and ms not negative")
+        try:
+            return cls(**d, costs=costs)
+        except TypeError as exc:
+            raise ConfigError(f"a fleet setting has the wrong type: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Fleet:
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["costs"] = {m: dataclasses.asdict(c) for m, c in self.costs.items()}
+        return out

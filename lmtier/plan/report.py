@@ -1,0 +1,110 @@
+"""Plans over several fleets: one setting swept over values, the smallest value that meets
+a goal, and the results as a table and a plot.
+
+    sweep(fleet, requests, setting, values) -> list of (value, report)
+    smallest(rows, goal) -> the first row that meets ``goal`` ("hit_ratio>=0.8", "ttft_p99_ms<=500")
+    table(rows, setting) -> str (Markdown)
+    plot(rows, setting, path)
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lmtier.errors import ConfigError
+from lmtier.plan.fleet import Fleet
+from lmtier.plan.sim import simulate
+from lmtier.plan.traces import Request
+from lmtier.units import parse_size
+
+SIZED = ("gpu", "memory", "disk", "shared_size")
+COUNTED = ("instances",)
+GOALS = {
+    "hit_ratio": lambda r: r["hit_ratio"],
+    "ttft_p50_ms": lambda r: r["ttft_ms"]["p50"],
+    "ttft_p99_ms": lambda r: r["ttft_ms"]["p99"],
+    "ttft_mean_ms": lambda r: r["ttft_ms"]["mean"],
+}
+_GOAL = re.compile(r"^\s*(\w+)\s*(>=|<=)\s*([0-9.eE+-]+)\s*$")
+
+
+def values_of(setting: str, text: str) -> list[Any]:
+    """``memory=8GiB,16GiB`` style values, in the setting's own unit, ascending."""
+    if setting not in (*SIZED, *COUNTED):
+        raise ConfigError(f"a sweep is over one of {', '.join((*SIZED, *COUNTED))}, got {setting!r}")
+    parse = parse_size if setting in SIZED else int
+    values = sorted({parse(v.strip()) for v in text.split(",") if v.strip()})
+    if not values:
+        raise ConfigError(f"no values to sweep {setting} over")
+    return values
+
+
+def sweep(fleet: Fleet, requests: Sequence[Request], setting: str, values: Sequence[Any]) -> list[tuple[Any, dict]]:
+    return [(v, simulate(fleet.replace(**{setting: v}), requests)) for v in values]
+
+
+def smallest(rows: Sequence[tuple[Any, dict]], goal: str) -> tuple[Any, dict] | None:
+    """The first row (the smallest value) whose report meets ``goal``, or None."""
+    m = _GOAL.match(goal)
+    if not m or m.group(1) not in GOALS:
+        raise ConfigError(f"a goal is NAME>=X or NAME<=X, NAME one of {', '.join(GOALS)}; got {goal!r}")
+    measure, compare, limit = GOALS[m.group(1)], {">=": operator.ge, "<=": operator.le}[m.group(2)], float(m.group(3))
+    return next((row for row in rows if compare(measure(row[1]), limit)), None)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n} B"
+
+
+def _rate(n: float) -> str:
+    return f"{n / 1e9:.2f} GB/s" if n >= 1e8 else f"{n / 1e6:.1f} MB/s"
+
+
+def shown(setting: str, value: Any) -> str:
+    return _size(value) if setting in SIZED else str(value)
+
+
+def table(rows: Sequence[tuple[Any, dict]], setting: str = "") -> str:
+    tiers = ("gpu", "memory", "disk", "shared", "peers")
+    head = [setting or "fleet", "hit ratio", *(f"from {t}" for t in tiers), "TTFT p50 ms", "TTFT p99 ms",
+            "GPU-s saved", "shared peak", "network peak", "disk peak"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for value, r in rows:
+        by, links = r["hit_ratio_by_tier"], r["links"]
+        name = shown(setting, value) if setting else "as given"
+        cells = [name, f"{r['hit_ratio']:.3f}", *(f"{by[t]:.3f}" for t in tiers), f"{r['ttft_ms']['p50']:.0f}",
+                 f"{r['ttft_ms']['p99']:.0f}", f"{r['gpu_seconds_saved']:.0f}",
+                 *(_rate(links[k]["peak_bytes_per_s"]) for k in ("shared", "network", "disk"))]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[tuple[Any, dict]], setting: str, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [v / (1 << 30) if setting in SIZED else v for v, _ in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bottom = [0.0] * len(rows)
+    for tier in ("gpu", "memory", "disk", "shared", "peers"):
+        share = [r["hit_ratio_by_tier"][tier] for _, r in rows]
+        if any(share):
+            top = [b + s for b, s in zip(bottom, share, strict=True)]
+            ax.fill_between(xs, bottom, top, label=tier, step=None, alpha=0.8)
+            bottom = top
+    ax.plot(xs, [r["hit_ratio"] for _, r in rows], color="black", marker="o", label="total")
+    ax.set_xlabel(f"{setting} per instance (GiB)" if setting in SIZED and setting != "shared_size" else setting)
+    ax.set_ylabel("token hit ratio")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,338 @@
+"""A fleet replayed request by request: ``simulate(fleet, requests) -> dict``.
+
+Each instance has the engine's own prefix cache (``gpu``), lmtier's memory tier and
+optionally a disk tier; the fleet optionally one shared tier, and with ``peers`` each
+instance reads what the others' memory and disk hold (their sidecars). Every tier evicts
+as lmtier's own do: in the memory tier's order (``lmtier.tiers.cpu.index.Index``: least
+recently used first, a prompt's head made most recent so that it loses its tail first;
+``Tier`` keeps that order, checked against ``Index`` by the tests); what reaches the
+lower tiers is the save policy's call (``lmtier.store.admission.SavePolicy``, the same
+calls an engine's store makes).
+
+A request, on the instance its router picks:
+
+1. **Lookup**: the leading run of its chunks found, each in the fastest place that holds
+   it: the engine's cache, memory, disk, then the shared tier and peers in the order of
+   their cost. A chunk found nowhere ends the run (the rest is computed).
+2. **Load**: each chunk found below memory is promoted into the tiers above the one that
+   held it, and every chunk of the prompt lands in the engine's cache.
+3. **Save**: the chunks the policy admits (``admit_first``) go to memory; in write-through
+   mode the new ones the policy admits (``admit_lower``) to disk and the shared tier; in
+   write-back mode (``reuse``) memory's evictions are offered instead.
+
+TTFT is estimated as the prefill of the tokens not found (at ``prefill_tokens_per_s``)
+plus, per medium a request loaded from, one round trip and its bytes at the medium's rate
+(``Fleet.costs``); queueing is not modelled. Links are counted per second of trace time:
+the shared tier's traffic (reads and writes), and per instance its network (peers and the
+shared tier) and its disk; each reported as the mean over the trace and the peak second.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lmtier.plan.fleet import Fleet
+from lmtier.plan.traces import Request
+from lmtier.store.admission import SavePolicy
+
+LOCAL = ("gpu", "memory", "disk")
+
+
+class Tier(OrderedDict):
+    """One tier's contents, a chunk a slot, in the order lmtier's memory tier evicts
+    (``lmtier.tiers.cpu.index.Index`` with one tenant: least recently used first; a chunk
+    stored or read becomes the most recent). Kept as a plain ordered dict of key -> reads
+    while resident, for speed; ``tests/test_plan.py`` drives it and ``Index`` with the same
+    operations and checks that they evict the same chunks."""
+
+    __slots__ = ("capacity", "held", "instance", "name", "on_evict")
+
+    def __init__(self, name: str, capacity: int, instance: int = -1, held: dict | None = None, on_evict=None) -> None:
+        super().__init__()
+        self.name, self.capacity, self.instance = name, capacity, instance
+        self.held = held  # key -> {instance: tiers of it holding the key}, kept in step (local tiers)
+        self.on_evict = on_evict  # (key, reads) -> None: memory's evictions, for write-back
+
+    def touch(self, key: bytes, read: bool = False) -> None:
+        if key in self:
+            self.move_to_end(key)
+            if read:
+                self[key] += 1
+
+    def add(self, key: bytes) -> bool:
+        """Stored (or made most recent); False where the tier holds nothing at all."""
+        if key in self:
+            self.move_to_end(key)
+            return True
+        if self.capacity <= 0:
+            return False
+        held, on_evict = self.held, self.on_evict
+        while len(self) >= self.capacity:
+            victim, reads = self.popitem(last=False)
+            if held is not None:
+                self._gone(victim)
+            if on_evict is not None:
+                on_evict(victim, reads)
+        self[key] = 0
+        if held is not None:
+            mine = held.get(key)
+            if mine is None:
+                held[key] = {self.instance: 1}
+            else:
+                mine[self.instance] = mine.get(self.instance, 0) + 1
+        return True
+
+    def _gone(self, key: bytes) -> None:
+        mine = self.held.get(key)  # type: ignore[union-attr]
+        if mine is None:
+            return
+        left = mine.get(self.instance, 0) - 1
+        if left > 0:
+            mine[self.instance] = left
+        else:
+            mine.pop(self.instance, None)
+            if not mine:
+                del self.held[key]  # type: ignore[union-attr]
+
+
+class Instance:
+    def __init__(self, i: int, fleet: Fleet, held: dict | None, sim: Simulation) -> None:
+        self.i = i
+        self.policy = SavePolicy(fleet.save_policy, min_tokens=fleet.min_tokens,
+                                 keys=max(1024, 2 * fleet.chunks(fleet.memory + fleet.disk)))  # fmt: skip
+        self.gpu = Tier("gpu", fleet.chunks(fleet.gpu), i, held)
+        self.memory = Tier("memory", fleet.chunks(fleet.memory), i, held,
+                           on_evict=(lambda key, reads: sim.demote(self, key, reads)))  # fmt: skip
+        self.disk = Tier("disk", fleet.chunks(fleet.disk), i, held)
+        self.recent: deque[float] = deque()  # arrivals within the router's window
+
+
+class Simulation:
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        # who holds each chunk, kept only where peers read it or the router asks
+        self.held: dict[bytes, dict[int, int]] = {}
+        tracked = self.held if (fleet.peers or fleet.router == "kv_aware") and fleet.instances > 1 else None
+        self.instances = [Instance(i, fleet, tracked, self) for i in range(fleet.instances)]
+        self.shared = Tier("shared", fleet.chunks(fleet.shared_size)) if fleet.shared else None
+        lower = [("shared", fleet.costs["shared"])] if self.shared is not None else []
+        if fleet.peers and fleet.instances > 1:
+            lower.append(("peers", fleet.costs["peers"]))
+        chunk = fleet.chunk_bytes
+        self.lower = [name for name, cost in sorted(lower, key=lambda m: m[1].seconds(chunk))]
+        self.next = 0
+        self.tokens = dict.fromkeys(("prompt", *LOCAL, "shared", "peers"), 0)
+        self.read = dict.fromkeys(("memory", "disk", "shared", "peers"), 0)  # chunks
+        self.written = dict.fromkeys(("memory", "disk", "shared"), 0)
+        self.served = [0] * fleet.instances  # chunks each instance's sidecar served to peers
+        self.ttft: list[float] = []
+        self.links: dict[str, dict[tuple[int, int], int]] = {"shared": {}, "network": {}, "disk": {}}
+        self.now = 0.0
+
+    # -- routing ---------------------------------------------------------------------------
+    def route(self, r: Request) -> Instance:
+        fleet, n = self.fleet, self.fleet.instances
+        if fleet.router == "affinity" and r.keys:
+            return self.instances[int.from_bytes(r.keys[0][:8], "little") % n]
+        if fleet.router == "kv_aware":
+            for inst in self.instances:
+                while inst.recent and inst.recent[0] < r.t - fleet.window:
+                    inst.recent.popleft()
+            loads = [len(inst.recent) for inst in self.instances]
+            mean = sum(loads) / n
+            best: set[int] | None = None
+            for key in r.keys:  # the instances holding the longest prefix
+                holding = self.held.get(key)
+                found = set(holding) if best is None and holding else (best & holding.keys() if holding else set())
+                if not found:
+                    break
+                best = found
+            if best:
+                pick = min(best, key=lambda i: (loads[i], i))
+                if loads[pick] <= fleet.spill * max(mean, 1.0):
+                    return self.instances[pick]
+            return self.instances[min(range(n), key=lambda i: (loads[i], i))]
+        inst = self.instances[self.next % n]
+        self.next += 1
+        return inst
+
+    # -- one request -----------------------------------------------------------------------
+    def request(self, r: Request) -> None:
+        fleet, keys = self.fleet, r.keys
+        self.now = r.t
+        inst = self.route(r)
+        inst.recent.append(r.t)
+        inst.policy.seen(keys)
+        sources: list[str] = []
+        peer_of: list[int] = []
+        for key in keys:
+            where = self._find(inst, key)
+            if where is None:
+                break
+            if isinstance(where, int):
+                peer_of.append(where)
+                where = "peers"
+            sources.append(where)
+        hit = len(sources)
+        chunk, per = fleet.chunk_tokens, fleet.chunk_bytes
+        loaded: dict[str, int] = {}
+        for key, where in zip(reversed(keys[:hit]), reversed(sources), strict=True):  # the head most recent
+            self.tokens[where] += chunk
+            if where == "gpu":
+                inst.gpu.touch(key)
+                continue
+            loaded[where] = loaded.get(where, 0) + 1
+            self.read[where] += 1
+            if where == "memory":
+                inst.memory.touch(key, read=True)
+                continue
+            if where == "disk":
+                inst.disk.touch(key, read=True)
+            elif where == "shared" and self.shared is not None:
+                self.shared.touch(key, read=True)
+            self._promote(inst, key, where)
+        peer_keys = [k for k, w in zip(keys, sources, strict=False) if w == "peers"]
+        for key, p in zip(peer_keys, peer_of, strict=True):  # what each holder's sidecar served
+            self.served[p] += 1
+            owner = self.instances[p]
+            (owner.memory if key in owner.memory else owner.disk).touch(key, read=True)
+        self.tokens["prompt"] += r.tokens
+        first = inst.policy.admit_first(keys, r.tokens)
+        fresh = [k for k in keys[hit:first] if k not in inst.memory]
+        for key in reversed(fresh):
+            if inst.memory.add(key):
+                self.written["memory"] += 1
+        for key in reversed(keys[: max(hit, first)]):  # the prompt's chunks touched: its head most recent
+            inst.memory.touch(key)
+        for key in reversed(keys):  # the engine computed or loaded the whole prompt
+            inst.gpu.add(key)
+        if fresh and inst.policy.write_mode == "through":
+            for key, ok in zip(fresh, inst.policy.admit_lower(fresh), strict=True):
+                if ok:
+                    self._write_lower(inst, key)
+        compute = (r.tokens - hit * chunk) / fleet.prefill_tokens_per_s
+        load = sum(fleet.costs[m].seconds(n * per) for m, n in loaded.items())
+        self.ttft.append(compute + load)
+        second = int(r.t)
+        for medium, n in loaded.items():
+            if medium in ("shared", "peers"):
+                self._link("network", inst.i, second, n * per)
+            if medium == "shared":
+                self._link("shared", 0, second, n * per)
+            if medium == "disk":
+                self._link("disk", inst.i, second, n * per)
+
+    def _find(self, inst: Instance, key: bytes) -> str | int | None:
+        """Where ``key`` is read from: a local tier's name, another instance (a peer), the
+        shared tier, or None."""
+        if key in inst.gpu:
+            return "gpu"
+        if key in inst.memory:
+            return "memory"
+        if key in inst.disk:
+            return "disk"
+        for medium in self.lower:
+            if medium == "shared" and self.shared is not None and key in self.shared:
+                return "shared"
+            if medium == "peers":
+                holding = self.held.get(key)
+                if holding:
+                    for p in holding:
+                        other = self.instances[p]
+                        if p != inst.i and (key in other.memory or key in other.disk):
+                            return p
+        return None
+
+    def _promote(self, inst: Instance, key: bytes, where: str) -> None:
+        """A hit below memory lands in this instance's tiers above the one that held it
+        (memory; and disk for a shared or peer hit; and the shared tier for a peer's
+        chunk where the shared tier comes first)."""
+        per, second = self.fleet.chunk_bytes, int(self.now)
+        if inst.memory.add(key):
+            self.written["memory"] += 1
+        if where == "disk":
+            return
+        if inst.disk.capacity and key not in inst.disk and inst.disk.add(key):
+            self.written["disk"] += 1
+            self._link("disk", inst.i, second, per)
+        if where == "peers" and self.shared is not None and self.lower[0] == "shared" and self.shared.add(key):
+            self.written["shared"] += 1
+            self._link("shared", 0, second, per)
+            self._link("network", inst.i, second, per)
+
+    def _write_lower(self, inst: Instance, key: bytes) -> None:
+        per, second = self.fleet.chunk_bytes, int(self.now)
+        if inst.disk.capacity and key not in inst.disk and inst.disk.add(key):
+            self.written["disk"] += 1
+            self._link("disk", inst.i, second, per)
+        if self.shared is not None and key not in self.shared and self.shared.add(key):
+            self.written["shared"] += 1
+            self._link("shared", 0, second, per)
+            self._link("network", inst.i, second, per)
+
+    def demote(self, inst: Instance, key: bytes, reads: int) -> None:
+        """Memory let ``key`` go: in write-back mode, the policy's call to write it down."""
+        if inst.policy.write_mode != "back":
+            return
+        if inst.policy.admit_lower([key], [reads])[0]:
+            self._write_lower(inst, key)
+
+    def _link(self, link: str, who: int, second: int, nbytes: int) -> None:
+        buckets = self.links[link]
+        buckets[(who, second)] = buckets.get((who, second), 0) + nbytes
+
+    # -- the report --------------------------------------------------------------------------
+    def report(self, span: float) -> dict[str, Any]:
+        fleet, prompt = self.fleet, max(1, self.tokens["prompt"])
+        hits = {m: self.tokens[m] for m in (*LOCAL, "shared", "peers")}
+        saved = sum(hits.values())
+        ttft = np.array(self.ttft) if self.ttft else np.zeros(1)
+        links = {}
+        seconds = max(1.0, span)
+        for link, buckets in self.links.items():
+            per_who: dict[int, int] = {}
+            for (who, _), n in buckets.items():
+                per_who[who] = per_who.get(who, 0) + n
+            links[link] = {
+                "mean_bytes_per_s": (max(per_who.values()) if per_who else 0) / seconds,
+                "peak_bytes_per_s": max(buckets.values(), default=0),
+                "of": "the fleet" if link == "shared" else "the busiest instance",
+            }
+        per = fleet.chunk_bytes
+        return {
+            "requests": len(self.ttft),
+            "prompt_tokens": self.tokens["prompt"],
+            "hit_ratio": saved / prompt,
+            "hit_ratio_by_tier": {m: n / prompt for m, n in hits.items()},
+            "prefill_tokens_saved": saved,
+            "prefill_tokens_saved_below_gpu": saved - hits["gpu"],
+            "gpu_seconds_saved": saved / fleet.prefill_tokens_per_s,
+            "bytes_read": {m: n * per for m, n in self.read.items()},
+            "bytes_written": {m: n * per for m, n in self.written.items()},
+            "served_to_peers_tokens": [n * fleet.chunk_tokens for n in self.served],
+            "links": links,
+            "ttft_ms": {
+                "mean": float(ttft.mean() * 1e3),
+                "p50": float(np.percentile(ttft, 50) * 1e3),
+                "p99": float(np.percentile(ttft, 99) * 1e3),
+            },
+        }
+
+
+def simulate(fleet: Fleet, requests: Sequence[Request]) -> dict[str, Any]:
+    """Replay ``requests`` (in arrival order) through ``fleet``; the report as a dict."""
+    started = time.perf_counter()
+    sim = Simulation(fleet)
+    for r in requests:
+        sim.request(r)
+    span = (requests[-1].t - requests[0].t) if requests else 0.0
+    out = sim.report(span)
+    out["fleet"] = fleet.to_dict()
+    out["trace_seconds"] = span
+    out["simulated_in_s"] = time.perf_counter() - started
+    return out

@@ -1,0 +1,161 @@
+"""Request traces for ``lmtier plan``: each request is its arrival time, its prompt's full
+chunks as chained keys (key *i* names chunk *i* and everything before it, as lmtier's keys
+do), and its prompt length in tokens.
+
+    Request(t, keys, tokens)
+    mooncake(path, limit, chunk_tokens)   the Mooncake trace format (../shared/traces)
+    request_log(path, limit)              a log of requests: lmtier's own format (below)
+    synthetic(name, n, seed, rate, chunk_tokens)   no_reuse, system_prompts, conversations
+    load(spec, limit, chunk_tokens)       any of these, named as the command line names it
+
+**Mooncake** (one JSON object per line): ``timestamp`` (ms), ``input_length`` (tokens),
+``hash_ids`` (the prompt as a chain of blocks; equal ids at the same position mean an
+equal prefix). A trace's block is its chunk (512 tokens in Mooncake's release).
+
+**Request log** (one JSON object per line), what a user writes from their own traffic:
+
+    {"t": 12.5, "tokens": 3100, "chunks": ["9f2c...", "41aa...", ...]}
+
+``t``: seconds from any origin, non-decreasing; ``tokens``: the prompt's length;
+``chunks``: one string per full chunk of the prompt, equal strings at the same position
+meaning an equal prefix up to there (lmtier's chunk keys in hex, or any stable hash of
+each chunk's tokens and those before it). ``lmtier keys`` prints a prompt's chunk keys.
+
+The partial last chunk of a prompt is never stored by an engine, so it never hits: a
+request's keys are its full chunks only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
+from lmtier.errors import ConfigError
+
+SYNTHETIC = ("no_reuse", "system_prompts", "conversations")
+
+
+class Request(NamedTuple):
+    t: float  # arrival, seconds
+    keys: list[bytes]  # the prompt's full chunks, chained
+    tokens: int  # the prompt's length
+
+
+def chain(ids: Iterable[int], salt: bytes = b"") -> list[bytes]:
+    """Chained keys: each names its id and every id before it."""
+    keys, key = [], salt
+    for i in ids:
+        key = xxhash.xxh3_128_digest(key + int(i).to_bytes(8, "little", signed=True))
+        keys.append(key)
+    return keys
+
+
+def _lines(path: Path, limit: int | None) -> Iterable[tuple[int, dict]]:
+    with open(path) as f:
+        for n, line in enumerate(f):
+            if limit is not None and n >= limit:
+                return
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{n + 1}: not JSON: {exc}") from None
+            if not isinstance(record, dict):
+                raise ConfigError(f"{path}:{n + 1}: a request is a JSON object")
+            yield n + 1, record
+
+
+def mooncake(path: str | Path, limit: int | None = None, chunk_tokens: int = 512) -> list[Request]:
+    out = []
+    for line, r in _lines(Path(path), limit):
+        try:
+            tokens, ids, t = int(r["input_length"]), r["hash_ids"], float(r.get("timestamp", 0)) / 1000
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}:{line}: a Mooncake request needs input_length and hash_ids ({exc})") from None
+        out.append(Request(t, chain(ids[: tokens // chunk_tokens]), tokens))
+    return out
+
+
+def request_log(path: str | Path, limit: int | None = None) -> list[Request]:
+    out: list[Request] = []
+    last = float("-inf")
+    for line, r in _lines(Path(path), limit):
+        try:
+            t, tokens, chunks = float(r["t"]), int(r["tokens"]), r["chunks"]
+            if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks):
+                raise TypeError("chunks must be a list of strings")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}:{line}: a request needs t, tokens and chunks ({exc})") from None
+        if t < last:
+            raise ConfigError(f"{path}:{line}: t goes back ({t} after {last}): requests are in arrival order")
+        last = t
+        out.append(Request(t, [xxhash.xxh3_128_digest(c.encode()) for c in chunks], tokens))
+    return out
+
+
+def no_reuse(n: int, seed: int = 1, chunk_tokens: int = 512) -> list[tuple[list[bytes], int]]:
+    """Every prompt unique (1-40 chunks): the case where every write is waste."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(chunk_tokens, 40 * chunk_tokens, n)
+    return [(chain(range(t // chunk_tokens), rng.bytes(8)), int(t)) for t in lengths]
+
+
+def system_prompts(n: int, seed: int = 2, prompts: int = 8, chunk_tokens: int = 512) -> list[tuple[list[bytes], int]]:
+    """A few shared system prompts (2-11 chunks), Zipf popular, in front of unique tails."""
+    rng = np.random.default_rng(seed)
+    heads = [chain(range(int(rng.integers(2, 12))), b"system%d" % i) for i in range(prompts)]
+    weights = 1 / np.arange(1, prompts + 1)
+    out = []
+    for which in rng.choice(prompts, n, p=weights / weights.sum()):
+        tail = int(rng.integers(2, 30))
+        keys = heads[which] + chain(range(tail), heads[which][-1] + rng.bytes(8))
+        out.append((keys, len(keys) * chunk_tokens + int(rng.integers(0, chunk_tokens))))
+    return out
+
+
+def conversations(n: int, seed: int = 3, chunk_tokens: int = 512) -> list[tuple[list[bytes], int]]:
+    """Chats of geometric length (mean 4 turns), each turn 1-6 chunks longer than the last,
+    starting anywhere in the run, turns a mean of 1/8 of the run apart."""
+    rng = np.random.default_rng(seed)
+    events: list[tuple[float, list[bytes]]] = []
+    while len(events) < n:
+        t, keys, salt = float(rng.uniform(0, 1)), [], rng.bytes(8)
+        for _ in range(int(rng.geometric(0.25))):
+            keys = keys + chain(range(int(rng.integers(1, 7))), (keys[-1] if keys else salt))
+            events.append((t, keys))
+            t += float(rng.exponential(1 / 8))
+    events.sort(key=lambda e: e[0])
+    return [(keys, len(keys) * chunk_tokens + int(rng.integers(0, chunk_tokens))) for _, keys in events[:n]]
+
+
+def synthetic(name: str, n: int, seed: int = 0, rate: float = 10.0, chunk_tokens: int = 512) -> list[Request]:
+    """One of ``SYNTHETIC``, ``n`` requests arriving ``rate`` a second."""
+    makers = {"no_reuse": no_reuse, "system_prompts": system_prompts, "conversations": conversations}
+    if name not in makers:
+        raise ConfigError(f"a synthetic workload is one of {', '.join(SYNTHETIC)}, got {name!r}")
+    made = makers[name](n, **({"seed": seed} if seed else {}), chunk_tokens=chunk_tokens)
+    return [Request(i / rate, keys, tokens) for i, (keys, tokens) in enumerate(made)]
+
+
+def load(spec: str, limit: int | None = None, chunk_tokens: int = 512) -> list[Request]:
+    """``mooncake:PATH``, ``log:PATH``, or ``synthetic:NAME[:N]`` (N requests, 10,000 by default)."""
+    kind, _, rest = spec.partition(":")
+    if kind == "mooncake":
+        return mooncake(rest, limit, chunk_tokens)
+    if kind == "log":
+        return request_log(rest, limit)
+    if kind == "synthetic":
+        name, _, count = rest.partition(":")
+        n = int(count) if count else 10_000
+        return synthetic(name, min(n, limit) if limit else n, chunk_tokens=chunk_tokens)
+    raise ConfigError(f"a trace is mooncake:PATH, log:PATH or synthetic:NAME[:N], got {spec!r}")
+
+
+def unique_chunks(requests: Sequence[Request]) -> int:
+    return len({k for r in requests for k in r.keys})

@@ -1,0 +1,199 @@
+"""``lmtier plan`` (lmtier/plan): small traces whose answers are worked out by hand in each
+test's docstring: hits per tier, bytes, links, TTFT, routers, sweeps and goals; the
+simulated tiers evict as lmtier's memory tier does; bad fleets and traces are clear errors."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from lmtier.cli.parser import main
+from lmtier.errors import ConfigError
+from lmtier.plan.fleet import Fleet
+from lmtier.plan.report import smallest, sweep, values_of
+from lmtier.plan.sim import Tier, simulate
+from lmtier.plan.traces import Request, chain, mooncake, request_log
+from lmtier.tiers.cpu.index import Entry, Index
+
+# A chunk of 4 tokens at 1 byte a token: a tier of 8 bytes holds 2 chunks.
+TINY = {"chunk_tokens": 4, "kv_bytes_per_token": 1, "prefill_tokens_per_s": 4.0}
+A, B, C, D, X, Y = (bytes([c]) * 16 for c in b"ABCDXY")
+
+
+def req(t: float, *keys: bytes) -> Request:
+    return Request(t, list(keys), 4 * len(keys))
+
+
+def fleet(**settings) -> Fleet:
+    return Fleet.from_dict({**TINY, **settings})
+
+
+def test_the_simulated_tier_evicts_what_lmtiers_memory_index_evicts():
+    """The same adds and reads on ``Tier`` and on the memory tier's ``Index`` (one tenant),
+    1,000 random steps over 12 keys in 5 slots: the same chunks are evicted, in order."""
+    rng = random.Random(7)
+    tier, index = Tier("memory", 5), Index(5, 0)
+    gone_tier, gone_index = [], []
+    tier.on_evict = lambda key, reads: gone_tier.append(key)
+    for _ in range(1000):
+        key = bytes([rng.randrange(12)])
+        if rng.random() < 0.3:
+            tier.touch(key, read=True)
+            if key in index:
+                index.recent(key)
+            continue
+        tier.add(key)
+        if key in index:
+            index.recent(key)
+            continue
+        while len(index) >= 5:
+            victim = index.victim(1, key)
+            index.remove(victim)
+            gone_index.append(victim)
+        entry = Entry([0], 1)
+        entry.ready, entry.leases = True, 0
+        index.insert(key, entry)
+    assert gone_tier == gone_index and len(gone_tier) > 100
+    assert list(tier) == list(index)
+
+
+def test_one_instance_hits_what_its_memory_still_holds():
+    """Memory of 2 chunks. A,B computed (0 hits); A,B again: both from memory (8 tokens);
+    C,D computed, evicting A and B; A,B computed again. 8 of 32 tokens: 0.25. TTFT at 4
+    tokens a second and memory at 8 bytes a second plus 0.5 s a load: 2, 0.5 + 1, 2, 2 s."""
+    f = fleet(memory=8, costs={"memory": {"gbps": 8e-9, "ms": 500}})
+    r = simulate(f, [req(0, A, B), req(1, A, B), req(2, C, D), req(3, A, B)])
+    assert r["hit_ratio"] == 0.25 and r["hit_ratio_by_tier"]["memory"] == 0.25
+    assert r["prefill_tokens_saved"] == 8 and r["gpu_seconds_saved"] == 2.0
+    assert r["bytes_read"]["memory"] == 8 and r["bytes_written"]["memory"] == 24
+    assert r["ttft_ms"]["p50"] == pytest.approx(2000) and r["ttft_ms"]["mean"] == pytest.approx(1875)
+
+
+def test_the_engines_own_cache_comes_first():
+    """A GPU cache of 2 chunks in front of memory: the repeat is the engine's own hit."""
+    r = simulate(fleet(gpu=8, memory=8), [req(0, A, B), req(1, A, B)])
+    assert r["hit_ratio_by_tier"] == {"gpu": 0.5, "memory": 0.0, "disk": 0.0, "shared": 0.0, "peers": 0.0}
+
+
+def test_round_robin_instances_share_through_peers_or_a_shared_tier_or_not_at_all():
+    """Two instances, round robin: A,B computed on instance 0, asked of instance 1. Alone:
+    computed again (0). With peers: 2 chunks from instance 0's memory, which served them.
+    With a shared tier of 2 chunks: written through by instance 0 (8 bytes at second 0),
+    read by instance 1."""
+    trace = [req(0, A, B), req(0.5, A, B)]
+    alone = simulate(fleet(instances=2, memory=8), trace)
+    assert alone["hit_ratio"] == 0
+    peers = simulate(fleet(instances=2, memory=8, peers=True), trace)
+    assert peers["hit_ratio_by_tier"]["peers"] == 0.5 and peers["served_to_peers_tokens"] == [8, 0]
+    assert peers["bytes_read"]["peers"] == 8
+    shared = simulate(fleet(instances=2, memory=8, shared={"kind": "server", "size": 8}), trace)
+    assert shared["hit_ratio_by_tier"]["shared"] == 0.5
+    assert shared["bytes_written"]["shared"] == 8 and shared["bytes_read"]["shared"] == 8
+    assert shared["links"]["shared"]["peak_bytes_per_s"] == 16  # 8 written and 8 read in second 0
+
+
+def test_the_kv_aware_router_sends_a_prefix_to_its_holder_and_affinity_by_its_first_chunk():
+    """kv_aware: A,B to instance 0 (a tie: the lowest), X,Y to instance 1 (less loaded),
+    A,B again to instance 0, its holder: a memory hit. Round robin sends it to instance 0 by
+    turn too, so a third instance is needed to tell them apart: there round robin sends it
+    to instance 2 (a miss)."""
+    trace = [req(0, A, B), req(1, X, Y), req(2, A, B)]
+    routed = simulate(fleet(instances=3, memory=8, router="kv_aware"), trace)
+    assert routed["hit_ratio_by_tier"]["memory"] == pytest.approx(8 / 24)
+    assert simulate(fleet(instances=3, memory=8), trace)["hit_ratio"] == 0
+    affinity = simulate(fleet(instances=3, memory=8, router="affinity"), trace)
+    assert affinity["hit_ratio"] == pytest.approx(8 / 24)  # the same first chunk, the same instance
+
+
+def test_the_kv_aware_router_spills_a_hot_prefix_when_its_holder_is_overloaded():
+    """spill 1.0: A,B asked 4 times in one window of 10 s on 2 instances. The holder takes it
+    while its recent requests are no more than the mean (at least 1): the 2nd request; the
+    3rd finds it at 2 against a mean of 1: spilled to instance 1 (a miss, then held there)."""
+    trace = [req(t, A, B) for t in (0, 1, 2, 3)]
+    r = simulate(fleet(instances=2, memory=8, router="kv_aware", spill=1.0), trace)
+    assert r["hit_ratio_by_tier"]["memory"] == pytest.approx(16 / 32)  # requests 2 and 4 hit
+
+
+def test_a_sweep_finds_the_smallest_memory_that_meets_a_goal():
+    """Memory of 1 chunk: A,B stores B then A (the head most recent), A is kept; the repeat
+    hits A only: 4 of 32 tokens (0.125). Of 2 chunks: 0.25 (the first test)."""
+    trace = [req(0, A, B), req(1, A, B), req(2, C, D), req(3, A, B)]
+    rows = sweep(fleet(), trace, "memory", values_of("memory", "8,4"))
+    assert [(v, r["hit_ratio"]) for v, r in rows] == [(4, 0.125), (8, 0.25)]
+    assert smallest(rows, "hit_ratio>=0.2")[0] == 8
+    assert smallest(rows, "hit_ratio>=0.5") is None
+    assert smallest(rows, "ttft_p50_ms<=2000")[0] == 4
+
+
+def test_write_back_writes_the_lower_tier_at_eviction_only():
+    """save_policy reuse (write-back): nothing reaches the disk while memory holds it; a
+    chunk read while resident is written when memory lets it go."""
+    f = fleet(memory=8, disk=64, save_policy="reuse")
+    r = simulate(f, [req(0, A, B), req(1, A, B)])
+    assert r["bytes_written"]["disk"] == 0
+    r = simulate(f, [req(0, A, B), req(1, A, B), req(2, C, D), req(3, X, Y), req(4, A, B)])
+    assert r["bytes_written"]["disk"] >= 8  # A and B, proven, written as C and D pushed them out
+    assert r["hit_ratio_by_tier"]["disk"] == pytest.approx(8 / 40)
+
+
+def test_traces_in_the_mooncake_format_and_lmtiers_request_log(tmp_path):
+    moon = tmp_path / "m.jsonl"
+    moon.write_text(json.dumps({"timestamp": 0, "input_length": 1100, "hash_ids": [1, 2, 3]}) + "\n"
+                    + json.dumps({"timestamp": 2500, "input_length": 600, "hash_ids": [1, 9]}) + "\n")  # fmt: skip
+    first, second = mooncake(moon)
+    assert len(first.keys) == 2 and len(second.keys) == 1  # full 512-token blocks only
+    assert first.keys[0] == second.keys[0] == chain([1])[0] and second.t == 2.5
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"t": 0, "tokens": 9, "chunks": ["a", "b"]}\n{"t": 1, "tokens": 5, "chunks": ["a"]}\n')
+    one, two = request_log(log)
+    assert one.keys[0] == two.keys[0] and len(one.keys) == 2 and one.tokens == 9
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ('{"t": 1, "tokens": 5, "chunks": ["a"]}\n{"t": 0, "tokens": 5, "chunks": ["a"]}\n', "goes back"),
+        ('{"t": 0, "tokens": 5}\n', "needs t, tokens and chunks"),
+        ('{"t": 0, "tokens": 5, "chunks": [1, 2]}\n', "list of strings"),
+        ("not json\n", "not JSON"),
+    ],
+)
+def test_a_bad_request_log_is_a_clear_error_naming_its_line(tmp_path, text, error):
+    log = tmp_path / "log.jsonl"
+    log.write_text(text)
+    with pytest.raises(ConfigError, match=error):
+        request_log(log)
+
+
+@pytest.mark.parametrize(
+    ("settings", "error"),
+    [
+        ({"router": "random"}, "router must be one of"),
+        ({"instances": 0}, "instances must be at least 1"),
+        ({"shared": {"kind": "nfs", "size": 1}}, "shared.kind must be one of"),
+        ({"costs": {"tape": {"gbps": 1}}}, "costs are per medium"),
+        ({"memroy": "8GiB"}, "unknown fleet settings: memroy"),
+        ({"save_policy": "lfu"}, "save_policy must be one of"),
+    ],
+)
+def test_a_bad_fleet_is_a_clear_error(settings, error):
+    with pytest.raises(ConfigError, match=error):
+        fleet(**settings)
+
+
+def test_the_command_prints_a_table_and_writes_every_plan(tmp_path, capsys):
+    (tmp_path / "fleet.yaml").write_text("chunk_tokens: 4\nkv_bytes_per_token: 1\nprefill_tokens_per_s: 4\n")
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"t": i, "tokens": 8, "chunks": k}) + "\n"
+                           for i, k in enumerate((["a", "b"], ["a", "b"], ["c", "d"], ["a", "b"]))))  # fmt: skip
+    out = tmp_path / "plan.json"
+    code = main(["plan", str(tmp_path / "fleet.yaml"), "--trace", f"log:{log}", "--sweep", "memory=4,8",
+                 "--goal", "hit_ratio>=0.2", "--json-out", str(out)])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "| memory | hit ratio |" in printed and "met from memory=8 B" in printed
+    report = json.loads(out.read_text())
+    assert [p["hit_ratio"] for p in report["plans"]] == [0.125, 0.25] and report["goal"]["smallest"] == 8
+    assert main(["plan", str(tmp_path / "fleet.yaml"), "--trace", "nosuch:x"]) == 2
