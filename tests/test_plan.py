@@ -197,3 +197,25 @@ def test_the_command_prints_a_table_and_writes_every_plan(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert [p["hit_ratio"] for p in report["plans"]] == [0.125, 0.25] and report["goal"]["smallest"] == 8
     assert main(["plan", str(tmp_path / "fleet.yaml"), "--trace", "nosuch:x"]) == 2
+
+
+def test_the_request_log_holds_at_most_its_bytes_and_a_failed_write_turns_it_off(tmp_path, caplog):
+    """Lines of about 100 bytes into a log of 8 KiB: past 4 KiB it rotates to PATH.1, so the
+    two files never hold more than 8 KiB, and what is kept is the newest. A directory
+    gone mid-run turns it off with one warning; writes after that cost nothing."""
+    from lmtier.engine.requestlog import RequestLog
+
+    path = tmp_path / "log.jsonl"
+    log = RequestLog(str(path), 8192)
+    for n in range(500):
+        log.write(100 + n, [bytes([n % 256]) * 16])
+    log.close()
+    kept = path.stat().st_size + (tmp_path / "log.jsonl.1").stat().st_size
+    assert kept <= 8192 and [r.tokens for r in request_log(path)][-1] == 599
+    with pytest.raises(ConfigError, match="cannot be written"):
+        RequestLog(str(tmp_path / "nosuch" / "log.jsonl"), 8192)
+    broken = RequestLog(str(tmp_path / "b.jsonl"), 4096)
+    broken._file.close()  # fault injection: the file is gone from under it
+    broken.write(5, [A])
+    broken.write(6, [A])
+    assert not broken.on and sum("request log" in r.message for r in caplog.records) == 1

@@ -7,6 +7,7 @@ real Scheduler), and its helpers serve the PD and hybrid-model tests too."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -422,3 +423,26 @@ def test_a_cache_salt_keeps_a_requests_kv_to_requests_with_the_same_salt(schedul
     assert scheduler.connector._keys_for(alice, 384)[0] != scheduler.connector.namespaces[0].keys(prompt)[:3]
     assert submit("alice-again", "alice-secret")[1].namespaces[0][0].digest == alice.namespaces[0][0].digest
     assert submit("bob", "bob-secret")[1].namespaces[0][0].digest != alice.namespaces[0][0].digest
+
+
+def test_the_request_log_is_a_trace_lmtier_plan_replays(model, tmp_path):
+    """``request_log``: vLLM's scheduler writes one line per request (its chunk keys, no
+    tokens); the file is a trace for ``lmtier plan``, in which the second request's shared
+    prefix (2 of its 3 chunks) is a hit, as it was here."""
+    from lmtier.plan.fleet import Fleet
+    from lmtier.plan.sim import simulate
+    from lmtier.plan.traces import request_log
+
+    path = tmp_path / "requests.jsonl"
+    config = config_for(model, ["cpu://?size=64MiB"], request_log=str(path), request_log_bytes=8192)
+    s = scheduler_for(config, kv_cache_config())
+    first, second = tokens(3 * CHUNK + 5, seed=41), tokens(2 * CHUNK, seed=41) + tokens(CHUNK + 9, seed=42)
+    schedule(s, first, "a")
+    schedule(s, second, "b")
+    s.connector._request_log.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["tokens"], len(r["chunks"])) for r in lines] == [(3 * CHUNK + 5, 3), (3 * CHUNK + 9, 3)]
+    assert lines[0]["chunks"][:2] == lines[1]["chunks"][:2] and lines[0]["chunks"][2] != lines[1]["chunks"][2]
+    assert set(lines[0]) == {"t", "tokens", "chunks"}  # the chunks' keys, never a token
+    plan = simulate(Fleet(chunk_tokens=CHUNK, kv_bytes_per_token=1, memory=64 * CHUNK), request_log(path))
+    assert plan["prefill_tokens_saved"] == 2 * CHUNK

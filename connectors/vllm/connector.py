@@ -181,6 +181,11 @@ class LMTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
             from lmtier.connectors.vllm.relay import EventRelay
 
             self._relay = EventRelay(self.config.event_relay, self.namespaces[0].digest)
+        self._request_log = None  # a line per request, for `lmtier plan` (lmtier/engine/requestlog.py)
+        if self.config.request_log and role == KVConnectorRole.SCHEDULER:
+            from lmtier.engine.requestlog import RequestLog
+
+            self._request_log = RequestLog(self.config.request_log, self.config.request_log_bytes)
         self._worker_events: WorkerEvents | None = None
         # scheduler side
         self._requests: dict[str, _Request] = {}

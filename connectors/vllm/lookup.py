@@ -113,8 +113,8 @@ def _request_options(request: Any) -> dict[str, bool]:
 class Lookups:
     """Mixed into ``LMTierConnector`` (through ``SchedulerSide``); its state is made in the
     connector's ``__init__``. Reads ``chunk_tokens``, ``block_size``, ``lanes``,
-    ``lane_namespaces``, ``store``, ``kv_role``, ``config`` and vLLM's ``_kv_cache_manager``
-    (hybrid models); keeps ``_requests`` (request id -> ``_Request``) and, per step,
+    ``lane_namespaces``, ``store``, ``kv_role``, ``config``, ``_request_log`` and vLLM's
+    ``_kv_cache_manager`` (hybrid models); keeps ``_requests`` (request id -> ``_Request``) and, per step,
     ``_napped`` and ``_handoff_looks`` (reset by ``build_connector_meta``)."""
 
     def _keys_for(self, state: _Request, num_tokens: int, lane: int = 0) -> list[list[bytes]]:
@@ -156,6 +156,8 @@ class Lookups:
             state.saved[i] = max(state.saved[i], known)
         if not state.counted:  # the scheduler may ask again for a request it could not place
             state.counted = True
+            if self._request_log is not None and prompt_len >= self.chunk_tokens:
+                self._request_log.write(prompt_len, self._keys_for(state, prompt_len)[0])
             state.save = state.save and self.store.policy.stores(prompt_len)  # min_tokens
             if self.store.policy.sketch is not None:  # reuse: a prefix found is a reuse sighted
                 state.sighted = state.hit_chunks

@@ -90,6 +90,11 @@ class StoreConfig:
     # announce each other's, so that a router credits every instance that can load a
     # shared chunk (connectors/vllm/relay.py).
     event_relay: str = setting("", STRING)
+    # A file ("" none) where the scheduler writes one line per request: its time, length
+    # and chunk keys (lmtier/engine/requestlog.py), for ``lmtier plan --trace log:PATH``;
+    # it and its one rotated predecessor hold at most request_log_bytes.
+    request_log: str = setting("", STRING)
+    request_log_bytes: int = setting(256 * 1024**2, SIZE)
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, str):

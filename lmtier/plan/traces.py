@@ -19,7 +19,8 @@ equal prefix). A trace's block is its chunk (512 tokens in Mooncake's release).
 ``t``: seconds from any origin, non-decreasing; ``tokens``: the prompt's length;
 ``chunks``: one string per full chunk of the prompt, equal strings at the same position
 meaning an equal prefix up to there (lmtier's chunk keys in hex, or any stable hash of
-each chunk's tokens and those before it). ``lmtier keys`` prints a prompt's chunk keys.
+each chunk's tokens and those before it). A vLLM engine with ``request_log: PATH`` writes
+it (lmtier/engine/requestlog.py).
 
 The partial last chunk of a prompt is never stored by an engine, so it never hits: a
 request's keys are its full chunks only.

@@ -1,0 +1,73 @@
+"""The request log: each request an engine sees, as ``lmtier plan`` reads it back
+(``log:PATH``, lmtier/plan/traces.py), so that a fleet can be planned on its own traffic.
+
+    RequestLog(path, max_bytes)
+      .write(tokens, keys)    one line: {"t": seconds since the epoch, "tokens": N, "chunks": [hex, ...]}
+      .close()
+
+A line names the prompt's full chunks by their keys (hashes of the tokens and the model's
+namespace: no token and no text leaves the engine). Bounded: past ``max_bytes / 2`` the
+file is renamed ``PATH.1`` (replacing the one before) and a new one begun, so the two
+hold at most ``max_bytes``. Lines are buffered and flushed at most once a second, and a
+write that fails (a full disk, a directory gone) turns the log off with one warning: the
+engine never waits on it and never fails because of it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+from lmtier.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+FLUSH_S = 1.0
+
+
+class RequestLog:
+    def __init__(self, path: str, max_bytes: int) -> None:
+        self.path, self.max_bytes = path, max(4096, max_bytes)
+        self._lock = threading.Lock()
+        try:
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (kept open: one line a request)
+        except OSError as exc:
+            raise ConfigError(f"request_log {path} cannot be written: {exc}") from None
+        self._size = self._file.tell()
+        self._flushed = time.monotonic()
+        self.on = True
+
+    def write(self, tokens: int, keys: Sequence[bytes]) -> None:
+        if not self.on:
+            return
+        line = json.dumps({"t": round(time.time(), 3), "tokens": tokens, "chunks": [k.hex() for k in keys]}) + "\n"
+        try:
+            with self._lock:
+                if self._size + len(line) > self.max_bytes // 2:
+                    self._rotate()
+                self._file.write(line)
+                self._size += len(line)
+                if time.monotonic() - self._flushed >= FLUSH_S:
+                    self._file.flush()
+                    self._flushed = time.monotonic()
+        except (OSError, ValueError) as exc:
+            self.on = False
+            log.warning("lmtier: the request log %s failed (%s): it is off until the engine restarts", self.path, exc)
+
+    def _rotate(self) -> None:
+        self._file.close()
+        os.replace(self.path, self.path + ".1")
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._size = 0
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+        self.on = False
