@@ -219,3 +219,89 @@ def test_the_request_log_holds_at_most_its_bytes_and_a_failed_write_turns_it_off
     broken.write(5, [A])
     broken.write(6, [A])
     assert not broken.on and sum("request log" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    ("lines", "chunk_tokens", "error"),
+    [
+        (['{"t": 0, "tokens": 1024, "chunks": ["a", "b", "c", "d"]}'], 512, "do not fit in 1024 tokens"),
+        (['{"t": 0, "tokens": 1024, "chunk_tokens": 256, "chunks": ["a"]}'], 512, "set chunk_tokens: 256"),
+        (['{"t": 0, "tokens": -8, "chunks": []}'], 4, "tokens is a count"),
+        (['{"t": "nan", "tokens": 8, "chunks": []}'], 4, "number of seconds"),
+    ],
+)
+def test_a_request_log_that_does_not_fit_the_fleets_chunk_is_refused(tmp_path, lines, chunk_tokens, error):
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=error):
+        request_log(log, chunk_tokens=chunk_tokens)
+
+
+def test_a_request_logs_strings_mean_a_prefix_only_at_their_own_position(tmp_path):
+    """["x", "a"] then ["a"]: the second prompt's first chunk is not the first's second."""
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"t": 0, "tokens": 8, "chunks": ["x", "a"]}\n{"t": 1, "tokens": 4, "chunks": ["a"]}\n')
+    assert simulate(fleet(memory=64), request_log(log, chunk_tokens=4))["hit_ratio"] == 0
+
+
+@pytest.mark.parametrize(
+    ("record", "error"),
+    [
+        ({"timestamp": 0, "input_length": 600, "hash_ids": 5}, "m.jsonl:1: a Mooncake request"),
+        ({"timestamp": 0, "input_length": 600, "hash_ids": [1, None]}, "64-bit integers"),
+        ({"timestamp": 0, "input_length": 600, "hash_ids": [1, 2**80]}, "64-bit integers"),
+        ({"timestamp": 0, "input_length": 600, "hash_ids": [1, "x"]}, "64-bit integers"),
+    ],
+)
+def test_a_malformed_mooncake_line_is_an_error_naming_it(tmp_path, record, error):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(ConfigError, match=error):
+        mooncake(path)
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 600, "hash_ids": [1, 2]}) + "\n")
+    with pytest.raises(ConfigError, match="block is 512 tokens"):
+        mooncake(path, chunk_tokens=256)
+
+
+@pytest.mark.parametrize(
+    ("settings", "error"),
+    [
+        ({"peers": "false"}, "peers must be true or false"),
+        ({"instances": 2.5}, "instances must be an integer"),
+        ({"instances": 10**8}, "at most 10000"),
+        ({"costs": {"shared": {"gbps": 1, "msec": 30}}}, "costs are per medium"),
+        ({"costs": {"memory": {"gbps": [1]}}}, "gbps and ms are numbers"),
+        ({"shared": {"kind": "server", "size": "1TiB", "gbps": 10}}, "nothing else"),
+    ],
+)
+def test_a_fleet_setting_of_the_wrong_type_or_shape_is_refused(settings, error):
+    with pytest.raises(ConfigError, match=error):
+        fleet(**settings)
+
+
+def test_a_fleet_file_that_is_not_yaml_is_one_error_line(tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_text("instances: [4\n")
+    with pytest.raises(ConfigError, match="not a fleet"):
+        Fleet.load(tmp_path / "bad.yaml")
+    assert main(["plan", str(tmp_path / "bad.yaml"), "--trace", "synthetic:no_reuse:5"]) == 2
+    assert "not a fleet" in capsys.readouterr().err
+
+
+def test_links_mean_over_the_traces_seconds_and_the_holder_sends_what_peers_read():
+    """A,B on instance 0 at second 0, read by instance 1 at second 1 from its peer: 8 bytes
+    on each one's network in second 1; over the trace's 2 seconds, a mean of 4 a second."""
+    r = simulate(fleet(instances=2, memory=8, peers=True), [req(0, A, B), req(1, A, B)])
+    network = r["links"]["network"]
+    assert network["peak_bytes_per_s"] == 8 and network["mean_bytes_per_s"] == 4
+
+
+def test_a_goal_that_cannot_be_read_fails_before_any_plan_runs(tmp_path, capsys):
+    (tmp_path / "f.yaml").write_text("chunk_tokens: 4\nkv_bytes_per_token: 1\n")
+    args = ["plan", str(tmp_path / "f.yaml"), "--trace", "synthetic:no_reuse:5", "--sweep", "memory=4,8"]
+    assert main([*args, "--goal", "hit_ratio>=1.2.3"]) == 2
+    out = capsys.readouterr()
+    assert "| memory |" not in out.out and "a goal" in out.err
+    assert main(["plan", str(tmp_path / "f.yaml"), "--trace", "synthetic:no_reuse:5", "--plot", "x.png"]) == 2
+    assert main([*args[:4], "--limit", "0"]) == 2
+    assert main([*args[:3], "synthetic:no_reuse:-3"]) == 2
+    assert main([*args[:4], "--sweep", "shared_size=1GiB"]) == 2

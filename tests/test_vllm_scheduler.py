@@ -443,6 +443,7 @@ def test_the_request_log_is_a_trace_lmtier_plan_replays(model, tmp_path):
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r["tokens"], len(r["chunks"])) for r in lines] == [(3 * CHUNK + 5, 3), (3 * CHUNK + 9, 3)]
     assert lines[0]["chunks"][:2] == lines[1]["chunks"][:2] and lines[0]["chunks"][2] != lines[1]["chunks"][2]
-    assert set(lines[0]) == {"t", "tokens", "chunks"}  # the chunks' keys, never a token
+    assert set(lines[0]) == {"t", "tokens", "chunk_tokens", "chunks"}  # the chunks' keys, never a token
+    assert lines[0]["chunk_tokens"] == CHUNK
     plan = simulate(Fleet(chunk_tokens=CHUNK, kv_bytes_per_token=1, memory=64 * CHUNK), request_log(path))
     assert plan["prefill_tokens_saved"] == 2 * CHUNK

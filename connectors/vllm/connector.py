@@ -185,7 +185,7 @@ class LMTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
         if self.config.request_log and role == KVConnectorRole.SCHEDULER:
             from lmtier.engine.requestlog import RequestLog
 
-            self._request_log = RequestLog(self.config.request_log, self.config.request_log_bytes)
+            self._request_log = RequestLog(self.config.request_log, self.config.request_log_bytes, self.chunk_tokens)
         self._worker_events: WorkerEvents | None = None
         # scheduler side
         self._requests: dict[str, _Request] = {}

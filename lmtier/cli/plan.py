@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from lmtier.errors import ConfigError
 from lmtier.plan.fleet import Fleet
-from lmtier.plan.report import plot, shown, smallest, sweep, table, values_of
+from lmtier.plan.report import parse_goal, plot, shown, smallest, sweep, table, values_of
 from lmtier.plan.sim import simulate
 from lmtier.plan.traces import load
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if (args.goal or args.plot) and not args.sweep:
+        raise ConfigError("--goal and --plot compare the plans of a sweep: give --sweep SETTING=v1,v2,...")
+    if args.goal:
+        parse_goal(args.goal)  # a goal that cannot be read fails before the plans run
     fleet = Fleet.load(args.fleet)
     requests = load(args.trace, args.limit, fleet.chunk_tokens)
     if not requests:
-        print("lmtier plan: the trace holds no request", file=sys.stderr)
-        return 2
+        raise ConfigError(f"the trace {args.trace} holds no request")
     if args.sweep:
         setting, _, text = args.sweep.partition("=")
         rows = sweep(fleet, requests, setting.strip(), values_of(setting.strip(), text))

@@ -2,7 +2,8 @@
 (``log:PATH``, lmtier/plan/traces.py), so that a fleet can be planned on its own traffic.
 
     RequestLog(path, max_bytes)
-      .write(tokens, keys)    one line: {"t": seconds since the epoch, "tokens": N, "chunks": [hex, ...]}
+      .write(tokens, keys)    one line: {"t": seconds since the epoch, "tokens": N, "chunk_tokens": C,
+                              "chunks": [hex, ...]}
       .close()
 
 A line names the prompt's full chunks by their keys (hashes of the tokens and the model's
@@ -30,8 +31,8 @@ FLUSH_S = 1.0
 
 
 class RequestLog:
-    def __init__(self, path: str, max_bytes: int) -> None:
-        self.path, self.max_bytes = path, max(4096, max_bytes)
+    def __init__(self, path: str, max_bytes: int, chunk_tokens: int = 0) -> None:
+        self.path, self.max_bytes, self.chunk_tokens = path, max(4096, max_bytes), chunk_tokens
         self._lock = threading.Lock()
         try:
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (kept open: one line a request)
@@ -44,7 +45,9 @@ class RequestLog:
     def write(self, tokens: int, keys: Sequence[bytes]) -> None:
         if not self.on:
             return
-        line = json.dumps({"t": round(time.time(), 3), "tokens": tokens, "chunks": [k.hex() for k in keys]}) + "\n"
+        record = {"t": round(time.time(), 3), "tokens": tokens, "chunk_tokens": self.chunk_tokens or None,
+                  "chunks": [k.hex() for k in keys]}  # fmt: skip
+        line = json.dumps(record) + "\n"
         try:
             with self._lock:
                 if self._size + len(line) > self.max_bytes // 2:

@@ -33,8 +33,14 @@ from lmtier.store.admission import POLICIES
 from lmtier.units import parse_size
 
 ROUTERS = ("round_robin", "affinity", "kv_aware")
+MAX_INSTANCES = 10_000  # a plan keeps every instance's tiers in memory
 SHARED = ("server", "redis", "s3")
 MEDIA = ("memory", "disk", "peers", "shared")
+
+
+def _kind(kinds) -> str:
+    names = {int: "an integer", bool: "true or false", str: "a string", float: "a number"}
+    return names[kinds] if not isinstance(kinds, tuple) else "a number"
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,16 @@ class Fleet:
     costs: dict[str, Cost] = field(default_factory=lambda: dict(DEFAULT_COSTS))
 
     def __post_init__(self) -> None:
+        for name, kinds in (("instances", int), ("chunk_tokens", int), ("kv_bytes_per_token", int),
+                            ("gpu", int), ("memory", int), ("disk", int), ("shared_size", int), ("min_tokens", int),
+                            ("peers", bool), ("router", str), ("shared", str), ("save_policy", str),
+                            ("spill", (int, float)), ("window", (int, float)),
+                            ("prefill_tokens_per_s", (int, float))):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, kinds) or (kinds is int and isinstance(value, bool)):
+                raise ConfigError(f"{name} must be {_kind(kinds)}, got {value!r}")
+        if self.instances > MAX_INSTANCES:
+            raise ConfigError(f"instances: at most {MAX_INSTANCES} in one plan, got {self.instances}")
         if self.instances < 1:
             raise ConfigError(f"instances must be at least 1, got {self.instances}")
         if self.router not in ROUTERS:
@@ -121,17 +137,24 @@ class Fleet:
                 d[name] = parse_size(d[name] or 0)
         shared = d.pop("shared", None)
         if shared:
-            if not isinstance(shared, dict) or "kind" not in shared or "size" not in shared:
-                raise ConfigError("shared is {kind: server|redis|s3, size: 2TiB}")
+            if not isinstance(shared, dict) or set(shared) != {"kind", "size"}:
+                raise ConfigError("shared is {kind: server|redis|s3, size: 2TiB}, nothing else")
             d["shared"], d["shared_size"] = str(shared["kind"]), parse_size(shared["size"])
         costs = dict(DEFAULT_COSTS)
         if d.get("shared") in SHARED_COSTS:
             costs["shared"] = SHARED_COSTS[d["shared"]]
-        for medium, cost in (d.pop("costs", None) or {}).items():
-            if medium not in MEDIA or not isinstance(cost, dict):
-                raise ConfigError(f"costs are per medium ({', '.join(MEDIA)}): {{gbps: 3.0, ms: 0.2}}, got {medium!r}")
+        given = d.pop("costs", None) or {}
+        if not isinstance(given, dict):
+            raise ConfigError("costs are per medium: {disk: {gbps: 3.0, ms: 0.2}, ...}")
+        for medium, cost in given.items():
+            if medium not in MEDIA or not isinstance(cost, dict) or not set(cost) <= {"gbps", "ms"}:
+                raise ConfigError(f"costs are per medium ({', '.join(MEDIA)}), each {{gbps: 3.0, ms: 0.2}}; "
+                                  f"got {medium!r}: {cost!r}")  # fmt: skip
             base = costs[medium]
-            costs[medium] = Cost(float(cost.get("gbps", base.gbps)), float(cost.get("ms", base.ms)))
+            try:
+                costs[medium] = Cost(float(cost.get("gbps", base.gbps)), float(cost.get("ms", base.ms)))
+            except (TypeError, ValueError):
+                raise ConfigError(f"costs of {medium}: gbps and ms are numbers, got {cost!r}") from None
             if costs[medium].gbps <= 0 or costs[medium].ms < 0:
                 raise ConfigError(f"costs of {medium}: gbps must be positive and ms not negative")
         try:
@@ -143,15 +166,19 @@ class Fleet:
     def load(cls, path: str | Path) -> Fleet:
         path = Path(path)
         text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
+        try:
+            if path.suffix in (".yaml", ".yml"):
+                import yaml
 
-            data = yaml.safe_load(text) or {}
-        else:
-            data = json.loads(text)
+                data = yaml.safe_load(text) or {}
+            else:
+                data = json.loads(text)
+        except Exception as exc:  # yaml.YAMLError, json.JSONDecodeError: one line, not a traceback
+            raise ConfigError(f"{path}: not a fleet ({str(exc).splitlines()[0] if str(exc) else exc})") from None
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        out["shared"] = self.shared or None
         out["costs"] = {m: dataclasses.asdict(c) for m, c in self.costs.items()}
         return out

@@ -44,16 +44,28 @@ def values_of(setting: str, text: str) -> list[Any]:
 
 
 def sweep(fleet: Fleet, requests: Sequence[Request], setting: str, values: Sequence[Any]) -> list[tuple[Any, dict]]:
+    if setting == "shared_size" and not fleet.shared:
+        raise ConfigError("a sweep of shared_size needs a shared tier in the fleet (shared: {kind: ..., size: ...})")
     return [(v, simulate(fleet.replace(**{setting: v}), requests)) for v in values]
+
+
+def parse_goal(goal: str):
+    """``NAME>=X`` or ``NAME<=X``: a test of one report."""
+    m = _GOAL.match(goal)
+    if not m or m.group(1) not in GOALS:
+        raise ConfigError(f"a goal is NAME>=X or NAME<=X, NAME one of {', '.join(GOALS)}; got {goal!r}")
+    try:
+        limit = float(m.group(3))
+    except ValueError:
+        raise ConfigError(f"a goal's limit is a number, got {m.group(3)!r}") from None
+    measure, compare = GOALS[m.group(1)], {">=": operator.ge, "<=": operator.le}[m.group(2)]
+    return lambda report: compare(measure(report), limit)
 
 
 def smallest(rows: Sequence[tuple[Any, dict]], goal: str) -> tuple[Any, dict] | None:
     """The first row (the smallest value) whose report meets ``goal``, or None."""
-    m = _GOAL.match(goal)
-    if not m or m.group(1) not in GOALS:
-        raise ConfigError(f"a goal is NAME>=X or NAME<=X, NAME one of {', '.join(GOALS)}; got {goal!r}")
-    measure, compare, limit = GOALS[m.group(1)], {">=": operator.ge, "<=": operator.le}[m.group(2)], float(m.group(3))
-    return next((row for row in rows if compare(measure(row[1]), limit)), None)
+    meets = parse_goal(goal)
+    return next((row for row in rows if meets(row[1])), None)
 
 
 def _size(n: int) -> str:

@@ -110,6 +110,7 @@ class Instance:
                            on_evict=(lambda key, reads: sim.demote(self, key, reads)))  # fmt: skip
         self.disk = Tier("disk", fleet.chunks(fleet.disk), i, held)
         self.recent: deque[float] = deque()  # arrivals within the router's window
+        self.stored_below: dict[bytes, bool] = {}  # in memory, and the lower tiers held it: eviction writes nothing
 
 
 class Simulation:
@@ -199,6 +200,7 @@ class Simulation:
         peer_keys = [k for k, w in zip(keys, sources, strict=False) if w == "peers"]
         for key, p in zip(peer_keys, peer_of, strict=True):  # what each holder's sidecar served
             self.served[p] += 1
+            self._link("network", p, int(self.now), self.fleet.chunk_bytes)  # the holder's sidecar sends it
             owner = self.instances[p]
             (owner.memory if key in owner.memory else owner.disk).touch(key, read=True)
         self.tokens["prompt"] += r.tokens
@@ -255,6 +257,7 @@ class Simulation:
         per, second = self.fleet.chunk_bytes, int(self.now)
         if inst.memory.add(key):
             self.written["memory"] += 1
+            inst.stored_below[key] = True
         if where == "disk":
             return
         if inst.disk.capacity and key not in inst.disk and inst.disk.add(key):
@@ -267,6 +270,8 @@ class Simulation:
 
     def _write_lower(self, inst: Instance, key: bytes) -> None:
         per, second = self.fleet.chunk_bytes, int(self.now)
+        if key in inst.memory:
+            inst.stored_below[key] = True
         if inst.disk.capacity and key not in inst.disk and inst.disk.add(key):
             self.written["disk"] += 1
             self._link("disk", inst.i, second, per)
@@ -276,8 +281,10 @@ class Simulation:
             self._link("network", inst.i, second, per)
 
     def demote(self, inst: Instance, key: bytes, reads: int) -> None:
-        """Memory let ``key`` go: in write-back mode, the policy's call to write it down."""
-        if inst.policy.write_mode != "back":
+        """Memory let ``key`` go: in write-back mode, the policy's call to write it down,
+        unless the lower tiers held it when it came into memory (a promotion) or it was
+        written since (the store's ``written`` mark: its eviction writes nothing)."""
+        if inst.stored_below.pop(key, False) or inst.policy.write_mode != "back":
             return
         if inst.policy.admit_lower([key], [reads])[0]:
             self._write_lower(inst, key)
@@ -293,7 +300,7 @@ class Simulation:
         saved = sum(hits.values())
         ttft = np.array(self.ttft) if self.ttft else np.zeros(1)
         links = {}
-        seconds = max(1.0, span)
+        seconds = max(1.0, float(span))  # the buckets' seconds, first to last
         for link, buckets in self.links.items():
             per_who: dict[int, int] = {}
             for (who, _), n in buckets.items():
@@ -330,9 +337,9 @@ def simulate(fleet: Fleet, requests: Sequence[Request]) -> dict[str, Any]:
     sim = Simulation(fleet)
     for r in requests:
         sim.request(r)
-    span = (requests[-1].t - requests[0].t) if requests else 0.0
+    span = (int(requests[-1].t) - int(requests[0].t) + 1) if requests else 0
     out = sim.report(span)
     out["fleet"] = fleet.to_dict()
-    out["trace_seconds"] = span
+    out["trace_seconds"] = (requests[-1].t - requests[0].t) if requests else 0.0
     out["simulated_in_s"] = time.perf_counter() - started
     return out

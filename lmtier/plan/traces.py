@@ -14,11 +14,12 @@ equal prefix). A trace's block is its chunk (512 tokens in Mooncake's release).
 
 **Request log** (one JSON object per line), what a user writes from their own traffic:
 
-    {"t": 12.5, "tokens": 3100, "chunks": ["9f2c...", "41aa...", ...]}
+    {"t": 12.5, "tokens": 3100, "chunk_tokens": 256, "chunks": ["9f2c...", "41aa...", ...]}
 
 ``t``: seconds from any origin, non-decreasing; ``tokens``: the prompt's length;
-``chunks``: one string per full chunk of the prompt, equal strings at the same position
-meaning an equal prefix up to there (lmtier's chunk keys in hex, or any stable hash of
+``chunk_tokens`` (optional): the engine's chunk, checked against the fleet's; ``chunks``:
+one string per full chunk of the prompt, equal strings at the same position meaning an
+equal prefix up to there (lmtier's chunk keys in hex, or any stable hash of
 each chunk's tokens and those before it). A vLLM engine with ``request_log: PATH`` writes
 it (lmtier/engine/requestlog.py).
 
@@ -72,31 +73,66 @@ def _lines(path: Path, limit: int | None) -> Iterable[tuple[int, dict]]:
             yield n + 1, record
 
 
-def mooncake(path: str | Path, limit: int | None = None, chunk_tokens: int = 512) -> list[Request]:
-    out = []
-    for line, r in _lines(Path(path), limit):
+MOONCAKE_BLOCK = 512  # tokens of a Mooncake trace's block
+
+
+def _check_time(path: Path, line: int, t: float, last: float) -> float:
+    if not t >= 0 or t != t or t == float("inf"):
+        raise ConfigError(f"{path}:{line}: a request's time must be a number of seconds, not {t!r}")
+    if t < last:
+        raise ConfigError(f"{path}:{line}: the time goes back ({t} after {last}): requests are in arrival order")
+    return t
+
+
+def mooncake(path: str | Path, limit: int | None = None, chunk_tokens: int = MOONCAKE_BLOCK) -> list[Request]:
+    """A Mooncake trace: its blocks are its chunks, so the fleet's chunk must be its block."""
+    if chunk_tokens != MOONCAKE_BLOCK:
+        raise ConfigError(f"a Mooncake trace's block is {MOONCAKE_BLOCK} tokens: the fleet's chunk_tokens must be "
+                          f"{MOONCAKE_BLOCK}, not {chunk_tokens}")  # fmt: skip
+    path, out, last = Path(path), [], 0.0
+    for line, r in _lines(path, limit):
         try:
-            tokens, ids, t = int(r["input_length"]), r["hash_ids"], float(r.get("timestamp", 0)) / 1000
+            tokens, ids, t = r["input_length"], r["hash_ids"], float(r.get("timestamp", 0)) / 1000
+            if not isinstance(tokens, int) or tokens < 0 or not isinstance(ids, list):
+                raise TypeError("input_length is a count of tokens and hash_ids a list")
+            if not all(isinstance(i, int) and -(1 << 63) <= i < 1 << 63 for i in ids):
+                raise TypeError("hash_ids are 64-bit integers")
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}:{line}: a Mooncake request needs input_length and hash_ids ({exc})") from None
+        last = _check_time(path, line, t, last)
         out.append(Request(t, chain(ids[: tokens // chunk_tokens]), tokens))
     return out
 
 
-def request_log(path: str | Path, limit: int | None = None) -> list[Request]:
-    out: list[Request] = []
-    last = float("-inf")
-    for line, r in _lines(Path(path), limit):
+def request_log(path: str | Path, limit: int | None = None, chunk_tokens: int | None = None) -> list[Request]:
+    """lmtier's request log. Its chunks are chained here (a key names its chunk and every
+    one before it), so that equal strings mean an equal prefix only at the same position.
+    With ``chunk_tokens`` (the fleet's), a line written by an engine with another chunk
+    size, or naming more chunks than its tokens fill, is an error."""
+    path, out, last = Path(path), [], 0.0
+    for line, r in _lines(path, limit):
         try:
-            t, tokens, chunks = float(r["t"]), int(r["tokens"]), r["chunks"]
+            t, tokens, chunks = float(r["t"]), r["tokens"], r["chunks"]
+            if not isinstance(tokens, int) or tokens < 0:
+                raise TypeError("tokens is a count of tokens")
             if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks):
                 raise TypeError("chunks must be a list of strings")
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}:{line}: a request needs t, tokens and chunks ({exc})") from None
-        if t < last:
-            raise ConfigError(f"{path}:{line}: t goes back ({t} after {last}): requests are in arrival order")
-        last = t
-        out.append(Request(t, [xxhash.xxh3_128_digest(c.encode()) for c in chunks], tokens))
+        last = _check_time(path, line, t, last)
+        if chunk_tokens:
+            theirs = r.get("chunk_tokens")
+            if theirs is not None and theirs != chunk_tokens:
+                raise ConfigError(f"{path}:{line}: written by an engine with chunks of {theirs} tokens; the fleet's "
+                                  f"chunk_tokens is {chunk_tokens}: set chunk_tokens: {theirs}")  # fmt: skip
+            if len(chunks) > tokens // chunk_tokens:
+                raise ConfigError(f"{path}:{line}: {len(chunks)} chunks of {chunk_tokens} tokens do not fit in "
+                                  f"{tokens} tokens: is the fleet's chunk_tokens the engine's?")  # fmt: skip
+        keys, key = [], b""
+        for c in chunks:
+            key = xxhash.xxh3_128_digest(key + c.encode())
+            keys.append(key)
+        out.append(Request(t, keys, tokens))
     return out
 
 
@@ -146,13 +182,17 @@ def synthetic(name: str, n: int, seed: int = 0, rate: float = 10.0, chunk_tokens
 
 def load(spec: str, limit: int | None = None, chunk_tokens: int = 512) -> list[Request]:
     """``mooncake:PATH``, ``log:PATH``, or ``synthetic:NAME[:N]`` (N requests, 10,000 by default)."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be a positive number of requests, got {limit}")
     kind, _, rest = spec.partition(":")
     if kind == "mooncake":
         return mooncake(rest, limit, chunk_tokens)
     if kind == "log":
-        return request_log(rest, limit)
+        return request_log(rest, limit, chunk_tokens)
     if kind == "synthetic":
         name, _, count = rest.partition(":")
+        if (count and not count.isdigit()) or count == "0":
+            raise ConfigError(f"synthetic:NAME:N takes a positive number of requests, got {count!r}")
         n = int(count) if count else 10_000
         return synthetic(name, min(n, limit) if limit else n, chunk_tokens=chunk_tokens)
     raise ConfigError(f"a trace is mooncake:PATH, log:PATH or synthetic:NAME[:N], got {spec!r}")
