@@ -21,7 +21,6 @@ from pip_envs import in_env, installed
 
 HERE = Path(__file__).resolve().parent
 SECRET = "user-env-secret"  # the cache server's token in every cell
-PEER_SECRET = "user-env-peer-secret"  # its peers' read-only token (the server is A's sidecar too)
 PREFIX = 2048  # tokens two vLLM instances share
 ONE_LINE_QUESTION = 40
 
@@ -29,18 +28,14 @@ ONE_LINE_QUESTION = 40
 def vllm_share(
     label: str, results: dict, env_dir: Path, model: Path, redis_url: str, server_url: str, work: Path
 ) -> None:
-    """Four engines up side by side: A answers a 2k-token prompt without lmtier, then
-    stores it in Redis and the cache server; B (Redis only), C (the server only) and D (a
-    ``peers://`` tier only: the server as A's sidecar, found through the index in Redis,
-    read with the peers' token) wait for A's results, then must load the prefix and answer
-    with A's greedy tokens."""
+    """Three engines up side by side: A answers a 2k-token prompt without lmtier, then
+    stores it in Redis and the cache server; B (Redis only) and C (the server only) wait
+    for A's results, then must load the prefix and answer with A's greedy tokens."""
     ids = [int(x) for x in __import__("numpy").random.default_rng(29).integers(5, 500, PREFIX + ONE_LINE_QUESTION)]
     salt = {"salt": f"user-env-{label}-{time.time_ns()}"}
     common = {"model": str(model), "block_size": 64, "max_model_len": 4096, "prefix_caching": False, "max_tokens": 16}
     env = {"LMTIER_TOKEN": SECRET}
     off = {"lmtier": {"load": False, "save": False}}
-    member = server_url.removeprefix("grpc://")
-    peers = f"peers://?index={redis_url}&members={member}&token={PEER_SECRET}&tenant=users&timeout=5"
     cell_dir = work / label.replace("/", "-")
     cell_dir.mkdir(parents=True, exist_ok=True)
     stored = {"wait": str(cell_dir / "a.out.json")}  # written once A has shut down, its saves landed
@@ -50,7 +45,6 @@ def vllm_share(
               "phases": [{"name": "off", "prompts": [ids], "request": off}, {"name": "store", "prompts": [ids]}]},
         "b": {**common, "lmtier": {"tiers": [redis_url], **salt}, "phases": hit},
         "c": {**common, "lmtier": {"tiers": [server_url], **salt}, "phases": hit},
-        "d": {**common, "lmtier": {"tiers": [peers], **salt}, "phases": hit},
     }  # fmt: skip
 
     def engine(name: str) -> dict:
@@ -60,11 +54,11 @@ def vllm_share(
         ran = json.loads(out.read_text())
         return {**ran["results"], "connector": ran["connector"]}
 
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        a, b, c, d = pool.map(engine, ["a", "b", "c", "d"])
-    results["import"] = all(installed(run["connector"] or "", env_dir) for run in (a, b, c, d))
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        a, b, c = pool.map(engine, ["a", "b", "c"])
+    results["import"] = all(installed(run["connector"] or "", env_dir) for run in (a, b, c))
     want = a["off"][0]["tokens"]
-    for tier, run in (("redis", b), ("server", c), ("peer", d)):
+    for tier, run in (("redis", b), ("server", c)):
         got = run["hit"][0]
         same = got["tokens"] == want
         results[f"{tier}_hit"] = same and got["cached"] >= PREFIX and a["store"][0]["cached"] == 0

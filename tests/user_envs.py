@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # the orchestrator's own helpers come from the checkout
 
-from user_env_shares import PEER_SECRET, SECRET, sglang_share, vllm_light, vllm_share  # noqa: E402
+from user_env_shares import SECRET, sglang_share, vllm_light, vllm_share  # noqa: E402
 
 from lmtier.server.health import SERVING, check  # noqa: E402
 from lmtier.testing.redis_server import RedisServer, die_with_parent, free_port  # noqa: E402
@@ -149,21 +149,13 @@ def restore(cell: Cell, env_dir: Path) -> None:
 
 
 class Server:
-    """``lmtier serve`` from an environment's installed wheel, memory tier only; with
-    ``peer_index``, a sidecar too: it takes the peers' read-only token and announces what it
-    holds in that Redis."""
+    """``lmtier serve`` from an environment's installed wheel, memory tier only."""
 
-    def __init__(self, env_dir: Path, work: Path, peer_index: str = "") -> None:
+    def __init__(self, env_dir: Path, work: Path) -> None:
         self.port = free_port()
         self.log = work / f"serve-{env_dir.name}-{self.port}.log"
         lmtier = str(env_dir / "bin" / "lmtier")
         cmd = [lmtier, "serve", "--port", str(self.port), "--tier", "cpu://?size=512MiB", "--token", f"{SECRET}=users"]
-        if peer_index:
-            tokens = work / f"peer-tokens-{self.port}"
-            tokens.write_text(f"{PEER_SECRET}=users\n")
-            tokens.chmod(0o600)
-            cmd += ["--peer-token-file", str(tokens), "--peer-index", peer_index,
-                    "--advertise", f"127.0.0.1:{self.port}"]  # fmt: skip
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 die_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT, env=clean_environ()
@@ -292,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir()
     model = build_model(out / "model") if not (out / "model" / "config.json").exists() else out / "model"
     redis = RedisServer(work / "redis")
-    server = Server(newest, work, peer_index=redis.url)
+    server = Server(newest, work)
     seen: dict[str, tuple[str, str]] = {}
     try:
 
@@ -341,7 +333,6 @@ def _row(cell: Cell) -> dict:
         and r.get("import") is True
         and r.get("redis_hit") is True
         and r.get("server_hit") is True
-        and r.get("peer_hit") is not False  # engines side by side: a peer's load too
     )
     return {"cell": cell.label, **r, "ok": ok}
 
@@ -351,19 +342,17 @@ def _table(rows: list[dict], wires: list[dict], costs: dict[str, float]) -> str:
         return "yes" if v is True else ("**no**" if v is False else "-")
 
     lines = [
-        "| cell | protobuf | grpcio | engine packages moved | pip check | connector imports | Redis hit | server hit "
-        "| peer hit |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| cell | protobuf | grpcio | engine packages moved | pip check | connector imports | Redis hit | server hit |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "note" in r:
-            lines.append(f"| {r['cell']} | {r['protobuf']} | {r['grpcio']} | {r['note']} | | | | | |")
+            lines.append(f"| {r['cell']} | {r['protobuf']} | {r['grpcio']} | {r['note']} | | | | |")
             continue
         moved = ", ".join(f"{k} {v}" for k, v in r.get("moved", {}).items()) or ("none" if "moved" in r else "-")
         lines.append(
             f"| {r['cell']} | {r.get('protobuf', '-')} | {r.get('grpcio', '-')} | {moved} | {r.get('pip_check', '-')} "
-            f"| {mark(r.get('import'))} | {mark(r.get('redis_hit'))} | {mark(r.get('server_hit'))} "
-            f"| {mark(r.get('peer_hit'))} |"
+            f"| {mark(r.get('import'))} | {mark(r.get('redis_hit'))} | {mark(r.get('server_hit'))} |"
         )
     lines += ["", "| wire | client | server | same KV |", "|---|---|---|---|"]
     lines += [f"| {w['cell']} | {w['client']} | {w['server']} | {mark(w['ok'])} |" for w in wires]
