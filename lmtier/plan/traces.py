@@ -30,7 +30,7 @@ request's keys are its full chunks only.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -197,6 +197,3 @@ def load(spec: str, limit: int | None = None, chunk_tokens: int = 512) -> list[R
         return synthetic(name, min(n, limit) if limit else n, chunk_tokens=chunk_tokens)
     raise ConfigError(f"a trace is mooncake:PATH, log:PATH or synthetic:NAME[:N], got {spec!r}")
 
-
-def unique_chunks(requests: Sequence[Request]) -> int:
-    return len({k for r in requests for k in r.keys})
