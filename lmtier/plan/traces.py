@@ -196,4 +196,3 @@ def load(spec: str, limit: int | None = None, chunk_tokens: int = 512) -> list[R
         n = int(count) if count else 10_000
         return synthetic(name, min(n, limit) if limit else n, chunk_tokens=chunk_tokens)
     raise ConfigError(f"a trace is mooncake:PATH, log:PATH or synthetic:NAME[:N], got {spec!r}")
-
