@@ -41,7 +41,9 @@ from lmtier.tiers.base import open_tier
 from conftest import disk_frames, flip_byte
 from test_imports import guarded, loaded, none_loaded
 
-pytestmark = pytest.mark.engine  # every test here starts vLLM engines: `make check` leaves them out
+# every test here starts vLLM engines: `make check` leaves them out; the first one that asks
+# for a module's engines waits for three runs of them (a minute or two each on a busy machine)
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 CHUNK, BLOCK = 128, 64
 OFF = {"lmtier": {"load": False, "save": False}}
