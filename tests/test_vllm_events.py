@@ -40,12 +40,12 @@ def ids(n: int, seed: int) -> list[int]:
 class Subscriber:
     """vLLM's KV event stream, as a router reads it: every batch, decoded."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, topic: bytes = b"kv") -> None:
         self.batches: list[KVEventBatch] = []
         self._stop = threading.Event()
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.connect(f"tcp://127.0.0.1:{port}")
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"kv")
+        self._socket.setsockopt(zmq.SUBSCRIBE, topic)
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -55,6 +55,10 @@ class Subscriber:
             if self._socket.poll(100):
                 _topic, _seq, payload = self._socket.recv_multipart()
                 self.batches.append(self._decoder.decode(payload))
+
+    def events(self) -> list:
+        """Every event decoded so far."""
+        return [e for b in list(self.batches) for e in b.events]
 
     def close(self) -> list:
         self._stop.set()

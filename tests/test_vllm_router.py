@@ -26,12 +26,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from vllm.distributed.kv_events import BlockStored
 
 from lmtier.testing.cache_server import ServerProcess
 from lmtier.testing.redis_server import RedisServer, free_port
 from lmtier.testing.router import Router
 from lmtier.testing.tinymodel import build
 from lmtier.testing.vllm_serve import BLOCK, CHUNK, VllmServer
+
+from test_vllm_events import Subscriber
 
 pytestmark = pytest.mark.engine
 
@@ -186,17 +189,25 @@ def test_a_chunk_in_a_shared_tier_is_credited_to_every_instance_that_can_load_it
     source = f"{b.url}=tcp://127.0.0.1:{fleet.events[1]}"
     flags = ["--kv-event-block-size", str(BLOCK), "--kv-event-model", fleet.model, "--log-level", "debug"]
     router = Router(log, "--worker-urls", b.url, "--policy", "kv_aware", "--kv-event-source", source, *flags)
+    events = Subscriber(fleet.events[1], topic=b"")
     try:
         time.sleep(1.0)  # subscribed
         p = prompt(4 * CHUNK + 10, seed=5)
         a.complete(fleet.model, p, max_tokens=1)
-        time.sleep(1.0)  # the relay carries instance 0's events to instance 1
-        b.complete(fleet.model, prompt(70, seed=6), max_tokens=1)  # a step: instance 1 announces them
-        time.sleep(1.0)
+        # the relay carries instance 0's events to instance 1, which announces them at its
+        # next step: steps until its stream (which the router reads too) names p's chunks
+        deadline, step = time.monotonic() + 120, 0
+        while not any(isinstance(e, BlockStored) and list(e.token_ids[:BLOCK]) == p[:BLOCK] for e in events.events()):
+            assert time.monotonic() < deadline, "instance 1 never announced instance 0's chunks"
+            b.complete(fleet.model, prompt(70, seed=600 + step), max_tokens=1)
+            step += 1
+            time.sleep(0.5)
+        time.sleep(1.0)  # the router has read what this subscriber read
         answer = router.post("/v1/completions", {"model": fleet.model, "prompt": p[: 4 * CHUNK] + prompt(20, seed=7),
                                                  "max_tokens": 1, "temperature": 0})  # fmt: skip
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * CHUNK  # from instance 0's sidecar
     finally:
         router.stop()
+        events.close()
     worker, credited = decisions(log)[-1]
     assert worker == b.url and credited == int(0.6 * 4 * CHUNK)  # a shared tier's chunk: the external rate
