@@ -104,7 +104,7 @@ def lru(requests: list[Request], capacity: int, oracle: bool = False) -> int:
     last = {k: i for i, (keys, _) in enumerate(requests) for k in keys} if oracle else {}
     hits = 0
     for i, (keys, _) in enumerate(requests):
-        hit = _leading(keys, cache)
+        hit = leading(keys, cache)
         hits += hit
         for key in reversed(keys):
             if key in cache:
@@ -116,7 +116,7 @@ def lru(requests: list[Request], capacity: int, oracle: bool = False) -> int:
     return hits
 
 
-def _leading(keys: Sequence[bytes], *tiers: object) -> int:
+def leading(keys: Sequence[bytes], *tiers: object) -> int:
     n = 0
     while n < len(keys) and any(keys[n] in t for t in tiers):  # type: ignore[operator]
         n += 1
@@ -138,7 +138,7 @@ class SimStore:
     def request(self, keys: list[bytes], tokens: int) -> int:
         policy, memory, lower = self.policy, self.memory, self.lower
         policy.seen(keys)
-        hit = _leading(keys, memory, lower)
+        hit = leading(keys, memory, lower)
         self.counts["hits"] += hit
         promoted = []
         for key in reversed(keys[:hit]):  # the load: read and touched, the head most recent
