@@ -50,7 +50,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -159,18 +158,8 @@ class Fleet:
 
 
 def ttft(engine: VllmServer, model: str, prompt: list[int]) -> float:
-    """Seconds to the first streamed token of a greedy completion."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
-    request = urllib.request.Request(f"{engine.url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-    started = time.perf_counter()
-    with urllib.request.urlopen(request, timeout=300) as answer:
-        for line in answer:
-            if line.startswith(b"data: ") and b'"text"' in line:
-                first = time.perf_counter() - started
-                answer.read()
-                return first
-    raise RuntimeError("no token streamed")
+    """Seconds to the first streamed token of a greedy completion (two tokens asked)."""
+    return engine.ttft(model, prompt, max_tokens=2)
 
 
 def traffic(fleet: Fleet, tmp: Path, args, seed: int) -> dict:

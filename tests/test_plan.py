@@ -80,8 +80,9 @@ def test_the_engines_own_cache_comes_first():
 def test_round_robin_instances_share_through_peers_or_a_shared_tier_or_not_at_all():
     """Two instances, round robin: A,B computed on instance 0, asked of instance 1. Alone:
     computed again (0). With peers: 2 chunks from instance 0's memory, which served them.
-    With a shared tier of 2 chunks: written through by instance 0 (8 bytes at second 0),
-    read by instance 1."""
+    With a shared tier of 2 chunks: written through by instance 0 (8 bytes over the 2 s of
+    its prefill: 4 in second 0, 4 in second 1), read by instance 1 at 0.5 s in a
+    millisecond (8 bytes in second 0): a peak of 12 bytes in second 0."""
     trace = [req(0, A, B), req(0.5, A, B)]
     alone = simulate(fleet(instances=2, memory=8), trace)
     assert alone["hit_ratio"] == 0
@@ -91,7 +92,7 @@ def test_round_robin_instances_share_through_peers_or_a_shared_tier_or_not_at_al
     shared = simulate(fleet(instances=2, memory=8, shared={"kind": "server", "size": 8}), trace)
     assert shared["hit_ratio_by_tier"]["shared"] == 0.5
     assert shared["bytes_written"]["shared"] == 8 and shared["bytes_read"]["shared"] == 8
-    assert shared["links"]["shared"]["peak_bytes_per_s"] == 16  # 8 written and 8 read in second 0
+    assert shared["links"]["shared"]["peak_bytes_per_s"] == 12
 
 
 def test_the_kv_aware_router_sends_a_prefix_to_its_holder_and_affinity_by_its_first_chunk():
@@ -193,10 +194,115 @@ def test_the_command_prints_a_table_and_writes_every_plan(tmp_path, capsys):
                  "--goal", "hit_ratio>=0.2", "--json-out", str(out)])  # fmt: skip
     assert code == 0
     printed = capsys.readouterr().out
-    assert "| memory | hit ratio |" in printed and "met from memory=8 B" in printed
+    assert "| memory | hit ratio |" in printed and "first met at memory=8 B" in printed
     report = json.loads(out.read_text())
     assert [p["hit_ratio"] for p in report["plans"]] == [0.125, 0.25] and report["goal"]["smallest"] == 8
     assert main(["plan", str(tmp_path / "fleet.yaml"), "--trace", "nosuch:x"]) == 2
+
+
+def test_a_sweep_over_named_choices_runs_each_in_the_order_given(tmp_path, capsys):
+    """Two instances of 8 bytes (2 chunks) and the request A B twice. Round robin sends the
+    second to the other instance: nothing hits. Affinity sends both to A's instance: the
+    second hits both chunks, 8 of 16 tokens. kv_aware finds A's holder: the same."""
+    (tmp_path / "fleet.yaml").write_text("chunk_tokens: 4\nkv_bytes_per_token: 1\nprefill_tokens_per_s: 4\n"
+                                         "instances: 2\nmemory: 8\n")  # fmt: skip
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"t": i, "tokens": 8, "chunks": ["a", "b"]}) + "\n" for i in range(2)))
+    out = tmp_path / "plan.json"
+    args = ["plan", str(tmp_path / "fleet.yaml"), "--trace", f"log:{log}", "--json-out", str(out)]
+    assert main([*args, "--sweep", "router=kv_aware,round_robin,affinity", "--goal", "hit_ratio>=0.5"]) == 0
+    report = json.loads(out.read_text())
+    assert [(p["value"], p["hit_ratio"]) for p in report["plans"]] == [
+        ("kv_aware", 0.5), ("round_robin", 0.0), ("affinity", 0.5)]  # fmt: skip
+    assert report["goal"]["smallest"] == "kv_aware"
+    assert "| router | hit ratio |" in capsys.readouterr().out
+    assert main([*args, "--sweep", "eviction=lru,slru"]) == 0
+    assert [p["fleet"]["eviction"]["memory"] for p in json.loads(out.read_text())["plans"]] == ["lru", "slru"]
+    assert main([*args, "--sweep", "router=fastest"]) == 2
+    assert main([*args, "--sweep", "router=affinity", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "not over router" in capsys.readouterr().err
+
+
+def test_a_link_over_its_rate_is_a_warning(tmp_path, capsys):
+    """Memory of 1 chunk (4 bytes) in front of a disk read at 1e-9 GB/s (1 byte a second).
+    A at t=0 and B at t=1 are each written to disk (4 bytes a second); B evicts A from
+    memory, so A at t=2 is read from disk (4 bytes, 4 s at that rate). The disk moves 12
+    bytes in the 6 s from the first arrival to the last first token: a mean of 2 bytes a
+    second, over its rate: the plan says it cannot keep up."""
+    plan = simulate(fleet(memory=4, disk=64, costs={"disk": {"gbps": 1e-9}}), [req(0, A), req(1, B), req(2, A)])
+    assert plan["hit_ratio_by_tier"]["disk"] == 4 / 12
+    assert plan["links"]["disk"]["mean_bytes_per_s"] == pytest.approx(2.0, rel=1e-3)
+    (warning,) = plan["warnings"]
+    assert warning.startswith("disk (the busiest instance): a mean of") and "cannot keep up" in warning
+    assert simulate(fleet(memory=4, disk=64), [req(0, A), req(1, B), req(2, A)])["warnings"] == []
+
+
+def test_a_requests_bytes_are_spread_over_its_time_and_an_overloaded_fleet_is_a_warning():
+    """One request of 40 chunks (160 tokens at 4 a second: 40 s of prefill) written through
+    to a shared tier: 160 bytes over 40 s, a peak and a mean of 4 bytes a second, under a
+    10-byte link; the instance computes all of its 40 s. Two such requests 10 s apart on
+    one instance: 80 s of prefill in the 50 s from the first arrival to the second's end
+    (the estimate does not queue the second behind the first)."""
+    keys = [bytes([200, i]) * 8 for i in range(40)]
+    shared = {"kind": "server", "size": 1000}
+    one = simulate(fleet(memory=400, shared=shared, costs={"shared": {"gbps": 1e-8}}), [req(0, *keys)])
+    assert one["links"]["shared"]["peak_bytes_per_s"] == pytest.approx(4.0)
+    assert one["links"]["shared"]["mean_bytes_per_s"] == pytest.approx(4.0)
+    assert one["warnings"] == [] and one["prefill_busy"]["busiest"] == pytest.approx(1.0)
+    other = [bytes([201, i]) * 8 for i in range(40)]
+    two = simulate(fleet(memory=400), [req(0, *keys), req(10, *other)])
+    assert two["prefill_busy"] == {"mean": pytest.approx(80 / 50), "busiest": pytest.approx(80 / 50)}
+    (warning,) = two["warnings"]
+    assert warning.startswith("prefill (the fleet): 160% of its time computing prompts")
+
+
+def test_what_an_outside_review_broke_is_a_clear_error_or_a_right_answer(tmp_path, capsys):
+    """Found by trying the command as a careless or hostile user: each is one line and
+    exit 2 (or the right plan), never a traceback."""
+    fleet_file = tmp_path / "f.yaml"
+    fleet_file.write_text("chunk_tokens: 4\nkv_bytes_per_token: 1\nprefill_tokens_per_s: 4\nmemory: 8\n")
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n\n" + "".join(json.dumps({"t": i, "tokens": 8, "chunks": ["a", "b"]}) + "\n" for i in range(3)))
+    base = ["plan", str(fleet_file), "--trace", f"log:{log}"]
+    # --limit counts requests, not lines (two blank lines first)
+    assert main([*base, "--limit", "2", "--json-out", str(tmp_path / "p.json")]) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["requests"] == 2
+    # output paths refused before any plan runs; a plot is a .png file
+    for extra in (["--json-out", str(tmp_path)], ["--sweep", "memory=4,8", "--plot", str(tmp_path)],
+                  ["--json-out", str(tmp_path / "no" / "p.json")]):  # fmt: skip
+        assert main([*base, *extra]) == 2
+    assert not (tmp_path.parent / f"{tmp_path.name}.png").exists()
+    # a goal no value meets: exit 1
+    assert main([*base, "--sweep", "memory=4,8", "--goal", "hit_ratio>=0.9"]) == 1
+    assert "not met by any value swept" in capsys.readouterr().out
+    assert main([*base, "--sweep", "instances=two"]) == 2
+    # not finite, or the wrong type, in a fleet
+    for bad in ("prefill_tokens_per_s: .nan", "request_ms: .inf", "costs: {disk: {gbps: .nan}}", "shared_size: 8"):
+        fleet_file.write_text(f"chunk_tokens: 4\nkv_bytes_per_token: 1\n{bad}\n")
+        assert main(base) == 2, bad
+    capsys.readouterr()
+    # bad lines of a request log, each naming its line
+    fleet_file.write_text("chunk_tokens: 4\nkv_bytes_per_token: 1\n")
+    for line, error in (('{"t": 0, "tokens": 8, "chunk_tokens": "4", "chunks": ["a"]}', "chunk_tokens is a count"),
+                        ('{"t": 0, "tokens": 8, "chunks": ["\\ud800"]}', "not text"),
+                        ('{"t": 0, "tokens": 1' + "0" * 5000 + ', "chunks": []}', "not JSON"),
+                        ('{"t": "0", "tokens": 8, "chunks": []}', "a time is a number"),
+                        ('{"t": 0, "tokens": true, "chunks": []}', "a count of tokens")):  # fmt: skip
+        log.write_text(line + "\n")
+        assert main(base) == 2
+        err = capsys.readouterr().err
+        assert f"{log}:1:" in err and error in err, err
+    assert main(["plan", str(fleet_file), "--trace", "synthetic:no_reuse:100000000000"]) == 2
+
+
+def test_a_one_chunk_tier_under_tinylfu_and_reuse_without_memory_plan_as_a_store_runs():
+    """W-TinyLFU on a tier of one chunk keeps the newest (its window is all of it). With no
+    memory tier, `reuse` writes through, as a store with no memory in front does: the
+    second request finds A, B on disk."""
+    one = simulate(fleet(memory=4, eviction="tinylfu"), [req(0, A), req(1, A), req(2, B)])
+    assert one["hit_ratio_by_tier"]["memory"] == 4 / 12
+    plan = simulate(fleet(disk=64, save_policy="reuse"), [req(0, A, B), req(1, A, B)])
+    assert plan["hit_ratio_by_tier"]["disk"] == 0.5
 
 
 def test_the_request_log_holds_at_most_its_bytes_and_a_failed_write_turns_it_off(tmp_path, caplog):
@@ -227,7 +333,8 @@ def test_the_request_log_holds_at_most_its_bytes_and_a_failed_write_turns_it_off
         (['{"t": 0, "tokens": 1024, "chunks": ["a", "b", "c", "d"]}'], 512, "do not fit in 1024 tokens"),
         (['{"t": 0, "tokens": 1024, "chunk_tokens": 256, "chunks": ["a"]}'], 512, "set chunk_tokens: 256"),
         (['{"t": 0, "tokens": -8, "chunks": []}'], 4, "tokens is a count"),
-        (['{"t": "nan", "tokens": 8, "chunks": []}'], 4, "number of seconds"),
+        (['{"t": "nan", "tokens": 8, "chunks": []}'], 4, "a time is a number"),
+        (['{"t": NaN, "tokens": 8, "chunks": []}'], 4, "number of seconds"),
     ],
 )
 def test_a_request_log_that_does_not_fit_the_fleets_chunk_is_refused(tmp_path, lines, chunk_tokens, error):
@@ -305,3 +412,25 @@ def test_a_goal_that_cannot_be_read_fails_before_any_plan_runs(tmp_path, capsys)
     assert main([*args[:4], "--limit", "0"]) == 2
     assert main([*args[:3], "synthetic:no_reuse:-3"]) == 2
     assert main([*args[:4], "--sweep", "shared_size=1GiB"]) == 2
+
+
+def test_the_calibration_turns_a_traces_chunks_into_prompts_that_share_as_they_do():
+    """benchmarks/bench_plan.py: requests sharing a chain of chunks get prompts sharing
+    those chunks' tokens, each ending in tokens of its own; a request's copies for the
+    speed run share nothing with the original."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_plan as bp
+
+    a, b = chain([1, 2, 3]), chain([1, 2, 9])
+    pa, pb = bp.tokens_of(a, 0), bp.tokens_of(b, 1)
+    assert len(pa) == 3 * bp.CHUNK + bp.TAIL
+    assert pa[: 2 * bp.CHUNK] == pb[: 2 * bp.CHUNK] and pa[2 * bp.CHUNK :] != pb[2 * bp.CHUNK :]
+    assert bp.tokens_of(a, 0) == pa  # the same request, the same prompt
+    (one, two) = bp.copies([Request(0.0, a, 1536)], 2)
+    assert two.t > one.t and not set(one.keys) & set(two.keys)
+    synthetic = bp.slice_of("synthetic", 0, 20, max_chunks=4)
+    assert len(synthetic) == 20 and all(len(r.keys) <= 4 and r.tokens == len(r.keys) * bp.CHUNK + bp.TAIL
+                                        for r in synthetic)  # fmt: skip

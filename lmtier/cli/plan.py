@@ -9,12 +9,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
 
 from lmtier.errors import ConfigError
 from lmtier.plan.fleet import Fleet
-from lmtier.plan.report import parse_goal, plot, shown, smallest, sweep, table, values_of
+from lmtier.plan.report import NAMED, parse_goal, plot, shown, smallest, sweep, table, values_of
 from lmtier.plan.sim import simulate
 from lmtier.plan.traces import load
+
+
+def _writable(path: str, what: str, suffix: str | None = None) -> None:
+    """Refuse an output path that cannot be written, before any plan runs."""
+    p = Path(path)
+    if suffix and p.suffix.lower() != suffix:
+        raise ConfigError(f"{what} is a {suffix} file, got {path!r}")
+    if p.is_dir():
+        raise ConfigError(f"{what}: {path} is a directory")
+    if not p.parent.is_dir() or not os.access(p.parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ConfigError(f"{what}: {path} cannot be written")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -22,29 +35,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError("--goal and --plot compare the plans of a sweep: give --sweep SETTING=v1,v2,...")
     if args.goal:
         parse_goal(args.goal)  # a goal that cannot be read fails before the plans run
+    if args.json_out:
+        _writable(args.json_out, "--json-out")
+    if args.plot:
+        _writable(args.plot, "--plot", ".png")
+    setting, values = "", []
+    if args.sweep:
+        setting, _, text = args.sweep.partition("=")
+        setting = setting.strip()
+        values = values_of(setting, text)  # a sweep that cannot be read fails before the plans run
+        if args.plot and setting in NAMED:
+            raise ConfigError(f"--plot draws a sweep over a size or a count, not over {setting}")
     fleet = Fleet.load(args.fleet)
     requests = load(args.trace, args.limit, fleet.chunk_tokens)
     if not requests:
         raise ConfigError(f"the trace {args.trace} holds no request")
-    if args.sweep:
-        setting, _, text = args.sweep.partition("=")
-        rows = sweep(fleet, requests, setting.strip(), values_of(setting.strip(), text))
-    else:
-        setting, rows = "", [(None, simulate(fleet, requests))]
+    rows = sweep(fleet, requests, setting, values) if setting else [(None, simulate(fleet, requests))]
     out: dict = {"trace": args.trace, "requests": len(requests), "sweep": setting or None,
                  "plans": [{"value": v, **r} for v, r in rows]}  # fmt: skip
     print(table(rows, setting))
+    for value, r in rows:
+        for warning in r["warnings"]:
+            print(f"warning{f' ({setting}={shown(setting, value)})' if setting else ''}: {warning}")
+    met = None
     if args.goal:
         met = smallest(rows, args.goal)
         out["goal"] = {"goal": args.goal, "smallest": met[0] if met else None}
-        where = f" from {setting}={shown(setting, met[0])}" if met and setting else ""
-        print(f"\n{args.goal}: " + (f"met{where}" if met else "not met"))
+        if met:
+            print(f"\n{args.goal}: first met at {setting}={shown(setting, met[0])} (in the order swept)")
+        else:
+            print(f"\n{args.goal}: not met by any value swept")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(out, f, indent=2)
+            json.dump(out, f, indent=2, allow_nan=False)
     if args.plot and setting:
         plot(rows, setting, args.plot)
-    return 0
+    return 1 if args.goal and not met else 0
 
 
 def add_plan(sub: argparse._SubParsersAction) -> None:
@@ -53,8 +79,16 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", required=True,
                    help="mooncake:PATH, log:PATH (lmtier's request log) or synthetic:NAME[:N]")  # fmt: skip
     p.add_argument("--limit", type=int, help="the first N requests of the trace only")
-    p.add_argument("--sweep", help="one setting over values, smallest first: memory=8GiB,16GiB,32GiB")
-    p.add_argument("--goal", help="with --sweep: the smallest value that meets it, e.g. hit_ratio>=0.8")
+    p.add_argument(
+        "--sweep",
+        help="one setting over values, smallest first: memory=8GiB,16GiB,32GiB; or over "
+        "choices: router=round_robin,affinity,kv_aware (also save_policy, eviction, peers=false,true)",
+    )
+    p.add_argument(
+        "--goal",
+        help="with --sweep: the first value (the smallest) that meets it, e.g. "
+        "hit_ratio>=0.8; the exit status is 1 when none does",
+    )
     p.add_argument("--json-out", help="write every plan's figures here")
     p.add_argument("--plot", help="with --sweep: hit ratio per tier against the setting, as a PNG")
     p.set_defaults(func=cmd_plan)

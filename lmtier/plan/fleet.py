@@ -7,6 +7,7 @@
     chunk_tokens: 512            # lmtier's chunk (a trace's block, for a Mooncake trace)
     kv_bytes_per_token: 131072   # `lmtier size` prints it (Llama-3-8B, bf16: 128 KiB)
     prefill_tokens_per_s: 8000   # one instance's prefill rate
+    request_ms: 0                # a request's own time to its first token, with nothing to compute
     gpu: 20GiB                   # the engine's own prefix cache (0: none)
     memory: 64GiB                # lmtier's memory tier
     disk: 1TiB                   # a local disk tier (0: none)
@@ -14,6 +15,8 @@
     peers: true                  # instances read each other's memory and disk
     save_policy: always          # always | min_tokens | reuse (lmtier.store.admission)
     min_tokens: 0
+    eviction: lru                # every tier's, or per tier: {memory: lru, disk: s3fifo, shared: arc}
+                                 # (lru | arc | s3fifo | tinylfu | slru: lmtier.plan.policies)
     costs:                       # per medium: GB/s and ms a load (defaults below)
       disk: {gbps: 3.0, ms: 0.2}
 
@@ -24,11 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lmtier.errors import ConfigError
+from lmtier.plan.policies import EVICTION
 from lmtier.store.admission import POLICIES
 from lmtier.units import parse_size
 
@@ -36,6 +41,7 @@ ROUTERS = ("round_robin", "affinity", "kv_aware")
 MAX_INSTANCES = 10_000  # a plan keeps every instance's tiers in memory
 SHARED = ("server", "redis", "s3")
 MEDIA = ("memory", "disk", "peers", "shared")
+EVICTING = ("memory", "disk", "shared")  # the tiers whose eviction policy a plan sets
 
 
 def _kind(kinds) -> str:
@@ -74,6 +80,7 @@ class Fleet:
     chunk_tokens: int = 512
     kv_bytes_per_token: int = 131072
     prefill_tokens_per_s: float = 8000.0
+    request_ms: float = 0.0
     gpu: int = 0
     memory: int = 0
     disk: int = 0
@@ -83,16 +90,19 @@ class Fleet:
     save_policy: str = "always"
     min_tokens: int = 0
     costs: dict[str, Cost] = field(default_factory=lambda: dict(DEFAULT_COSTS))
+    eviction: dict[str, str] = field(default_factory=lambda: dict.fromkeys(EVICTING, "lru"))
 
     def __post_init__(self) -> None:
         for name, kinds in (("instances", int), ("chunk_tokens", int), ("kv_bytes_per_token", int),
                             ("gpu", int), ("memory", int), ("disk", int), ("shared_size", int), ("min_tokens", int),
                             ("peers", bool), ("router", str), ("shared", str), ("save_policy", str),
                             ("spill", (int, float)), ("window", (int, float)),
-                            ("prefill_tokens_per_s", (int, float))):  # fmt: skip
+                            ("prefill_tokens_per_s", (int, float)), ("request_ms", (int, float))):  # fmt: skip
             value = getattr(self, name)
-            if not isinstance(value, kinds) or (kinds is int and isinstance(value, bool)):
+            if not isinstance(value, kinds) or (kinds is not bool and isinstance(value, bool)):
                 raise ConfigError(f"{name} must be {_kind(kinds)}, got {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value!r}")
         if self.instances > MAX_INSTANCES:
             raise ConfigError(f"instances: at most {MAX_INSTANCES} in one plan, got {self.instances}")
         if self.instances < 1:
@@ -106,11 +116,16 @@ class Fleet:
         for name in ("chunk_tokens", "kv_bytes_per_token", "prefill_tokens_per_s", "spill", "window"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("gpu", "memory", "disk", "shared_size", "min_tokens"):
+        for name in ("gpu", "memory", "disk", "shared_size", "min_tokens", "request_ms"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.shared and not self.shared_size:
             raise ConfigError("a shared tier needs its size")
+        if not isinstance(self.eviction, dict) or set(self.eviction) != set(EVICTING):
+            raise ConfigError(f"eviction names one policy for each of {', '.join(EVICTING)}, got {self.eviction!r}")
+        for tier, policy in self.eviction.items():
+            if policy not in EVICTION:
+                raise ConfigError(f"eviction of {tier} must be one of {', '.join(EVICTION)}, got {policy!r}")
 
     @property
     def chunk_bytes(self) -> int:
@@ -127,7 +142,7 @@ class Fleet:
     def from_dict(cls, data: dict[str, Any]) -> Fleet:
         if not isinstance(data, dict):
             raise ConfigError("a fleet is a mapping of settings")
-        known = {f.name for f in dataclasses.fields(cls)} | {"shared"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"shared_size"}  # a shared tier's size is in shared
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown fleet settings: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
@@ -140,6 +155,8 @@ class Fleet:
             if not isinstance(shared, dict) or set(shared) != {"kind", "size"}:
                 raise ConfigError("shared is {kind: server|redis|s3, size: 2TiB}, nothing else")
             d["shared"], d["shared_size"] = str(shared["kind"]), parse_size(shared["size"])
+        if "eviction" in d:
+            d["eviction"] = cls.evictions(d["eviction"])
         costs = dict(DEFAULT_COSTS)
         if d.get("shared") in SHARED_COSTS:
             costs["shared"] = SHARED_COSTS[d["shared"]]
@@ -155,12 +172,24 @@ class Fleet:
                 costs[medium] = Cost(float(cost.get("gbps", base.gbps)), float(cost.get("ms", base.ms)))
             except (TypeError, ValueError):
                 raise ConfigError(f"costs of {medium}: gbps and ms are numbers, got {cost!r}") from None
-            if costs[medium].gbps <= 0 or costs[medium].ms < 0:
-                raise ConfigError(f"costs of {medium}: gbps must be positive and ms not negative")
+            gbps, ms = costs[medium].gbps, costs[medium].ms
+            if not (math.isfinite(gbps) and math.isfinite(ms)) or gbps <= 0 or ms < 0:
+                raise ConfigError(f"costs of {medium}: gbps must be a finite positive number and ms a finite one "
+                                  f"not negative, got {cost!r}")  # fmt: skip
         try:
             return cls(**d, costs=costs)
         except TypeError as exc:
             raise ConfigError(f"a fleet setting has the wrong type: {exc}") from None
+
+    @staticmethod
+    def evictions(given: Any) -> dict[str, str]:
+        """``lru`` (every tier) or ``{memory: arc}`` (the tiers not named keep LRU)."""
+        if isinstance(given, str):
+            return dict.fromkeys(EVICTING, given)
+        if not isinstance(given, dict) or not set(given) <= set(EVICTING):
+            raise ConfigError(f"eviction is one policy ({', '.join(EVICTION)}) or one per tier "
+                              f"({', '.join(EVICTING)}), got {given!r}")  # fmt: skip
+        return dict.fromkeys(EVICTING, "lru") | given
 
     @classmethod
     def load(cls, path: str | Path) -> Fleet:

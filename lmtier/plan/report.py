@@ -16,13 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from lmtier.errors import ConfigError
-from lmtier.plan.fleet import Fleet
+from lmtier.plan.fleet import ROUTERS, Fleet
+from lmtier.plan.policies import EVICTION
 from lmtier.plan.sim import simulate
 from lmtier.plan.traces import Request
+from lmtier.store.admission import POLICIES
 from lmtier.units import parse_size
 
 SIZED = ("gpu", "memory", "disk", "shared_size")
 COUNTED = ("instances",)
+# settings a sweep compares by name, each with its choices
+NAMED = {"router": ROUTERS, "save_policy": POLICIES, "eviction": EVICTION, "peers": ("false", "true")}
 GOALS = {
     "hit_ratio": lambda r: r["hit_ratio"],
     "ttft_p50_ms": lambda r: r["ttft_ms"]["p50"],
@@ -33,11 +37,22 @@ _GOAL = re.compile(r"^\s*(\w+)\s*(>=|<=)\s*([0-9.eE+-]+)\s*$")
 
 
 def values_of(setting: str, text: str) -> list[Any]:
-    """``memory=8GiB,16GiB`` style values, in the setting's own unit, ascending."""
+    """``memory=8GiB,16GiB`` style values, in the setting's own unit, ascending; or for a
+    named setting (``router=round_robin,kv_aware``), its choices in the order given."""
+    if setting in NAMED:
+        names = list(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+        wrong = [v for v in names if v not in NAMED[setting]]
+        if wrong or not names:
+            raise ConfigError(f"{setting} takes {', '.join(NAMED[setting])}; got {text!r}")
+        return names
     if setting not in (*SIZED, *COUNTED):
-        raise ConfigError(f"a sweep is over one of {', '.join((*SIZED, *COUNTED))}, got {setting!r}")
+        raise ConfigError(f"a sweep is over one of {', '.join((*SIZED, *COUNTED, *NAMED))}, got {setting!r}")
     parse = parse_size if setting in SIZED else int
-    values = sorted({parse(v.strip()) for v in text.split(",") if v.strip()})
+    try:
+        values = sorted({parse(v.strip()) for v in text.split(",") if v.strip()})
+    except ValueError:
+        kind = "sizes (8GiB)" if setting in SIZED else "whole numbers"
+        raise ConfigError(f"{setting} is swept over {kind}, got {text!r}") from None
     if not values:
         raise ConfigError(f"no values to sweep {setting} over")
     return values
@@ -46,7 +61,15 @@ def values_of(setting: str, text: str) -> list[Any]:
 def sweep(fleet: Fleet, requests: Sequence[Request], setting: str, values: Sequence[Any]) -> list[tuple[Any, dict]]:
     if setting == "shared_size" and not fleet.shared:
         raise ConfigError("a sweep of shared_size needs a shared tier in the fleet (shared: {kind: ..., size: ...})")
-    return [(v, simulate(fleet.replace(**{setting: v}), requests)) for v in values]
+    return [(v, simulate(fleet.replace(**{setting: _value(setting, v)}), requests)) for v in values]
+
+
+def _value(setting: str, value: Any) -> Any:
+    if setting == "eviction":
+        return Fleet.evictions(value)
+    if setting == "peers":
+        return value == "true"
+    return value
 
 
 def parse_goal(goal: str):
@@ -63,7 +86,8 @@ def parse_goal(goal: str):
 
 
 def smallest(rows: Sequence[tuple[Any, dict]], goal: str) -> tuple[Any, dict] | None:
-    """The first row (the smallest value) whose report meets ``goal``, or None."""
+    """The first row (the smallest value; for a named setting, the first given) whose
+    report meets ``goal``, or None."""
     meets = parse_goal(goal)
     return next((row for row in rows if meets(row[1])), None)
 

@@ -20,11 +20,14 @@ A request, on the instance its router picks:
    mode the new ones the policy admits (``admit_lower``) to disk and the shared tier; in
    write-back mode (``reuse``) memory's evictions are offered instead.
 
-TTFT is estimated as the prefill of the tokens not found (at ``prefill_tokens_per_s``)
-plus, per medium a request loaded from, one round trip and its bytes at the medium's rate
-(``Fleet.costs``); queueing is not modelled. Links are counted per second of trace time:
-the shared tier's traffic (reads and writes), and per instance its network (peers and the
-shared tier) and its disk; each reported as the mean over the trace and the peak second.
+TTFT is estimated as a request's own time (``request_ms``), the prefill of the tokens not
+found (at ``prefill_tokens_per_s``) and, per medium a request loaded from, one round trip
+and its bytes at the medium's rate (``Fleet.costs``); queueing is not modelled (a link
+over its rate is a warning). Links are counted per second of trace time,
+a request's bytes spread over the seconds it takes to its first token: the shared tier's
+traffic (reads and writes), and per instance its network (peers and the shared tier) and
+its disk; each reported as the mean over the trace and the peak second. An instance's
+prefill seconds over the trace's are its ``prefill_busy``: over 1, it could not keep up.
 """
 
 from __future__ import annotations
@@ -37,10 +40,13 @@ from typing import Any
 import numpy as np
 
 from lmtier.plan.fleet import Fleet
+from lmtier.plan.policies import make
 from lmtier.plan.traces import Request
 from lmtier.store.admission import SavePolicy
 
 LOCAL = ("gpu", "memory", "disk")
+SPREAD_S = 600  # a request's traffic is spread over its seconds to a first token, at most these
+POLICY_KEYS = 1 << 25  # the save policies' sketches of all instances together, in keys (a few hundred MiB)
 
 
 class Tier(OrderedDict):
@@ -75,7 +81,7 @@ class Tier(OrderedDict):
         while len(self) >= self.capacity:
             victim, reads = self.popitem(last=False)
             if held is not None:
-                self._gone(victim)
+                forget(held, self.instance, victim)
             if on_evict is not None:
                 on_evict(victim, reads)
         self[key] = 0
@@ -87,28 +93,87 @@ class Tier(OrderedDict):
                 mine[self.instance] = mine.get(self.instance, 0) + 1
         return True
 
-    def _gone(self, key: bytes) -> None:
-        mine = self.held.get(key)  # type: ignore[union-attr]
-        if mine is None:
-            return
-        left = mine.get(self.instance, 0) - 1
-        if left > 0:
-            mine[self.instance] = left
-        else:
-            mine.pop(self.instance, None)
-            if not mine:
-                del self.held[key]  # type: ignore[union-attr]
+
+def forget(held: dict, instance: int, key: bytes) -> None:
+    """``instance`` holds one tier's copy of ``key`` fewer."""
+    mine = held.get(key)
+    if mine is None:
+        return
+    left = mine.get(instance, 0) - 1
+    if left > 0:
+        mine[instance] = left
+    else:
+        mine.pop(instance, None)
+        if not mine:
+            del held[key]
+
+
+class PolicyTier:
+    """A tier under another eviction policy (``lmtier.plan.policies``), with ``Tier``'s
+    calls: its chunks' reads, and who holds what, kept as ``Tier`` keeps them."""
+
+    def __init__(self, name: str, capacity: int, policy: str, instance: int = -1, held: dict | None = None,
+                 on_evict=None) -> None:  # fmt: skip
+        self.name, self.capacity, self.instance = name, capacity, instance
+        self.policy = make(policy, capacity)
+        self.reads: dict[bytes, int] = {}
+        self.held, self.on_evict = held, on_evict
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.policy
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def touch(self, key: bytes, read: bool = False) -> None:
+        """A read is a use; a touch without one (``Tier``'s recency order after a save) is
+        not, for a policy that counts uses."""
+        if read and key in self.policy:
+            self.policy.hit(key)
+            self.reads[key] += 1
+
+    def add(self, key: bytes) -> bool:
+        if key in self.policy:
+            self.policy.hit(key)
+            return True
+        gone = self.policy.insert(key)
+        if gone is None:
+            return False
+        self.reads[key] = 0
+        if self.held is not None:
+            mine = self.held.setdefault(key, {})
+            mine[self.instance] = mine.get(self.instance, 0) + 1
+        for victim in gone:
+            reads = self.reads.pop(victim)
+            if self.held is not None:
+                forget(self.held, self.instance, victim)
+            if self.on_evict is not None:
+                self.on_evict(victim, reads)
+        return key in self.policy
+
+
+def tier(name: str, capacity: int, policy: str, instance: int = -1, held: dict | None = None, on_evict=None):
+    """A tier of ``capacity`` chunks evicting by ``policy``: ``Tier`` for lmtier's own order."""
+    if policy == "lru":
+        return Tier(name, capacity, instance, held, on_evict)
+    return PolicyTier(name, capacity, policy, instance, held, on_evict)
 
 
 class Instance:
     def __init__(self, i: int, fleet: Fleet, held: dict | None, sim: Simulation) -> None:
         self.i = i
-        self.policy = SavePolicy(fleet.save_policy, min_tokens=fleet.min_tokens,
-                                 keys=max(1024, 2 * fleet.chunks(fleet.memory + fleet.disk)))  # fmt: skip
-        self.gpu = Tier("gpu", fleet.chunks(fleet.gpu), i, held)
-        self.memory = Tier("memory", fleet.chunks(fleet.memory), i, held,
+        # sized as a store sizes it (the chunks its tiers hold, within [4,096, 4M]), and
+        # within the plan's budget of POLICY_KEYS over all its instances
+        held_chunks = fleet.chunks(fleet.memory + fleet.disk + (fleet.shared_size if fleet.shared else 0))
+        keys = max(1 << 12, min(held_chunks, 1 << 22, POLICY_KEYS // fleet.instances))
+        self.policy = SavePolicy(fleet.save_policy, min_tokens=fleet.min_tokens, keys=keys)
+        # write-back needs memory in front of another tier (as a store does: else through)
+        lower = fleet.disk or fleet.shared
+        self.write_mode = self.policy.write_mode if fleet.chunks(fleet.memory) and lower else "through"
+        self.gpu = Tier("gpu", fleet.chunks(fleet.gpu), i, held)  # the engine's own: LRU
+        self.memory = tier("memory", fleet.chunks(fleet.memory), fleet.eviction["memory"], i, held,
                            on_evict=(lambda key, reads: sim.demote(self, key, reads)))  # fmt: skip
-        self.disk = Tier("disk", fleet.chunks(fleet.disk), i, held)
+        self.disk = tier("disk", fleet.chunks(fleet.disk), fleet.eviction["disk"], i, held)
         self.recent: deque[float] = deque()  # arrivals within the router's window
         self.stored_below: dict[bytes, bool] = {}  # in memory, and the lower tiers held it: eviction writes nothing
 
@@ -120,7 +185,8 @@ class Simulation:
         self.held: dict[bytes, dict[int, int]] = {}
         tracked = self.held if (fleet.peers or fleet.router == "kv_aware") and fleet.instances > 1 else None
         self.instances = [Instance(i, fleet, tracked, self) for i in range(fleet.instances)]
-        self.shared = Tier("shared", fleet.chunks(fleet.shared_size)) if fleet.shared else None
+        shared = fleet.chunks(fleet.shared_size)
+        self.shared = tier("shared", shared, fleet.eviction["shared"]) if fleet.shared else None
         lower = [("shared", fleet.costs["shared"])] if self.shared is not None else []
         if fleet.peers and fleet.instances > 1:
             lower.append(("peers", fleet.costs["peers"]))
@@ -133,7 +199,11 @@ class Simulation:
         self.served = [0] * fleet.instances  # chunks each instance's sidecar served to peers
         self.ttft: list[float] = []
         self.links: dict[str, dict[tuple[int, int], int]] = {"shared": {}, "network": {}, "disk": {}}
-        self.now = 0.0
+        self.to_disk = self.to_shared = 0  # chunks the request being replayed wrote there
+        self.fixed = fleet.request_ms / 1000
+        self.busy = [0.0] * fleet.instances  # seconds of prefill each instance computed
+        self.start: float | None = None  # the first arrival, and the last first token
+        self.end = 0.0
 
     # -- routing ---------------------------------------------------------------------------
     def route(self, r: Request) -> Instance:
@@ -165,7 +235,6 @@ class Simulation:
     # -- one request -----------------------------------------------------------------------
     def request(self, r: Request) -> None:
         fleet, keys = self.fleet, r.keys
-        self.now = r.t
         inst = self.route(r)
         inst.recent.append(r.t)
         inst.policy.seen(keys)
@@ -197,37 +266,49 @@ class Simulation:
             elif where == "shared" and self.shared is not None:
                 self.shared.touch(key, read=True)
             self._promote(inst, key, where)
-        peer_keys = [k for k, w in zip(keys, sources, strict=False) if w == "peers"]
-        for key, p in zip(peer_keys, peer_of, strict=True):  # what each holder's sidecar served
-            self.served[p] += 1
-            self._link("network", p, int(self.now), self.fleet.chunk_bytes)  # the holder's sidecar sends it
-            owner = self.instances[p]
-            (owner.memory if key in owner.memory else owner.disk).touch(key, read=True)
+        if peer_of:
+            peer_keys = [k for k, w in zip(keys, sources, strict=False) if w == "peers"]
+            for key, p in zip(peer_keys, peer_of, strict=True):  # what each holder's sidecar served
+                self.served[p] += 1
+                owner = self.instances[p]
+                (owner.memory if key in owner.memory else owner.disk).touch(key, read=True)
         self.tokens["prompt"] += r.tokens
         first = inst.policy.admit_first(keys, r.tokens)
         fresh = [k for k in keys[hit:first] if k not in inst.memory]
         for key in reversed(fresh):
             if inst.memory.add(key):
                 self.written["memory"] += 1
-        for key in reversed(keys[: max(hit, first)]):  # the prompt's chunks touched: its head most recent
-            inst.memory.touch(key)
-        for key in reversed(keys):  # the engine computed or loaded the whole prompt
-            inst.gpu.add(key)
-        if fresh and inst.policy.write_mode == "through":
+        memory = inst.memory
+        if type(memory) is Tier:  # the prompt's chunks touched: its head most recent (a use for no other policy)
+            for key in reversed(keys[: max(hit, first)]):
+                if key in memory:
+                    memory.move_to_end(key)
+        if inst.gpu.capacity:
+            for key in reversed(keys):  # the engine computed or loaded the whole prompt
+                inst.gpu.add(key)
+        if fresh and inst.write_mode == "through":
             for key, ok in zip(fresh, inst.policy.admit_lower(fresh), strict=True):
                 if ok:
                     self._write_lower(inst, key)
         compute = (r.tokens - hit * chunk) / fleet.prefill_tokens_per_s
-        load = sum(fleet.costs[m].seconds(n * per) for m, n in loaded.items())
-        self.ttft.append(compute + load)
-        second = int(r.t)
-        for medium, n in loaded.items():
-            if medium in ("shared", "peers"):
-                self._link("network", inst.i, second, n * per)
-            if medium == "shared":
-                self._link("shared", 0, second, n * per)
-            if medium == "disk":
-                self._link("disk", inst.i, second, n * per)
+        load = sum(fleet.costs[m].seconds(n * per) for m, n in loaded.items()) if loaded else 0.0
+        took = self.fixed + compute + load
+        self.ttft.append(took)
+        if self.start is None:
+            self.start = r.t
+        self.end = max(self.end, r.t + took)
+        self.busy[inst.i] += compute
+        # this request's traffic, reads and writes, per link (writes counted as they happened),
+        # spread over the seconds the request takes to its first token
+        disk = loaded.get("disk", 0) + self.to_disk
+        shared = loaded.get("shared", 0) + self.to_shared
+        network = shared + loaded.get("peers", 0)
+        self.to_disk = self.to_shared = 0
+        for link, who, n in (("disk", inst.i, disk), ("network", inst.i, network), ("shared", 0, shared)):
+            if n:
+                self._spread(link, who, r.t, took, n * per)
+        for p in set(peer_of):  # the holders' sidecars send what peers read
+            self._spread("network", p, r.t, took, peer_of.count(p) * per)
 
     def _find(self, inst: Instance, key: bytes) -> str | int | None:
         """Where ``key`` is read from: a local tier's name, another instance (a peer), the
@@ -254,7 +335,6 @@ class Simulation:
         """A hit below memory lands in this instance's tiers above the one that held it
         (memory; and disk for a shared or peer hit; and the shared tier for a peer's
         chunk where the shared tier comes first)."""
-        per, second = self.fleet.chunk_bytes, int(self.now)
         if inst.memory.add(key):
             self.written["memory"] += 1
             inst.stored_below[key] = True
@@ -262,56 +342,94 @@ class Simulation:
             return
         if inst.disk.capacity and key not in inst.disk and inst.disk.add(key):
             self.written["disk"] += 1
-            self._link("disk", inst.i, second, per)
+            self.to_disk += 1
         if where == "peers" and self.shared is not None and self.lower[0] == "shared" and self.shared.add(key):
             self.written["shared"] += 1
-            self._link("shared", 0, second, per)
-            self._link("network", inst.i, second, per)
+            self.to_shared += 1
 
     def _write_lower(self, inst: Instance, key: bytes) -> None:
-        per, second = self.fleet.chunk_bytes, int(self.now)
         if key in inst.memory:
             inst.stored_below[key] = True
         if inst.disk.capacity and key not in inst.disk and inst.disk.add(key):
             self.written["disk"] += 1
-            self._link("disk", inst.i, second, per)
+            self.to_disk += 1
         if self.shared is not None and key not in self.shared and self.shared.add(key):
             self.written["shared"] += 1
-            self._link("shared", 0, second, per)
-            self._link("network", inst.i, second, per)
+            self.to_shared += 1
 
     def demote(self, inst: Instance, key: bytes, reads: int) -> None:
         """Memory let ``key`` go: in write-back mode, the policy's call to write it down,
         unless the lower tiers held it when it came into memory (a promotion) or it was
         written since (the store's ``written`` mark: its eviction writes nothing)."""
-        if inst.stored_below.pop(key, False) or inst.policy.write_mode != "back":
+        if inst.stored_below.pop(key, False) or inst.write_mode != "back":
             return
         if inst.policy.admit_lower([key], [reads])[0]:
             self._write_lower(inst, key)
 
-    def _link(self, link: str, who: int, second: int, nbytes: int) -> None:
+    def _spread(self, link: str, who: int, start: float, took: float, nbytes: float) -> None:
+        """``nbytes`` over [start, start + took] (at most SPREAD_S seconds), each second its
+        share."""
         buckets = self.links[link]
-        buckets[(who, second)] = buckets.get((who, second), 0) + nbytes
+        end = start + min(took, SPREAD_S)
+        first, last = int(start), int(end)
+        if first == last or took <= 0:
+            buckets[(who, first)] = buckets.get((who, first), 0) + nbytes
+            return
+        rate = nbytes / (end - start)
+        for second in range(first, last + 1):
+            part = (min(end, second + 1) - max(start, second)) * rate
+            buckets[(who, second)] = buckets.get((who, second), 0) + part
 
     # -- the report --------------------------------------------------------------------------
+    def warnings(self, links: dict[str, dict]) -> list[str]:
+        """Each link whose traffic is over its medium's rate (``Fleet.costs``): at peak,
+        loads there would queue, which the TTFT estimate leaves out; on average, the link
+        cannot keep up at all."""
+        costs = self.fleet.costs
+        rates = {"shared": costs["shared"].gbps, "disk": costs["disk"].gbps,
+                 "network": max(costs["peers"].gbps, costs["shared"].gbps)}  # fmt: skip
+        out = []
+        for link, rate in rates.items():
+            mean, peak, of = links[link]["mean_bytes_per_s"], links[link]["peak_bytes_per_s"], links[link]["of"]
+            if mean > rate * 1e9:
+                out.append(f"{link} ({of}): a mean of {mean / 1e9:.2f} GB/s is over its {rate:g} GB/s: it cannot "
+                           "keep up; the TTFT estimate is far too low")  # fmt: skip
+            elif peak > rate * 1e9:
+                out.append(f"{link} ({of}): a peak of {peak / 1e9:.2f} GB/s is over its {rate:g} GB/s: loads in "
+                           "its busiest second would queue, which the TTFT estimate leaves out")  # fmt: skip
+        return out
+
+    def _overloaded(self, busy: dict[str, float]) -> list[str]:
+        """Instances asked for more prefill than they compute in the trace's time."""
+        if busy["busiest"] <= 1.0:
+            return []
+        what = "the fleet" if busy["mean"] > 1.0 else "the busiest instance"
+        share = busy["mean"] if busy["mean"] > 1.0 else busy["busiest"]
+        return [f"prefill ({what}): {share:.0%} of its time computing prompts: requests would queue, which the "
+                "TTFT estimate leaves out; add instances or cache"]  # fmt: skip
+
     def report(self, span: float) -> dict[str, Any]:
         fleet, prompt = self.fleet, max(1, self.tokens["prompt"])
         hits = {m: self.tokens[m] for m in (*LOCAL, "shared", "peers")}
         saved = sum(hits.values())
         ttft = np.array(self.ttft) if self.ttft else np.zeros(1)
         links = {}
-        seconds = max(1.0, float(span))  # the buckets' seconds, first to last
+        # the trace's seconds, first arrival to last first token
+        seconds = max(1.0, float(span), self.end - (self.start or 0.0))
         for link, buckets in self.links.items():
-            per_who: dict[int, int] = {}
+            per_who: dict[int, float] = {}
             for (who, _), n in buckets.items():
                 per_who[who] = per_who.get(who, 0) + n
             links[link] = {
                 "mean_bytes_per_s": (max(per_who.values()) if per_who else 0) / seconds,
-                "peak_bytes_per_s": max(buckets.values(), default=0),
+                "peak_bytes_per_s": float(max(buckets.values(), default=0)),
                 "of": "the fleet" if link == "shared" else "the busiest instance",
             }
         per = fleet.chunk_bytes
+        busy = {"mean": sum(self.busy) / fleet.instances / seconds, "busiest": max(self.busy) / seconds}
         return {
+            "warnings": self.warnings(links) + self._overloaded(busy),
+            "prefill_busy": busy,
             "requests": len(self.ttft),
             "prompt_tokens": self.tokens["prompt"],
             "hit_ratio": saved / prompt,

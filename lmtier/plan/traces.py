@@ -23,12 +23,15 @@ equal prefix up to there (lmtier's chunk keys in hex, or any stable hash of
 each chunk's tokens and those before it). A vLLM engine with ``request_log: PATH`` writes
 it (lmtier/engine/requestlog.py).
 
+Either file may be gzip-compressed (a name ending in ``.gz``).
+
 The partial last chunk of a prompt is never stored by an engine, so it never hits: a
 request's keys are its full chunks only.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -58,22 +61,45 @@ def chain(ids: Iterable[int], salt: bytes = b"") -> list[bytes]:
 
 
 def _lines(path: Path, limit: int | None) -> Iterable[tuple[int, dict]]:
-    with open(path) as f:
-        for n, line in enumerate(f):
-            if limit is not None and n >= limit:
-                return
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{n + 1}: not JSON: {exc}") from None
-            if not isinstance(record, dict):
-                raise ConfigError(f"{path}:{n + 1}: a request is a JSON object")
-            yield n + 1, record
+    opener = gzip.open if path.suffix == ".gz" else open  # a trace may be kept compressed
+    try:
+        with opener(path, "rt") as f:
+            yield from _records(path, f, limit)
+    except (OSError, EOFError, UnicodeDecodeError) as exc:  # unreadable, not gzip, cut short, not text
+        raise ConfigError(f"{path}: cannot be read as a trace: {exc}") from None
+
+
+def _records(path: Path, f: Iterable[str], limit: int | None) -> Iterable[tuple[int, dict]]:
+    """Each line's request object and its line number; ``limit`` requests at most (blank
+    lines are not requests)."""
+    count = 0
+    for n, line in enumerate(f):
+        if limit is not None and count >= limit:
+            return
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:  # not JSON, or a number of more digits than Python reads
+            raise ConfigError(f"{path}:{n + 1}: not JSON: {exc}") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{path}:{n + 1}: a request is a JSON object")
+        count += 1
+        yield n + 1, record
 
 
 MOONCAKE_BLOCK = 512  # tokens of a Mooncake trace's block
+MAX_SYNTHETIC = 2_000_000  # requests of a synthetic workload: a few GiB of keys at most
+
+
+def _seconds(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"a time is a number, got {value!r}")
+    return float(value)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_time(path: Path, line: int, t: float, last: float) -> float:
@@ -92,12 +118,12 @@ def mooncake(path: str | Path, limit: int | None = None, chunk_tokens: int = MOO
     path, out, last = Path(path), [], 0.0
     for line, r in _lines(path, limit):
         try:
-            tokens, ids, t = r["input_length"], r["hash_ids"], float(r.get("timestamp", 0)) / 1000
-            if not isinstance(tokens, int) or tokens < 0 or not isinstance(ids, list):
+            tokens, ids, t = r["input_length"], r["hash_ids"], _seconds(r.get("timestamp", 0)) / 1000
+            if not _count(tokens) or not isinstance(ids, list):
                 raise TypeError("input_length is a count of tokens and hash_ids a list")
             if not all(isinstance(i, int) and -(1 << 63) <= i < 1 << 63 for i in ids):
                 raise TypeError("hash_ids are 64-bit integers")
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"{path}:{line}: a Mooncake request needs input_length and hash_ids ({exc})") from None
         last = _check_time(path, line, t, last)
         out.append(Request(t, chain(ids[: tokens // chunk_tokens]), tokens))
@@ -112,16 +138,18 @@ def request_log(path: str | Path, limit: int | None = None, chunk_tokens: int | 
     path, out, last = Path(path), [], 0.0
     for line, r in _lines(path, limit):
         try:
-            t, tokens, chunks = float(r["t"]), r["tokens"], r["chunks"]
-            if not isinstance(tokens, int) or tokens < 0:
+            t, tokens, chunks = _seconds(r["t"]), r["tokens"], r["chunks"]
+            if not _count(tokens):
                 raise TypeError("tokens is a count of tokens")
             if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks):
                 raise TypeError("chunks must be a list of strings")
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"{path}:{line}: a request needs t, tokens and chunks ({exc})") from None
         last = _check_time(path, line, t, last)
         if chunk_tokens:
             theirs = r.get("chunk_tokens")
+            if theirs is not None and not _count(theirs):
+                raise ConfigError(f"{path}:{line}: chunk_tokens is a count of tokens, got {theirs!r}")
             if theirs is not None and theirs != chunk_tokens:
                 raise ConfigError(f"{path}:{line}: written by an engine with chunks of {theirs} tokens; the fleet's "
                                   f"chunk_tokens is {chunk_tokens}: set chunk_tokens: {theirs}")  # fmt: skip
@@ -130,7 +158,10 @@ def request_log(path: str | Path, limit: int | None = None, chunk_tokens: int | 
                                   f"{tokens} tokens: is the fleet's chunk_tokens the engine's?")  # fmt: skip
         keys, key = [], b""
         for c in chunks:
-            key = xxhash.xxh3_128_digest(key + c.encode())
+            try:
+                key = xxhash.xxh3_128_digest(key + c.encode())
+            except UnicodeEncodeError:
+                raise ConfigError(f"{path}:{line}: a chunk's string is not text (a lone surrogate)") from None
             keys.append(key)
         out.append(Request(t, keys, tokens))
     return out
@@ -194,5 +225,7 @@ def load(spec: str, limit: int | None = None, chunk_tokens: int = 512) -> list[R
         if (count and not count.isdigit()) or count == "0":
             raise ConfigError(f"synthetic:NAME:N takes a positive number of requests, got {count!r}")
         n = int(count) if count else 10_000
+        if n > MAX_SYNTHETIC:
+            raise ConfigError(f"synthetic:NAME:N makes at most {MAX_SYNTHETIC:,} requests, got {n:,}")
         return synthetic(name, min(n, limit) if limit else n, chunk_tokens=chunk_tokens)
     raise ConfigError(f"a trace is mooncake:PATH, log:PATH or synthetic:NAME[:N], got {spec!r}")

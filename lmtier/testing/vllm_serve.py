@@ -104,6 +104,20 @@ class VllmServer:
             "kv_transfer_params": answer.get("kv_transfer_params"),
         }
 
+    def ttft(self, model: str, prompt: list[int], max_tokens: int = 1) -> float:
+        """Seconds to the first streamed token of a greedy completion."""
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        request = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        started = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=300) as answer:
+            for line in answer:
+                if line.startswith(b"data: ") and b'"text"' in line:
+                    first = time.perf_counter() - started
+                    answer.read()
+                    return first
+        raise RuntimeError("no token streamed")
+
     def metric(self, name: str, **labels: str) -> float:
         """The sum of ``name``'s samples whose labels include ``labels``."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10).read().decode()
