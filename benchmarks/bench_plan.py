@@ -1,0 +1,418 @@
+"""``lmtier plan`` against itself and against real engines.
+
+**Speed** (``--speed``): the replay's rate on the Mooncake conversation trace, and a
+million requests (the trace replayed 84 times, each copy's prefixes its own), for a single
+instance and for a fleet of eight behind the KV-aware router with memory, disk, a shared
+server and peers; one process, one core.
+
+**Calibration** (``--calibrate``): one slice of a trace replayed twice, through real vLLM
+engines (CPU build, a tiny random-weight Llama) started from a fleet description
+(``benchmarks/plan_calibration.yaml``), and through ``lmtier plan`` given the same
+description. Each 512-token block of the trace becomes one 128-token chunk (the engines'
+``chunk_tokens``); prompts are cut at ``--max-chunks`` chunks and end with 16 tokens of
+their own (so that every full chunk can hit); requests go one at a time, round robin, a
+pause after each (its saves land, its engine goes quiet). The engines run without vLLM's
+own prefix cache (the plan's ``gpu: 0``): lmtier's memory and the cache server are the
+only tiers, counted per tier by what the workers read from each
+(``vllm:lmtier_tier_reads_total``).
+
+The plan's costs come from the same engines before the slice: the prefill rate and a
+request's fixed time from cold prompts of five lengths (a least-squares line), and each
+medium's load from prompts held there. Reported per run and over runs: the hit ratio per tier, real and planned
+(target: within 0.05), and TTFT mean and p50, real and planned (target: within the real
+runs' own spread, or 10%).
+
+    python benchmarks/bench_plan.py --speed [--json-out F]
+    python benchmarks/bench_plan.py --calibrate [--fleet F.yaml] [--runs 3] [--requests 50] [--json-out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from lmtier.kv.layout import from_hf_config
+from lmtier.plan.fleet import Cost, Fleet
+from lmtier.plan.sim import Simulation, simulate
+from lmtier.plan.traces import Request, chain, mooncake
+
+from common import emit
+
+HERE = Path(__file__).resolve().parent
+CONVERSATION = HERE / "traces" / "mooncake_conversation_trace.jsonl.gz"
+CHUNK, TAIL = 128, 16  # the engines' chunk; each prompt's own last tokens
+HIT_TARGET = 0.05
+
+
+# -- speed --------------------------------------------------------------------------------
+def copies(requests: list[Request], n: int) -> list[Request]:
+    """``n`` copies of the trace one after the other, each with prefixes of its own."""
+    span = requests[-1].t + 1.0
+    out = []
+    for c in range(n):
+        salt = c.to_bytes(4, "little")
+        out += [Request(r.t + c * span, [salt + k[4:] for k in r.keys], r.tokens) for r in requests]
+    return out
+
+
+def speed() -> dict:
+    trace = mooncake(CONVERSATION)
+    fleets = {
+        "one instance, memory": Fleet(memory=2 << 40, kv_bytes_per_token=1 << 14),
+        "8 instances, kv_aware, memory + disk + shared + peers": Fleet(
+            instances=8,
+            router="kv_aware",
+            memory=1 << 38,
+            disk=1 << 40,
+            shared="server",
+            shared_size=1 << 42,
+            peers=True,
+            kv_bytes_per_token=1 << 14,
+        ),
+    }
+    rows = []
+    for label, requests in (("conversation trace", trace), ("a million requests", copies(trace, 84))):
+        chunks = sum(len(r.keys) for r in requests)
+        for name, fleet in fleets.items():
+            started = time.perf_counter()
+            plan = simulate(fleet, requests)
+            seconds = time.perf_counter() - started
+            rows.append({"trace": label, "fleet": name, "requests": len(requests), "chunks": chunks,
+                         "seconds": seconds, "requests_per_s": len(requests) / seconds,
+                         "chunks_per_s": chunks / seconds, "hit_ratio": plan["hit_ratio"]})  # fmt: skip
+        del requests
+    return {"benchmark": "plan_speed", "rows": rows}
+
+
+# -- calibration --------------------------------------------------------------------------
+def tokens_of(keys: list[bytes], own: int) -> list[int]:
+    """A prompt for chained ``keys``: each chunk's tokens drawn from its key (an equal prefix
+    gives equal tokens), then TAIL tokens of the prompt's own."""
+    out: list[int] = []
+    for key in keys:
+        out += np.random.default_rng(int.from_bytes(key[:8], "little")).integers(5, 500, CHUNK).tolist()
+    return out + np.random.default_rng(10**9 + own).integers(5, 500, TAIL).tolist()
+
+
+def slice_of(spec: str, start: int, count: int, max_chunks: int) -> list[Request]:
+    """``count`` requests of a Mooncake trace from ``start`` (its blocks as our chunks), or
+    of a synthetic conversation workload ("synthetic")."""
+    if spec == "synthetic":
+        from lmtier.plan.traces import conversations
+
+        made = conversations(start + count, seed=5, chunk_tokens=CHUNK)[start:]
+        reqs = [Request(float(i), keys, 0) for i, (keys, _) in enumerate(made)]
+    else:
+        reqs = mooncake(spec, start + count)[start:]
+    return [Request(float(i), r.keys[:max_chunks], len(r.keys[:max_chunks]) * CHUNK + TAIL)
+            for i, r in enumerate(reqs)]  # fmt: skip
+
+
+class RealFleet:
+    """The fleet a plan describes, as engines: ``instances`` ``vllm serve`` processes, each
+    with lmtier's memory tier (``memory``) and the shared cache server (``shared``, kind
+    ``server``); vLLM's own prefix cache off (``gpu: 0``). Routers other than round robin,
+    peers, disks and other shared kinds are left to ``bench_fleet.py``."""
+
+    def __init__(self, fleet: Fleet, model: str, tmp: Path) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from lmtier.testing.cache_server import ServerProcess
+        from lmtier.testing.vllm_serve import VllmServer
+
+        unsupported = fleet.gpu or fleet.peers or fleet.disk or fleet.router != "round_robin"
+        if unsupported or fleet.shared not in ("", "server"):
+            raise SystemExit("a calibration fleet is round robin over memory and a cache server (gpu: 0, no disk, "
+                             "no peers)")  # fmt: skip
+        self.model = model
+        self.server = None
+        tiers = [f"cpu://?size={fleet.memory}"]
+        if fleet.shared:
+            self.server = ServerProcess(tmp, "--tier", f"cpu://?size={fleet.shared_size}&slot={fleet.chunk_bytes}",
+                                        "--no-shm")  # fmt: skip
+            tiers.append(f"grpc://{self.server.address}?shm=off")
+
+        def start(i: int) -> VllmServer:
+            return VllmServer(model, None, tmp / f"engine-{i}.log", tiers=tiers, chunk=fleet.chunk_tokens,
+                              max_model_len=4096, save_policy=fleet.save_policy,
+                              args=("--no-enable-prefix-caching",))  # fmt: skip
+
+        with ThreadPoolExecutor(fleet.instances) as pool:
+            self.engines = list(pool.map(start, range(fleet.instances)))
+
+    def ttft(self, i: int, prompt: list[int]) -> float:
+        return self.engines[i].ttft(self.model, prompt)
+
+    def sources(self) -> dict[str, float]:
+        """Prompt tokens, cached tokens, and the tokens the workers read from each tier
+        (``vllm:lmtier_tier_reads_total``: chunks read, by the tier that served them). In
+        ``vllm serve``'s processes the scheduler finds a chunk in the tiers it sees (the
+        shared one: the worker's memory is its own), and the worker reads it from its
+        memory where it holds it: vLLM's count by source names the scheduler's tier, this
+        one the tier the bytes came from, which is what a plan's tiers mean."""
+        out = {"prompt": 0.0, "cached": 0.0, "memory": 0.0, "shared": 0.0}
+        for e in self.engines:
+            out["prompt"] += e.metric("vllm:prompt_tokens_total")
+            out["cached"] += e.metric("vllm:prompt_tokens_cached_total")
+            text = urllib.request.urlopen(f"{e.url}/metrics", timeout=10).read().decode()
+            for labels, value in re.findall(r"^vllm:lmtier_tier_reads_total\{([^}]*)\} (\S+)$", text, re.M):
+                tier = re.search(r'tier="([^"]*)"', labels)
+                if 'result="hits"' in labels and tier:
+                    where = "memory" if tier.group(1).startswith("cpu") else "shared"
+                    out[where] += float(value) * CHUNK
+        return out
+
+    def stop(self) -> None:
+        for e in self.engines:
+            e.stop()
+        if self.server:
+            self.server.stop()
+
+
+# the cold prompts' lengths: each computed in one engine step (a prompt over the step's
+# 2,048-token budget takes two, and a second step on a 2-core machine costs what the line
+# cannot say: 16 chunks and a tail measured 220-270 ms cold where 14 took 120)
+COST_CHUNKS = (2, 5, 8, 11, 14)
+MAX_WARM = 16  # warming asks each engine once for every length up to this many chunks
+
+
+def costs(real: RealFleet, fleet: Fleet, seed: int, pause: float) -> dict:
+    """The plan's costs measured on these engines, each request alone (``pause`` after
+    it): first, untimed, one prompt of each length from 1 to MAX_WARM chunks on each
+    engine (the CPU kernels build their code for each new shape once: the trace's requests
+    of a length seen before do not pay it, nor should the cost prompts);
+    cold prompts of COST_CHUNKS chunks, twice each, alternating engines, for the prefill
+    rate and a request's fixed time (a least-squares line through TTFT against tokens); a
+    prompt of 16 chunks held in memory (asked again of the instance that computed it) and
+    held by the shared server only (asked of the other), three times each, for each
+    medium's load."""
+    engines = len(real.engines)
+
+    def prompt(n: int, k: int) -> list[int]:
+        return tokens_of(chain(range(n), b"cost%d-%d" % (seed, k)), 10**6 + seed * 1000 + k)
+
+    def timed(i: int, p: list[int]) -> float:
+        t = real.ttft(i, p)
+        time.sleep(pause)
+        return t
+
+    for i in range(engines):  # warm: one prompt of each length a plan's requests have
+        for n in range(1, MAX_WARM + 1):
+            timed(i, prompt(n, 900 + 100 * i + n))
+    time.sleep(10 * pause)  # the warm-up's saves land before anything is timed
+    points = [(n * CHUNK + TAIL, timed((rep + n) % engines, prompt(n, 10 * n + rep)))
+              for rep in range(2) for n in COST_CHUNKS]  # fmt: skip
+    memory, shared = [], []
+    for k in range(3):
+        p = prompt(16, 100 + k)
+        timed(0, p)
+        memory.append(timed(0, p))
+        if real.server is not None:
+            shared.append(timed(1 % engines, p))
+    measured = {"cold": [[x, t * 1e3] for x, t in points], "memory_hit": [t * 1e3 for t in memory],
+                "shared_hit": [t * 1e3 for t in shared]}  # fmt: skip
+    return fit(measured, fleet.kv_bytes_per_token)
+
+
+def fit(measured: dict, kv_bytes_per_token: int) -> dict:
+    """The plan's costs from the measured times (ms). Noise on a busy machine only ever
+    adds time, so each length's fastest cold request counts, and a least-squares line
+    through those gives the prefill rate (its slope) and a request's fixed time (its
+    intercept); each medium's load is its fastest hit less that fixed time and the
+    prefill of the prompt's tail."""
+    fastest: dict[int, float] = {}
+    for tokens, ms in measured["cold"]:
+        fastest[tokens] = min(ms / 1e3, fastest.get(tokens, float("inf")))
+    slope, intercept = np.polyfit(list(fastest), list(fastest.values()), 1)
+    rate, fixed = 1.0 / max(float(slope), 1e-9), max(0.0, float(intercept))
+    fitted = {"prefill_tokens_per_s": rate, "request_ms": fixed * 1e3, "measured_ms": measured}
+    load = 16 * CHUNK * kv_bytes_per_token
+    for medium, times in (("memory", measured["memory_hit"]), ("shared", measured["shared_hit"])):
+        if times:
+            seconds = max(1e-4, min(times) / 1e3 - fixed - TAIL / rate)
+            fitted[medium] = {"gbps": load / seconds / 1e9, "ms": 0.0}
+    return fitted
+
+
+def planned(fleet: Fleet, measured: dict, requests: list[Request]) -> dict:
+    """``lmtier plan`` of ``requests`` on ``fleet`` with the costs fitted to ``measured``."""
+    media = {m: Cost(**c) for m, c in measured.items() if m in ("memory", "shared")}
+    rate, fixed = measured["prefill_tokens_per_s"], measured["request_ms"]
+    sim = Simulation(fleet.replace(prefill_tokens_per_s=rate, request_ms=fixed, costs={**fleet.costs, **media}))
+    for r in requests:
+        sim.request(r)
+    plan = sim.report(len(requests))
+    return {"hit_ratio": {**{t: plan["hit_ratio_by_tier"][t] for t in ("memory", "shared")},
+                          "cached": plan["hit_ratio"]},
+            "prompt_tokens": plan["prompt_tokens"], "ttft_ms": plan["ttft_ms"],
+            "ttft_each_ms": [t * 1e3 for t in sim.ttft]}  # fmt: skip
+
+
+def run_requests(requests: list[Request], run: int) -> list[Request]:
+    """A run's own prompts: nothing is found from the run before."""
+    salt = b"run%d" % run
+    return [Request(r.t, [salt + k[len(salt) :] for k in r.keys], r.tokens) for r in requests]
+
+
+def workloads_of(args) -> dict[str, list[Request]]:
+    return {
+        "mooncake conversation": slice_of(str(CONVERSATION), args.start, args.requests, args.max_chunks),
+        "synthetic conversations": slice_of("synthetic", 0, args.requests, args.max_chunks),
+    }
+
+
+def replan(path: str) -> dict:
+    """A calibration report's plans made again from its own measurements (its real side
+    unchanged): the fit or the planner changed, the engines need not run again."""
+    report = json.loads(Path(path).read_text())
+    kept = report.get("args") or {
+        "requests": report["requests"],
+        "start": 0,
+        "max_chunks": report["max_chunks"],
+        "pause": 2.0,
+        "runs": len(report["runs"]),
+    }  # a report of before "args"
+    args = argparse.Namespace(**kept)
+    fleet = Fleet.from_dict({k: v for k, v in report["fleet"].items() if k not in ("costs", "shared", "shared_size")}
+                            | ({"shared": {"kind": report["fleet"]["shared"], "size": report["fleet"]["shared_size"]}}
+                               if report["fleet"]["shared"] else {}))  # fmt: skip
+    for row in report["runs"]:
+        row["costs"] = fit(row["costs"]["measured_ms"], fleet.kv_bytes_per_token)
+        for name, requests in workloads_of(args).items():
+            row["workloads"][name]["plan"] = planned(fleet, row["costs"], run_requests(requests, row["run"]))
+    return summarize(report["runs"], fleet, args)
+
+
+def calibrate(args) -> dict:
+    from lmtier.testing.tinymodel import build
+
+    tmp = Path(tempfile.mkdtemp(prefix="lmtier-plan-"))
+    model = str(build(tmp / "model"))
+    per_token = from_hf_config(Path(model) / "config.json").bytes_per_token
+    fleet = Fleet.load(args.fleet).replace(kv_bytes_per_token=per_token)
+    if fleet.chunk_tokens != CHUNK:
+        raise SystemExit(f"the calibration's engines use chunks of {CHUNK} tokens, not {fleet.chunk_tokens}")
+    workloads = workloads_of(args)
+    runs = []
+    for run in range(args.runs):
+        real = RealFleet(fleet, model, tmp / f"run-{run}")
+        try:
+            measured = costs(real, fleet, run, args.pause)
+            row = {"run": run, "costs": measured, "workloads": {}}
+            for name, requests in workloads.items():
+                requests = run_requests(requests, run)
+                before, times = real.sources(), []
+                for i, r in enumerate(requests):
+                    times.append(real.ttft(i % fleet.instances, tokens_of(r.keys, run * 10**5 + i)))
+                    time.sleep(args.pause)
+                after = real.sources()
+                got = {k: after[k] - before[k] for k in after}
+                row["workloads"][name] = {
+                    "real": {"hit_ratio": {t: got[t] / got["prompt"] for t in ("memory", "shared", "cached")},
+                             "prompt_tokens": got["prompt"], "ttft_ms": _ttft(times),
+                             "ttft_each_ms": [t * 1e3 for t in times]},
+                    "plan": planned(fleet, measured, requests),
+                }  # fmt: skip
+            runs.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        finally:
+            real.stop()
+    return summarize(runs, fleet, args)
+
+
+def _ttft(times: list[float]) -> dict:
+    ms = np.array(times) * 1e3
+    return {"mean": float(ms.mean()), "p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99))}
+
+
+def summarize(runs: list[dict], fleet: Fleet, args) -> dict:
+    out = {}
+    for name in runs[0]["workloads"]:
+        rows = [r["workloads"][name] for r in runs]
+        tiers = {}
+        for real_tier, plan_tier in (("memory", "memory"), ("shared", "shared"), ("cached", "cached")):
+            diffs = [w["plan"]["hit_ratio"][plan_tier] - w["real"]["hit_ratio"][real_tier] for w in rows]
+            tiers[real_tier] = {"real": [w["real"]["hit_ratio"][real_tier] for w in rows],
+                                "plan": [w["plan"]["hit_ratio"][plan_tier] for w in rows],
+                                "max_abs_diff": max(abs(d) for d in diffs),
+                                "met": all(abs(d) <= HIT_TARGET for d in diffs)}  # fmt: skip
+        ttft = {}
+        for stat in ("mean", "p50"):
+            real = [w["real"]["ttft_ms"][stat] for w in rows]
+            plan = [w["plan"]["ttft_ms"][stat] for w in rows]
+            noise = max(max(real) - min(real), 0.1 * statistics.median(real))
+            ttft[stat] = {"real": real, "plan": plan, "noise_ms": noise,
+                          "met": all(abs(p - r) <= noise for p, r in zip(plan, real, strict=True))}  # fmt: skip
+        out[name] = {"tiers": tiers, "ttft_ms": ttft}
+    kept = {k: getattr(args, k) for k in ("requests", "start", "max_chunks", "pause", "runs")}
+    return {"benchmark": "plan_calibration", "fleet": fleet.to_dict(), "args": kept, "runs": runs,
+            "summary": out}  # fmt: skip
+
+
+def table(report: dict) -> str:
+    if report["benchmark"] == "plan_speed":
+        lines = [
+            "| trace | fleet | requests | chunks | seconds | requests/s | chunks/s |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in report["rows"]:
+            lines.append(f"| {r['trace']} | {r['fleet']} | {r['requests']:,} | {r['chunks']:,} | {r['seconds']:.1f} "
+                         f"| {r['requests_per_s']:,.0f} | {r['chunks_per_s']:,.0f} |")  # fmt: skip
+        return "\n".join(lines)
+    lines = ["| workload | what | real (per run) | plan (per run) | within |", "|---|---|---|---|---|"]
+    for name, s in report["summary"].items():
+        for tier, t in s["tiers"].items():
+            what = "hit ratio" if tier == "cached" else f"hit ratio from {tier}"
+            lines.append(f"| {name} | {what} | {' / '.join(f'{v:.3f}' for v in t['real'])} "
+                         f"| {' / '.join(f'{v:.3f}' for v in t['plan'])} | {t['max_abs_diff']:.3f} of 0.05: "
+                         f"{'met' if t['met'] else 'not met'} |")  # fmt: skip
+        for stat, t in s["ttft_ms"].items():
+            lines.append(f"| {name} | TTFT {stat} ms | {' / '.join(f'{v:.0f}' for v in t['real'])} "
+                         f"| {' / '.join(f'{v:.0f}' for v in t['plan'])} | {t['noise_ms']:.0f} ms: "
+                         f"{'met' if t['met'] else 'not met'} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--speed", action="store_true")
+    parser.add_argument("--calibrate", action="store_true")
+    parser.add_argument(
+        "--replan", metavar="REPORT", help="a calibration's JSON: its plans made again from its own measurements"
+    )
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--start", type=int, default=0, help="the trace's first request of the slice")
+    parser.add_argument("--max-chunks", type=int, default=16)
+    parser.add_argument(
+        "--fleet",
+        default=str(HERE / "plan_calibration.yaml"),
+        help="the fleet to start and to plan (round robin over memory and a cache server)",
+    )
+    parser.add_argument(
+        "--pause",
+        type=float,
+        default=2.0,
+        help="seconds after each request: its saves land and its engine goes quiet (on 2 cores, an engine "
+        "busy for a second after a request slows the other by as much)",
+    )
+    parser.add_argument("--json-out")
+    args = parser.parse_args(argv)
+    if sum(map(bool, (args.speed, args.calibrate, args.replan))) != 1:
+        parser.error("one of --speed, --calibrate and --replan")
+    report = speed() if args.speed else replan(args.replan) if args.replan else calibrate(args)
+    emit(report, table(report), args.json_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
