@@ -43,6 +43,7 @@ from lmtier.plan.fleet import Fleet
 from lmtier.plan.tiers import Tier, tier
 from lmtier.plan.traces import Request
 from lmtier.store.admission import SavePolicy
+from lmtier.store.tiered import policy_keys
 
 LOCAL = ("gpu", "memory", "disk")
 SPREAD_S = 600  # a request's traffic is spread over its seconds to a first token, at most these
@@ -54,8 +55,8 @@ class Instance:
         self.i = i
         # sized as a store sizes it (the chunks its tiers hold, within [4,096, 4M]), and
         # within the plan's budget of POLICY_KEYS over all its instances
-        held_chunks = fleet.chunks(fleet.memory + fleet.disk + (fleet.shared_size if fleet.shared else 0))
-        keys = max(1 << 12, min(held_chunks, 1 << 22, POLICY_KEYS // fleet.instances))
+        capacity = fleet.memory + fleet.disk + (fleet.shared_size if fleet.shared else 0)
+        keys = max(1 << 12, min(policy_keys(capacity, fleet.chunk_bytes), POLICY_KEYS // fleet.instances))
         self.policy = SavePolicy(fleet.save_policy, min_tokens=fleet.min_tokens, keys=keys)
         # write-back needs memory in front of another tier (as a store does: else through)
         lower = fleet.disk or fleet.shared

@@ -340,7 +340,13 @@ class TieredStore(ReadPath, WritePath, WriteBack):
 def _policy_keys(tiers: Sequence[Tier], chunk_bytes: int | None) -> int:
     """How many chunks the tiers hold together (what sizes a save policy's sketch),
     within [4,096, 4M]; 65,536 when the tiers do not say."""
-    capacity = sum(t.capacity for t in tiers if t.capacity)
+    return policy_keys(sum(t.capacity for t in tiers if t.capacity), chunk_bytes)
+
+
+def policy_keys(capacity: int, chunk_bytes: int | None) -> int:
+    """A save policy's sketch for tiers of ``capacity`` bytes together: their chunks,
+    within [4,096, 4M]; 65,536 when the size is not known (``lmtier plan`` sizes its own
+    with it too)."""
     if not capacity or not chunk_bytes:
         return 1 << 16
     return max(1 << 12, min(capacity // chunk_bytes, 1 << 22))
