@@ -125,11 +125,11 @@ def test_a_fleet_refuses_an_eviction_policy_it_does_not_have(given, error):
         Fleet.from_dict({"eviction": given})
 
 
-A, B, C, D, E, F = (bytes([c]) * 16 for c in b"ABCDEF")
+A, B, C, D, E, F = (int.from_bytes(bytes([c]) * 8, "little") for c in b"ABCDEF")
 TINY = {"chunk_tokens": 4, "kv_bytes_per_token": 1, "prefill_tokens_per_s": 4.0}
 
 
-def req(t: float, *keys: bytes) -> Request:
+def req(t: float, *keys: int) -> Request:
     return Request(t, list(keys), 4 * len(keys))
 
 

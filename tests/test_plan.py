@@ -19,10 +19,10 @@ from lmtier.tiers.cpu.index import Entry, Index
 
 # A chunk of 4 tokens at 1 byte a token: a tier of 8 bytes holds 2 chunks.
 TINY = {"chunk_tokens": 4, "kv_bytes_per_token": 1, "prefill_tokens_per_s": 4.0}
-A, B, C, D, X, Y = (bytes([c]) * 16 for c in b"ABCDXY")
+A, B, C, D, X, Y = (int.from_bytes(bytes([c]) * 8, "little") for c in b"ABCDXY")
 
 
-def req(t: float, *keys: bytes) -> Request:
+def req(t: float, *keys: int) -> Request:
     return Request(t, list(keys), 4 * len(keys))
 
 
@@ -57,6 +57,64 @@ def test_the_simulated_tier_evicts_what_lmtiers_memory_index_evicts():
         index.insert(key, entry)
     assert gone_tier == gone_index and len(gone_tier) > 100
     assert list(tier) == list(index)
+
+
+@pytest.mark.parametrize("only_new", [False, True])
+def test_a_prompts_chunks_added_at_once_evict_what_one_at_a_time_would(only_new):
+    """``Tier.add_many`` appends a batch of new keys and evicts the oldest after; where a
+    key of the batch is held already it goes one key at a time. 2,000 random batches of up
+    to 6 keys over 30 keys in 7 slots, some held, some not: the same evictions, in the same
+    order, the same contents in the same order, and the same counts of new keys."""
+    rng = random.Random(11)
+    batched, each = Tier("disk", 7), Tier("disk", 7)
+    gone_batched, gone_each = [], []
+    batched.on_evict = lambda key, reads: gone_batched.append((key, reads))
+    each.on_evict = lambda key, reads: gone_each.append((key, reads))
+    for _ in range(2000):
+        keys = rng.sample(range(30), rng.randint(1, 6))
+        if rng.random() < 0.2:
+            batched.touch(keys[0], read=True)
+            each.touch(keys[0], read=True)
+        assert batched.add_many(keys, only_new=only_new) == each._add_each(keys, only_new)
+        assert list(batched.items()) == list(each.items())
+    assert gone_batched == gone_each and len(gone_each) > 1000
+
+
+def test_a_links_bytes_per_second_are_each_seconds_share_of_every_transfer():
+    """``spread`` sums transfers per second at once; a loop over each transfer's seconds
+    gives the same. 3,000 random transfers of 3 senders, some within one second, some over
+    many, some of no time, some longer than SPREAD_S."""
+    from lmtier.plan.sim import SPREAD_S, spread
+
+    rng = random.Random(5)
+    who = [rng.randrange(3) for _ in range(3000)]
+    start = [rng.uniform(0, 2000) for _ in range(3000)]
+    took = [rng.choice([0.0, rng.uniform(0, 0.9), rng.uniform(0, 30), rng.uniform(SPREAD_S, 2 * SPREAD_S)])
+            for _ in range(3000)]  # fmt: skip
+    nbytes = [float(rng.randint(1, 10**6)) for _ in range(3000)]
+    seconds: dict[tuple[int, int], float] = {}
+    for w, s, t, n in zip(who, start, took, nbytes, strict=True):
+        end = s + min(t, SPREAD_S)
+        if int(s) == int(end) or t <= 0:
+            seconds[w, int(s)] = seconds.get((w, int(s)), 0) + n
+            continue
+        for second in range(int(s), int(end) + 1):
+            share = (min(end, second + 1) - max(s, second)) * n / (end - s)
+            seconds[w, second] = seconds.get((w, second), 0) + share
+    totals, peak = spread(who, start, took, nbytes)
+    assert peak == pytest.approx(max(seconds.values()), rel=1e-9)
+    assert totals == pytest.approx([sum(n for w, n in zip(who, nbytes, strict=True) if w == i) for i in range(3)])
+    assert spread([], [], [], []) == ([], 0.0)
+
+
+def test_a_plans_keys_are_64_bit_integers_equal_only_for_an_equal_prefix():
+    """``chain`` keys name a chunk and all before it: equal ids give equal keys, a
+    different id anywhere before gives different ones from there on."""
+    one, two = chain([1, 2, 3]), chain([1, 2, 3])
+    other = chain([9, 2, 3])
+    assert one == two and all(isinstance(k, int) and 0 <= k < 1 << 64 for k in one)
+    assert not set(one) & set(other)
+    assert chain([1, 2])[:2] == one[:2] and chain([1, 2], salt=7)[0] != one[0]
 
 
 def test_one_instance_hits_what_its_memory_still_holds():
@@ -243,13 +301,13 @@ def test_a_requests_bytes_are_spread_over_its_time_and_an_overloaded_fleet_is_a_
     10-byte link; the instance computes all of its 40 s. Two such requests 10 s apart on
     one instance: 80 s of prefill in the 50 s from the first arrival to the second's end
     (the estimate does not queue the second behind the first)."""
-    keys = [bytes([200, i]) * 8 for i in range(40)]
+    keys = list(range(2000, 2040))
     shared = {"kind": "server", "size": 1000}
     one = simulate(fleet(memory=400, shared=shared, costs={"shared": {"gbps": 1e-8}}), [req(0, *keys)])
     assert one["links"]["shared"]["peak_bytes_per_s"] == pytest.approx(4.0)
     assert one["links"]["shared"]["mean_bytes_per_s"] == pytest.approx(4.0)
     assert one["warnings"] == [] and one["prefill_busy"]["busiest"] == pytest.approx(1.0)
-    other = [bytes([201, i]) * 8 for i in range(40)]
+    other = list(range(3000, 3040))
     two = simulate(fleet(memory=400), [req(0, *keys), req(10, *other)])
     assert two["prefill_busy"] == {"mean": pytest.approx(80 / 50), "busiest": pytest.approx(80 / 50)}
     (warning,) = two["warnings"]
@@ -322,8 +380,8 @@ def test_the_request_log_holds_at_most_its_bytes_and_a_failed_write_turns_it_off
         RequestLog(str(tmp_path / "nosuch" / "log.jsonl"), 8192)
     broken = RequestLog(str(tmp_path / "b.jsonl"), 4096)
     broken._file.close()  # fault injection: the file is gone from under it
-    broken.write(5, [A])
-    broken.write(6, [A])
+    broken.write(5, [b"A" * 16])
+    broken.write(6, [b"A" * 16])
     assert not broken.on and sum("request log" in r.message for r in caplog.records) == 1
 
 
@@ -434,3 +492,72 @@ def test_the_calibration_turns_a_traces_chunks_into_prompts_that_share_as_they_d
     synthetic = bp.slice_of("synthetic", 0, 20, max_chunks=4)
     assert len(synthetic) == 20 and all(len(r.keys) <= 4 and r.tokens == len(r.keys) * bp.CHUNK + bp.TAIL
                                         for r in synthetic)  # fmt: skip
+
+
+def test_a_hit_from_memory_stays_when_the_rest_of_the_prefix_is_promoted_from_disk():
+    """Memory of 3 chunks in front of a disk. A,B,C stored; X,Y push B and C out of memory
+    (A, the head, stays): memory X Y A... then A,B,C again: A is read from memory first, B
+    and C from disk and promoted, pushing out X and Y, not A. The fourth A,B,C finds all
+    three in memory: 12 tokens, where a promotion that evicted A would leave 8."""
+    f = fleet(memory=12, disk=400)
+    trace = [req(0, A, B, C), req(1, X, Y), req(2, A, B, C), req(3, A, B, C)]
+    r = simulate(f, trace)
+    assert r["hit_ratio_by_tier"]["memory"] == pytest.approx((4 + 12) / 44)
+    assert r["hit_ratio_by_tier"]["disk"] == pytest.approx(8 / 44)
+
+
+def test_what_a_second_outside_review_broke_is_a_clear_error_or_a_right_answer(tmp_path, capsys, monkeypatch):
+    """Found by a careless or hostile user, again: settings whose figures overflow, a
+    sweep value that is wrong after others were planned, a file without line breaks, an
+    output that is an input, a number YAML reads as a string, a wall clock that steps
+    back under the engine's request log."""
+    from lmtier.engine import requestlog
+    from lmtier.plan import traces
+
+    fleet_file = tmp_path / "f.yaml"
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"t": i, "tokens": 8, "chunks": ["a", "b"]}) + "\n" for i in range(3)))
+    base = ["plan", str(fleet_file), "--trace", f"log:{log}"]
+    # figures that would overflow to inf and NaN: refused, one line each
+    for bad in ("prefill_tokens_per_s: 1.0e-320", "request_ms: 1.0e+308", "costs: {disk: {gbps: 1.0e-300}}",
+                "kv_bytes_per_token: 1099511627777", "memory: 1000000000000000000000000"):  # fmt: skip
+        fleet_file.write_text(f"chunk_tokens: 4\n{bad}\n")
+        assert main(base) == 2, bad
+        err = capsys.readouterr().err
+        assert "must lie between" in err or "at most" in err, err
+    # YAML 1.1 reads 8e3 as a string: a number here; an upper-case suffix is YAML too
+    upper = tmp_path / "F.YAML"
+    upper.write_text("chunk_tokens: 4\nkv_bytes_per_token: 1\nprefill_tokens_per_s: 8e3\n")
+    assert main(["plan", str(upper), "--trace", f"log:{log}", "--json-out", str(tmp_path / "p.json")]) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["plans"][0]["fleet"]["prefill_tokens_per_s"] == 8000.0
+    fleet_file.write_bytes(b"chunk_tokens: 4\n\xff\xfe\n")
+    assert main(base) == 2 and str(fleet_file) in capsys.readouterr().err
+    # every swept value is checked before any plan runs
+    fleet_file.write_text("chunk_tokens: 4\nkv_bytes_per_token: 1\n")
+    capsys.readouterr()
+    assert main([*base, "--sweep", "instances=1,2,20000"]) == 2
+    out = capsys.readouterr()
+    assert "| instances |" not in out.out and "at most 10000" in out.err
+    # an output that is an input, or no path at all: refused, the input untouched
+    before = log.read_text()
+    assert main([*base, "--json-out", str(log)]) == 2 and log.read_text() == before
+    assert main([*base, "--json-out", str(fleet_file)]) == 2
+    assert main([*base, "--json-out", ""]) == 2
+    # a line without an end is read so far only
+    monkeypatch.setattr(traces, "MAX_LINE", 100)
+    log.write_text("x" * 1000)
+    assert main(base) == 2 and "a line of more than 100 characters" in capsys.readouterr().err
+    # a Mooncake trace's time going back is told in its own unit (ms)
+    cake = tmp_path / "cake.jsonl"
+    cake.write_text('{"timestamp": 5, "input_length": 512, "hash_ids": [1]}\n'
+                    '{"timestamp": 4.5, "input_length": 512, "hash_ids": [1]}\n')  # fmt: skip
+    with pytest.raises(ConfigError, match=r"4.5 ms after 5 ms"):
+        mooncake(cake)
+    # the engine's log: a wall clock stepping back does not make time go back in the file
+    clock = iter([100.0, 90.0, 95.0, 101.0])
+    monkeypatch.setattr(requestlog.time, "time", lambda: next(clock))
+    written = requestlog.RequestLog(str(tmp_path / "engine.jsonl"), 1 << 20, chunk_tokens=4)
+    for _ in range(4):
+        written.write(8, [b"k" * 16])
+    written.close()
+    assert [r.t for r in request_log(tmp_path / "engine.jsonl")] == [100.0, 100.0, 100.0, 101.0]

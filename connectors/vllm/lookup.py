@@ -156,8 +156,9 @@ class Lookups:
             state.saved[i] = max(state.saved[i], known)
         if not state.counted:  # the scheduler may ask again for a request it could not place
             state.counted = True
-            if self._request_log is not None and prompt_len >= self.chunk_tokens:
-                self._request_log.write(prompt_len, self._keys_for(state, prompt_len)[0])
+            if self._request_log is not None:  # every prompt: a short one counts in the hit ratio too
+                keys = self._keys_for(state, prompt_len)[0] if prompt_len >= self.chunk_tokens else []
+                self._request_log.write(prompt_len, keys)
             state.save = state.save and self.store.policy.stores(prompt_len)  # min_tokens
             if self.store.policy.sketch is not None:  # reuse: a prefix found is a reuse sighted
                 state.sighted = state.hit_chunks

@@ -14,14 +14,20 @@ from pathlib import Path
 
 from lmtier.errors import ConfigError
 from lmtier.plan.fleet import Fleet
-from lmtier.plan.report import NAMED, parse_goal, plot, shown, smallest, sweep, table, values_of
+from lmtier.plan.report import NAMED, fleets_of, parse_goal, plot, shown, smallest, sweep, table, values_of
 from lmtier.plan.sim import simulate
 from lmtier.plan.traces import load
 
 
-def _writable(path: str, what: str, suffix: str | None = None) -> None:
-    """Refuse an output path that cannot be written, before any plan runs."""
+def _writable(path: str, what: str, inputs: list[str], suffix: str | None = None) -> None:
+    """Refuse an output path that cannot be written, or is one of the inputs, before any
+    plan runs."""
+    if not path:
+        raise ConfigError(f"{what} needs a path")
     p = Path(path)
+    for given in inputs:
+        if given and p.exists() and Path(given).exists() and p.samefile(given):
+            raise ConfigError(f"{what}: {path} is an input of this plan; it would be overwritten")
     if suffix and p.suffix.lower() != suffix:
         raise ConfigError(f"{what} is a {suffix} file, got {path!r}")
     if p.is_dir():
@@ -35,10 +41,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError("--goal and --plot compare the plans of a sweep: give --sweep SETTING=v1,v2,...")
     if args.goal:
         parse_goal(args.goal)  # a goal that cannot be read fails before the plans run
-    if args.json_out:
-        _writable(args.json_out, "--json-out")
-    if args.plot:
-        _writable(args.plot, "--plot", ".png")
+    inputs = [args.fleet, args.trace.partition(":")[2]]
+    if args.json_out is not None:
+        _writable(args.json_out, "--json-out", inputs)
+    if args.plot is not None:
+        _writable(args.plot, "--plot", inputs, ".png")
     setting, values = "", []
     if args.sweep:
         setting, _, text = args.sweep.partition("=")
@@ -47,6 +54,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.plot and setting in NAMED:
             raise ConfigError(f"--plot draws a sweep over a size or a count, not over {setting}")
     fleet = Fleet.load(args.fleet)
+    if setting:
+        fleets_of(fleet, setting, values)  # every swept fleet valid, before the trace is read
     requests = load(args.trace, args.limit, fleet.chunk_tokens)
     if not requests:
         raise ConfigError(f"the trace {args.trace} holds no request")
@@ -66,8 +75,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         else:
             print(f"\n{args.goal}: not met by any value swept")
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(out, f, indent=2, allow_nan=False)
+        text = json.dumps(out, indent=2, allow_nan=False)  # whole before the file is touched
+        partial = Path(args.json_out).with_name(Path(args.json_out).name + ".partial")
+        partial.write_text(text)
+        partial.replace(args.json_out)
     if args.plot and setting:
         plot(rows, setting, args.plot)
     return 1 if args.goal and not met else 0

@@ -3,7 +3,8 @@
 
     RequestLog(path, max_bytes)
       .write(tokens, keys)    one line: {"t": seconds since the epoch, "tokens": N, "chunk_tokens": C,
-                              "chunks": [hex, ...]}
+                              "chunks": [hex, ...]}; ``t`` never before the line above it
+                              (the wall clock may step back: a plan needs arrival order)
       .close()
 
 A line names the prompt's full chunks by their keys (hashes of the tokens and the model's
@@ -40,16 +41,18 @@ class RequestLog:
             raise ConfigError(f"request_log {path} cannot be written: {exc}") from None
         self._size = self._file.tell()
         self._flushed = time.monotonic()
+        self._last_t = 0.0
         self.on = True
 
     def write(self, tokens: int, keys: Sequence[bytes]) -> None:
         if not self.on:
             return
-        record = {"t": round(time.time(), 3), "tokens": tokens, "chunk_tokens": self.chunk_tokens or None,
-                  "chunks": [k.hex() for k in keys]}  # fmt: skip
-        line = json.dumps(record) + "\n"
         try:
             with self._lock:
+                self._last_t = max(self._last_t, round(time.time(), 3))
+                record = {"t": self._last_t, "tokens": tokens, "chunk_tokens": self.chunk_tokens or None,
+                          "chunks": [k.hex() for k in keys]}  # fmt: skip
+                line = json.dumps(record) + "\n"
                 if self._size + len(line) > self.max_bytes // 2:
                     self._rotate()
                 self._file.write(line)

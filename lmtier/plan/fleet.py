@@ -39,6 +39,18 @@ from lmtier.units import parse_size
 
 ROUTERS = ("round_robin", "affinity", "kv_aware")
 MAX_INSTANCES = 10_000  # a plan keeps every instance's tiers in memory
+# bounds that keep every figure of a plan a finite number (a TTFT of 1e308 ms overflows)
+LIMITS = {
+    "prefill_tokens_per_s": (1e-6, 1e15),
+    "request_ms": (0.0, 1e9),
+    "spill": (0.0, 1e9),
+    "window": (0.0, 1e9),
+    "chunk_tokens": (1, 1 << 24),
+    "kv_bytes_per_token": (1, 1 << 40),
+}
+MAX_BYTES = 1 << 70  # a tier's size (a zebibyte)
+COST_LIMITS = {"gbps": (1e-12, 1e6), "ms": (0.0, 1e9)}
+NUMBERS = ("prefill_tokens_per_s", "request_ms", "spill", "window")  # read from a string too ("8e3")
 SHARED = ("server", "redis", "s3")
 MEDIA = ("memory", "disk", "peers", "shared")
 EVICTING = ("memory", "disk", "shared")  # the tiers whose eviction policy a plan sets
@@ -119,6 +131,17 @@ class Fleet:
         for name in ("gpu", "memory", "disk", "shared_size", "min_tokens", "request_ms"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
+        for name, (low, high) in LIMITS.items():
+            if not low <= getattr(self, name) <= high:
+                raise ConfigError(f"{name} must lie between {low:g} and {high:g}, got {getattr(self, name)}")
+        for name in ("gpu", "memory", "disk", "shared_size"):
+            if getattr(self, name) > MAX_BYTES:
+                raise ConfigError(f"{name}: at most {MAX_BYTES} bytes (1 ZiB), got {getattr(self, name)}")
+        for medium, cost in self.costs.items():
+            for name, (low, high) in COST_LIMITS.items():
+                if not low <= getattr(cost, name) <= high:
+                    raise ConfigError(f"costs of {medium}: {name} must lie between {low:g} and {high:g}, "
+                                      f"got {getattr(cost, name)}")  # fmt: skip
         if self.shared and not self.shared_size:
             raise ConfigError("a shared tier needs its size")
         if not isinstance(self.eviction, dict) or set(self.eviction) != set(EVICTING):
@@ -147,6 +170,12 @@ class Fleet:
         if unknown:
             raise ConfigError(f"unknown fleet settings: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
         d = dict(data)
+        for name in NUMBERS:  # YAML 1.1 reads 8e3 as a string
+            if isinstance(d.get(name), str):
+                try:
+                    d[name] = float(d[name])
+                except ValueError:
+                    raise ConfigError(f"{name} must be a number, got {d[name]!r}") from None
         for name in ("gpu", "memory", "disk"):
             if name in d:
                 d[name] = parse_size(d[name] or 0)
@@ -194,9 +223,12 @@ class Fleet:
     @classmethod
     def load(cls, path: str | Path) -> Fleet:
         path = Path(path)
-        text = path.read_text()
         try:
-            if path.suffix in (".yaml", ".yml"):
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot be read as a fleet ({exc})") from None
+        try:
+            if path.suffix.lower() in (".yaml", ".yml"):
                 import yaml
 
                 data = yaml.safe_load(text) or {}

@@ -2,6 +2,7 @@
 a goal, and the results as a table and a plot.
 
     sweep(fleet, requests, setting, values) -> list of (value, report)
+    fleets_of(fleet, setting, values) -> the swept fleets, each checked
     smallest(rows, goal) -> the first row that meets ``goal`` ("hit_ratio>=0.8", "ttft_p99_ms<=500")
     table(rows, setting) -> str (Markdown)
     plot(rows, setting, path)
@@ -58,10 +59,17 @@ def values_of(setting: str, text: str) -> list[Any]:
     return values
 
 
-def sweep(fleet: Fleet, requests: Sequence[Request], setting: str, values: Sequence[Any]) -> list[tuple[Any, dict]]:
+def fleets_of(fleet: Fleet, setting: str, values: Sequence[Any]) -> list[Fleet]:
+    """The fleet with ``setting`` at each value: each checked (a bad value is an error
+    before any plan runs)."""
     if setting == "shared_size" and not fleet.shared:
         raise ConfigError("a sweep of shared_size needs a shared tier in the fleet (shared: {kind: ..., size: ...})")
-    return [(v, simulate(fleet.replace(**{setting: _value(setting, v)}), requests)) for v in values]
+    return [fleet.replace(**{setting: _value(setting, v)}) for v in values]
+
+
+def sweep(fleet: Fleet, requests: Sequence[Request], setting: str, values: Sequence[Any]) -> list[tuple[Any, dict]]:
+    fleets = fleets_of(fleet, setting, values)
+    return [(v, simulate(f, requests)) for v, f in zip(values, fleets, strict=True)]
 
 
 def _value(setting: str, value: Any) -> Any:

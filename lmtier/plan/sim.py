@@ -12,10 +12,12 @@ calls an engine's store makes).
 A request, on the instance its router picks:
 
 1. **Lookup**: the leading run of its chunks found, each in the fastest place that holds
-   it: the engine's cache, memory, disk, then the shared tier and peers in the order of
-   their cost. A chunk found nowhere ends the run (the rest is computed).
-2. **Load**: each chunk found below memory is promoted into the tiers above the one that
-   held it, and every chunk of the prompt lands in the engine's cache.
+   it: the engine's cache, memory, disk, then the shared tier and peers (the first other
+   instance, in their order, whose memory or disk holds it) in the order of their cost.
+   A chunk found nowhere ends the run (the rest is computed).
+2. **Load**: the chunks found in the engine's cache and memory are read (made most
+   recent) first; then each chunk found below memory is promoted into the tiers above
+   the one that held it; and every chunk of the prompt lands in the engine's cache.
 3. **Save**: the chunks the policy admits (``admit_first``) go to memory; in write-through
    mode the new ones the policy admits (``admit_lower``) to disk and the shared tier; in
    write-back mode (``reuse``) memory's evictions are offered instead.
@@ -33,6 +35,7 @@ prefill seconds over the trace's are its ``prefill_busy``: over 1, it could not 
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -46,36 +49,45 @@ from lmtier.store.admission import SavePolicy
 from lmtier.store.tiered import policy_keys
 
 LOCAL = ("gpu", "memory", "disk")
+SOURCES = (*LOCAL, "shared", "peers")
 SPREAD_S = 600  # a request's traffic is spread over its seconds to a first token, at most these
 POLICY_KEYS = 1 << 25  # the save policies' sketches of all instances together, in keys (a few hundred MiB)
 
 
+def as_bytes(keys: list[int]) -> list[bytes]:
+    """A plan's keys as the save policy hashes them (its sketch takes bytes)."""
+    return [k.to_bytes(8, "little") for k in keys]
+
+
 class Instance:
-    def __init__(self, i: int, fleet: Fleet, held: dict | None, sim: Simulation) -> None:
+    def __init__(self, i: int, fleet: Fleet, sim: Simulation) -> None:
         self.i = i
         # sized as a store sizes it (the chunks its tiers hold, within [4,096, 4M]), and
-        # within the plan's budget of POLICY_KEYS over all its instances
+        # within the plan's budget of POLICY_KEYS over all its instances, which comes first
         capacity = fleet.memory + fleet.disk + (fleet.shared_size if fleet.shared else 0)
-        keys = max(1 << 12, min(policy_keys(capacity, fleet.chunk_bytes), POLICY_KEYS // fleet.instances))
+        keys = min(max(1 << 12, policy_keys(capacity, fleet.chunk_bytes)), POLICY_KEYS // fleet.instances)
         self.policy = SavePolicy(fleet.save_policy, min_tokens=fleet.min_tokens, keys=keys)
         # write-back needs memory in front of another tier (as a store does: else through)
-        lower = fleet.disk or fleet.shared
-        self.write_mode = self.policy.write_mode if fleet.chunks(fleet.memory) and lower else "through"
-        self.gpu = Tier("gpu", fleet.chunks(fleet.gpu), i, held)  # the engine's own: LRU
-        self.memory = tier("memory", fleet.chunks(fleet.memory), fleet.eviction["memory"], i, held,
-                           on_evict=(lambda key, reads: sim.demote(self, key, reads)))  # fmt: skip
-        self.disk = tier("disk", fleet.chunks(fleet.disk), fleet.eviction["disk"], i, held)
-        self.recent: deque[float] = deque()  # arrivals within the router's window
-        self.stored_below: dict[bytes, bool] = {}  # in memory, and the lower tiers held it: eviction writes nothing
+        self.lower = bool(fleet.disk or fleet.shared)
+        self.write_mode = self.policy.write_mode if fleet.chunks(fleet.memory) and self.lower else "through"
+        back = self.write_mode == "back"
+        self.gpu = Tier("gpu", fleet.chunks(fleet.gpu))  # the engine's own: LRU
+        self.memory = tier("memory", fleet.chunks(fleet.memory), fleet.eviction["memory"],
+                           (lambda key, reads: sim.demote(self, key, reads)) if back else None)  # fmt: skip
+        self.disk = tier("disk", fleet.chunks(fleet.disk), fleet.eviction["disk"])
+        self.recent: deque[float] = deque()  # arrivals within the KV-aware router's window
+        # write-back: in memory, and the lower tiers held it (its eviction writes nothing)
+        self.stored_below: dict[int, bool] = {}
+
+    def holds(self, key: int) -> bool:
+        """Whether this instance's sidecar can serve ``key`` to a peer (memory or disk)."""
+        return key in self.memory or key in self.disk
 
 
 class Simulation:
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
-        # who holds each chunk, kept only where peers read it or the router asks
-        self.held: dict[bytes, dict[int, int]] = {}
-        tracked = self.held if (fleet.peers or fleet.router == "kv_aware") and fleet.instances > 1 else None
-        self.instances = [Instance(i, fleet, tracked, self) for i in range(fleet.instances)]
+        self.instances = [Instance(i, fleet, self) for i in range(fleet.instances)]
         shared = fleet.chunks(fleet.shared_size)
         self.shared = tier("shared", shared, fleet.eviction["shared"]) if fleet.shared else None
         lower = [("shared", fleet.costs["shared"])] if self.shared is not None else []
@@ -88,8 +100,9 @@ class Simulation:
         self.read = dict.fromkeys(("memory", "disk", "shared", "peers"), 0)  # chunks
         self.written = dict.fromkeys(("memory", "disk", "shared"), 0)
         self.served = [0] * fleet.instances  # chunks each instance's sidecar served to peers
-        self.ttft: list[float] = []
-        self.links: dict[str, dict[tuple[int, int], int]] = {"shared": {}, "network": {}, "disk": {}}
+        self.ttft = array("d")
+        # per link, the transfers: who, when, for how long, how many bytes (``spread``)
+        self.links = {link: (array("q"), array("d"), array("d"), array("d")) for link in ("shared", "network", "disk")}
         self.to_disk = self.to_shared = 0  # chunks the request being replayed wrote there
         self.fixed = fleet.request_ms / 1000
         self.busy = [0.0] * fleet.instances  # seconds of prefill each instance computed
@@ -100,62 +113,96 @@ class Simulation:
     def route(self, r: Request) -> Instance:
         fleet, n = self.fleet, self.fleet.instances
         if fleet.router == "affinity" and r.keys:
-            return self.instances[int.from_bytes(r.keys[0][:8], "little") % n]
+            return self.instances[r.keys[0] % n]
         if fleet.router == "kv_aware":
-            for inst in self.instances:
-                while inst.recent and inst.recent[0] < r.t - fleet.window:
-                    inst.recent.popleft()
-            loads = [len(inst.recent) for inst in self.instances]
-            mean = sum(loads) / n
-            best: set[int] | None = None
-            for key in r.keys:  # the instances holding the longest prefix
-                holding = self.held.get(key)
-                found = set(holding) if best is None and holding else (best & holding.keys() if holding else set())
-                if not found:
-                    break
-                best = found
-            if best:
-                pick = min(best, key=lambda i: (loads[i], i))
-                if loads[pick] <= fleet.spill * max(mean, 1.0):
-                    return self.instances[pick]
-            return self.instances[min(range(n), key=lambda i: (loads[i], i))]
+            return self._kv_aware(r)
         inst = self.instances[self.next % n]
         self.next += 1
+        return inst
+
+    def _kv_aware(self, r: Request) -> Instance:
+        """The least loaded instance holding the longest prefix, unless its requests in the
+        window are over ``spill`` times the mean: then the least loaded of all."""
+        fleet, n = self.fleet, self.fleet.instances
+        for inst in self.instances:
+            while inst.recent and inst.recent[0] < r.t - fleet.window:
+                inst.recent.popleft()
+        loads = [len(inst.recent) for inst in self.instances]
+        mean = sum(loads) / n
+        best: list[Instance] = []  # the instances holding the longest prefix (in the engine's cache, memory or disk)
+        holding = self.instances
+        for key in r.keys:
+            holding = [inst for inst in holding if key in inst.memory or key in inst.disk or key in inst.gpu]
+            if not holding:
+                break
+            best = holding
+        pick = -1
+        if best:
+            pick = min((inst.i for inst in best), key=lambda i: (loads[i], i))
+            if loads[pick] > fleet.spill * max(mean, 1.0):
+                pick = -1
+        if pick < 0:
+            pick = min(range(n), key=lambda i: (loads[i], i))
+        inst = self.instances[pick]
+        inst.recent.append(r.t)
         return inst
 
     # -- one request -----------------------------------------------------------------------
     def request(self, r: Request) -> None:
         fleet, keys = self.fleet, r.keys
         inst = self.route(r)
-        inst.recent.append(r.t)
-        inst.policy.seen(keys)
+        policy, gpu, memory, disk = inst.policy, inst.gpu, inst.memory, inst.disk
+        if policy.sketch is not None:
+            policy.seen(as_bytes(keys))
+        # lookup: the leading run of chunks found, each where it is read from
         sources: list[str] = []
         peer_of: list[int] = []
+        lower = self.lower
         for key in keys:
-            where = self._find(inst, key)
-            if where is None:
-                break
-            if isinstance(where, int):
-                peer_of.append(where)
-                where = "peers"
-            sources.append(where)
+            if key in gpu:
+                sources.append("gpu")
+            elif key in memory:
+                sources.append("memory")
+            elif key in disk:
+                sources.append("disk")
+            else:
+                where = self._find_lower(inst, key) if lower else None
+                if where is None:
+                    break
+                if type(where) is int:
+                    peer_of.append(where)
+                    where = "peers"
+                sources.append(where)
         hit = len(sources)
-        chunk, per = fleet.chunk_tokens, fleet.chunk_bytes
-        loaded: dict[str, int] = {}
-        for key, where in zip(reversed(keys[:hit]), reversed(sources), strict=True):  # the head most recent
-            self.tokens[where] += chunk
-            if where == "gpu":
-                inst.gpu.touch(key)
-                continue
-            loaded[where] = loaded.get(where, 0) + 1
-            self.read[where] += 1
+        chunk, per, tokens, read = fleet.chunk_tokens, fleet.chunk_bytes, self.tokens, self.read
+        loaded: dict[str, int] = {}  # chunks read per medium (the engine's cache loads nothing)
+        for where in SOURCES:
+            n = sources.count(where)
+            if n:
+                tokens[where] += n * chunk
+                if where != "gpu":
+                    loaded[where] = n
+                    read[where] += n
+        # the hits read, the head most recent: first those in the engine's cache and memory
+        # (read first, as a store reads them), then those below, promoted into memory
+        lru = type(memory) is Tier
+        below: list[tuple[int, str]] = []
+        for key, where in zip(reversed(keys[:hit]), reversed(sources), strict=True):
             if where == "memory":
-                inst.memory.touch(key, read=True)
-                continue
+                if lru:
+                    memory.move_to_end(key)
+                    memory[key] += 1
+                else:
+                    memory.touch(key, read=True)
+            elif where == "gpu":
+                gpu.move_to_end(key)
+            else:
+                below.append((key, where))
+        for key, where in below:
             if where == "disk":
-                inst.disk.touch(key, read=True)
-            elif where == "shared" and self.shared is not None:
-                self.shared.touch(key, read=True)
+                disk.touch(key, read=True)
+            elif where == "shared":
+                self.shared.touch(key, read=True)  # type: ignore[union-attr]
             self._promote(inst, key, where)
         if peer_of:
             peer_keys = [k for k, w in zip(keys, sources, strict=False) if w == "peers"]
@@ -163,72 +210,72 @@ class Simulation:
                 self.served[p] += 1
                 owner = self.instances[p]
                 (owner.memory if key in owner.memory else owner.disk).touch(key, read=True)
-        self.tokens["prompt"] += r.tokens
-        first = inst.policy.admit_first(keys, r.tokens)
-        fresh = [k for k in keys[hit:first] if k not in inst.memory]
-        for key in reversed(fresh):
-            if inst.memory.add(key):
-                self.written["memory"] += 1
-        memory = inst.memory
-        if type(memory) is Tier:  # the prompt's chunks touched: its head most recent (a use for no other policy)
-            for key in reversed(keys[: max(hit, first)]):
+        tokens["prompt"] += r.tokens
+        # save: what the policy admits to memory, the head most recent; the whole prompt to
+        # the engine's cache; in write-through mode, what it admits below at once
+        first = policy.admit_first(keys, r.tokens)
+        fresh = [k for k in keys[hit:first] if k not in memory]
+        if fresh:
+            self.written["memory"] += memory.add_new(fresh[::-1])
+        if lru:  # the prompt's chunks touched: its head most recent (a use for no other policy)
+            # the new ones went in tail first, behind the hits: the hits to move, or all where
+            # some chunk after the hits was in memory already
+            touched = hit if len(fresh) == first - hit else max(hit, first)
+            for key in reversed(keys[:touched]):
                 if key in memory:
                     memory.move_to_end(key)
-        if inst.gpu.capacity:
-            for key in reversed(keys):  # the engine computed or loaded the whole prompt
-                inst.gpu.add(key)
-        if fresh and inst.write_mode == "through":
-            for key, ok in zip(fresh, inst.policy.admit_lower(fresh), strict=True):
-                if ok:
-                    self._write_lower(inst, key)
+        if gpu.capacity:
+            gpu.add_many(keys[::-1])  # the engine computed or loaded the whole prompt
+        if fresh and inst.write_mode == "through" and (inst.lower or self.shared is not None):
+            if policy.sketch is not None:
+                fresh = [k for k, ok in zip(fresh, policy.admit_lower(as_bytes(fresh)), strict=True) if ok]
+            self._write_lower(inst, fresh)
+        # the estimate of the time to a first token
         compute = (r.tokens - hit * chunk) / fleet.prefill_tokens_per_s
         load = sum(fleet.costs[m].seconds(n * per) for m, n in loaded.items()) if loaded else 0.0
         took = self.fixed + compute + load
         self.ttft.append(took)
         if self.start is None:
             self.start = r.t
-        self.end = max(self.end, r.t + took)
+        if r.t + took > self.end:
+            self.end = r.t + took
         self.busy[inst.i] += compute
         # this request's traffic, reads and writes, per link (writes counted as they happened),
         # spread over the seconds the request takes to its first token
-        disk = loaded.get("disk", 0) + self.to_disk
-        shared = loaded.get("shared", 0) + self.to_shared
-        network = shared + loaded.get("peers", 0)
+        disk_n = loaded.get("disk", 0) + self.to_disk
+        shared_n = loaded.get("shared", 0) + self.to_shared
+        network = shared_n + loaded.get("peers", 0)
         self.to_disk = self.to_shared = 0
-        for link, who, n in (("disk", inst.i, disk), ("network", inst.i, network), ("shared", 0, shared)):
-            if n:
-                self._spread(link, who, r.t, took, n * per)
+        if disk_n:
+            self._spread("disk", inst.i, r.t, took, disk_n * per)
+        if network:
+            self._spread("network", inst.i, r.t, took, network * per)
+        if shared_n:
+            self._spread("shared", 0, r.t, took, shared_n * per)
         for p in set(peer_of):  # the holders' sidecars send what peers read
             self._spread("network", p, r.t, took, peer_of.count(p) * per)
 
-    def _find(self, inst: Instance, key: bytes) -> str | int | None:
-        """Where ``key`` is read from: a local tier's name, another instance (a peer), the
-        shared tier, or None."""
-        if key in inst.gpu:
-            return "gpu"
-        if key in inst.memory:
-            return "memory"
-        if key in inst.disk:
-            return "disk"
+    def _find_lower(self, inst: Instance, key: int) -> str | int | None:
+        """Where ``key``, in none of the instance's own tiers, is read from: the shared tier,
+        another instance (a peer), in the order of their cost; or None."""
         for medium in self.lower:
-            if medium == "shared" and self.shared is not None and key in self.shared:
-                return "shared"
-            if medium == "peers":
-                holding = self.held.get(key)
-                if holding:
-                    for p in holding:
-                        other = self.instances[p]
-                        if p != inst.i and (key in other.memory or key in other.disk):
-                            return p
+            if medium == "shared":
+                if key in self.shared:  # type: ignore[operator]
+                    return "shared"
+                continue
+            for other in self.instances:  # the first other instance whose sidecar holds it
+                if other is not inst and other.holds(key):
+                    return other.i
         return None
 
-    def _promote(self, inst: Instance, key: bytes, where: str) -> None:
+    def _promote(self, inst: Instance, key: int, where: str) -> None:
         """A hit below memory lands in this instance's tiers above the one that held it
         (memory; and disk for a shared or peer hit; and the shared tier for a peer's
         chunk where the shared tier comes first)."""
         if inst.memory.add(key):
             self.written["memory"] += 1
-            inst.stored_below[key] = True
+            if inst.write_mode == "back":
+                inst.stored_below[key] = True
         if where == "disk":
             return
         if inst.disk.capacity and key not in inst.disk and inst.disk.add(key):
@@ -238,38 +285,38 @@ class Simulation:
             self.written["shared"] += 1
             self.to_shared += 1
 
-    def _write_lower(self, inst: Instance, key: bytes) -> None:
-        if key in inst.memory:
-            inst.stored_below[key] = True
-        if inst.disk.capacity and key not in inst.disk and inst.disk.add(key):
-            self.written["disk"] += 1
-            self.to_disk += 1
-        if self.shared is not None and key not in self.shared and self.shared.add(key):
-            self.written["shared"] += 1
-            self.to_shared += 1
+    def _write_lower(self, inst: Instance, keys: list[int]) -> None:
+        """``keys`` to the disk and the shared tier, where not there already."""
+        if inst.write_mode == "back":
+            for key in keys:
+                if key in inst.memory:
+                    inst.stored_below[key] = True
+        if inst.disk.capacity:
+            n = inst.disk.add_many(keys, only_new=True)
+            self.written["disk"] += n
+            self.to_disk += n
+        if self.shared is not None:
+            n = self.shared.add_many(keys, only_new=True)
+            self.written["shared"] += n
+            self.to_shared += n
 
-    def demote(self, inst: Instance, key: bytes, reads: int) -> None:
-        """Memory let ``key`` go: in write-back mode, the policy's call to write it down,
-        unless the lower tiers held it when it came into memory (a promotion) or it was
-        written since (the store's ``written`` mark: its eviction writes nothing)."""
-        if inst.stored_below.pop(key, False) or inst.write_mode != "back":
+    def demote(self, inst: Instance, key: int, reads: int) -> None:
+        """Memory let ``key`` go (write-back): the policy's call to write it down, unless
+        the lower tiers held it when it came into memory (a promotion) or it was written
+        since (the store's ``written`` mark: its eviction writes nothing)."""
+        if inst.stored_below.pop(key, False):
             return
-        if inst.policy.admit_lower([key], [reads])[0]:
-            self._write_lower(inst, key)
+        if inst.policy.admit_lower(as_bytes([key]), [reads])[0]:
+            self._write_lower(inst, [key])
 
     def _spread(self, link: str, who: int, start: float, took: float, nbytes: float) -> None:
-        """``nbytes`` over [start, start + took] (at most SPREAD_S seconds), each second its
-        share."""
-        buckets = self.links[link]
-        end = start + min(took, SPREAD_S)
-        first, last = int(start), int(end)
-        if first == last or took <= 0:
-            buckets[(who, first)] = buckets.get((who, first), 0) + nbytes
-            return
-        rate = nbytes / (end - start)
-        for second in range(first, last + 1):
-            part = (min(end, second + 1) - max(start, second)) * rate
-            buckets[(who, second)] = buckets.get((who, second), 0) + part
+        """``nbytes`` moved over [start, start + took] (at most SPREAD_S seconds) on ``who``'s
+        ``link``; each second's share is summed at the end (``spread``)."""
+        event = self.links[link]
+        event[0].append(who)
+        event[1].append(start)
+        event[2].append(took)
+        event[3].append(nbytes)
 
     # -- the report --------------------------------------------------------------------------
     def warnings(self, links: dict[str, dict]) -> list[str]:
@@ -307,13 +354,11 @@ class Simulation:
         links = {}
         # the trace's seconds, first arrival to last first token
         seconds = max(1.0, float(span), self.end - (self.start or 0.0))
-        for link, buckets in self.links.items():
-            per_who: dict[int, float] = {}
-            for (who, _), n in buckets.items():
-                per_who[who] = per_who.get(who, 0) + n
+        for link, events in self.links.items():
+            totals, peak = spread(*events)
             links[link] = {
-                "mean_bytes_per_s": (max(per_who.values()) if per_who else 0) / seconds,
-                "peak_bytes_per_s": float(max(buckets.values(), default=0)),
+                "mean_bytes_per_s": (max(totals) if totals else 0) / seconds,
+                "peak_bytes_per_s": peak,
                 "of": "the fleet" if link == "shared" else "the busiest instance",
             }
         per = fleet.chunk_bytes
@@ -338,6 +383,39 @@ class Simulation:
                 "p99": float(np.percentile(ttft, 99) * 1e3),
             },
         }
+
+
+def spread(who: Sequence[int], start: Sequence[float], took: Sequence[float],
+           nbytes: Sequence[float]) -> tuple[list[float], float]:  # fmt: skip
+    """Transfers on one link, each its bytes at an even rate over [start, start + took] (at
+    most SPREAD_S seconds): the bytes each ``who`` moved in all, and the most moved by one
+    ``who`` in one second of the clock.
+
+    Each second a transfer covers gets its share: the partial first and last seconds
+    their fractions, the whole seconds between them the rate. Whole seconds are summed with
+    a difference array over the seconds where some transfer starts or ends, so the work is
+    per transfer, not per second: a second without such a point carries only whole-second
+    rates, never more than the point before it."""
+    if not len(who):
+        return [], 0.0
+    who_ = np.frombuffer(who, np.int64) if isinstance(who, array) else np.asarray(who, np.int64)
+    start_, took_, nbytes_ = (np.asarray(x, np.float64) for x in (start, took, nbytes))
+    end = start_ + np.minimum(took_, SPREAD_S)
+    first, last = np.floor(start_).astype(np.int64), np.floor(end).astype(np.int64)
+    whole = (first != last) & (took_ > 0)  # spans more than one second of the clock
+    rate = nbytes_ / np.where(whole, end - start_, 1.0)
+    head = np.where(whole, (first + 1 - start_) * rate, nbytes_)
+    tail = np.where(whole, (end - last) * rate, 0.0)
+    base = who_ << 42  # (who, second) as one sortable integer: seconds below 2**42
+    at_first, at_next, at_last = base + first, base + first + 1, base + last
+    points = np.unique(np.concatenate([at_first, at_next, at_last]))
+    i_first, i_next, i_last = (np.searchsorted(points, x) for x in (at_first, at_next, at_last))
+    n = len(points)
+    partial = np.bincount(i_first, head, n) + np.bincount(i_last, tail, n)
+    rates = np.bincount(i_next[whole], rate[whole], n + 1) - np.bincount(i_last[whole], rate[whole], n + 1)
+    per_second = partial + np.cumsum(rates)[:n]  # a who's rates sum to 0 before the next who's seconds
+    totals = np.bincount(who_, nbytes_)
+    return [float(t) for t in totals if t], float(per_second.max())
 
 
 def simulate(fleet: Fleet, requests: Sequence[Request]) -> dict[str, Any]:

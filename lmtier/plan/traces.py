@@ -1,6 +1,9 @@
 """Request traces for ``lmtier plan``: each request is its arrival time, its prompt's full
 chunks as chained keys (key *i* names chunk *i* and everything before it, as lmtier's keys
-do), and its prompt length in tokens.
+do), and its prompt length in tokens. A plan's key is a 64-bit integer (an xxh3 hash of
+its chunk's id, seeded with the key before it): the replay's dictionaries hash and compare
+integers faster than lmtier's 32-byte keys, and two of ten million distinct chunks share a
+key with a chance of about 3 in a million.
 
     Request(t, keys, tokens)
     mooncake(path, limit, chunk_tokens)   the Mooncake trace format (../shared/traces)
@@ -47,17 +50,22 @@ SYNTHETIC = ("no_reuse", "system_prompts", "conversations")
 
 class Request(NamedTuple):
     t: float  # arrival, seconds
-    keys: list[bytes]  # the prompt's full chunks, chained
+    keys: list[int]  # the prompt's full chunks, chained
     tokens: int  # the prompt's length
 
 
-def chain(ids: Iterable[int], salt: bytes = b"") -> list[bytes]:
-    """Chained keys: each names its id and every id before it."""
+def chain(ids: Iterable[int], salt: int = 0) -> list[int]:
+    """Chained keys: each names its id and every id before it (and ``salt``)."""
     keys, key = [], salt
     for i in ids:
-        key = xxhash.xxh3_128_digest(key + int(i).to_bytes(8, "little", signed=True))
+        key = xxhash.xxh3_64_intdigest(int(i).to_bytes(8, "little", signed=True), key)
         keys.append(key)
     return keys
+
+
+def _salt(raw: bytes, after: int = 0) -> int:
+    """A chain's start from random bytes (after the key ``after``)."""
+    return xxhash.xxh3_64_intdigest(raw, after)
 
 
 def _lines(path: Path, limit: int | None) -> Iterable[tuple[int, dict]]:
@@ -69,25 +77,32 @@ def _lines(path: Path, limit: int | None) -> Iterable[tuple[int, dict]]:
         raise ConfigError(f"{path}: cannot be read as a trace: {exc}") from None
 
 
-def _records(path: Path, f: Iterable[str], limit: int | None) -> Iterable[tuple[int, dict]]:
+def _records(path: Path, f, limit: int | None) -> Iterable[tuple[int, dict]]:
     """Each line's request object and its line number; ``limit`` requests at most (blank
-    lines are not requests)."""
-    count = 0
-    for n, line in enumerate(f):
-        if limit is not None and count >= limit:
+    lines are not requests). A line is read MAX_LINE characters at most: a file without
+    line breaks is an error, not all of it in memory."""
+    count = n = 0
+    while limit is None or count < limit:
+        line = f.readline(MAX_LINE + 1)
+        if not line:
             return
+        n += 1
+        if len(line) > MAX_LINE:
+            raise ConfigError(f"{path}:{n}: a line of more than {MAX_LINE:,} characters is not a request")
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except ValueError as exc:  # not JSON, or a number of more digits than Python reads
-            raise ConfigError(f"{path}:{n + 1}: not JSON: {exc}") from None
+            raise ConfigError(f"{path}:{n}: not JSON: {exc}") from None
         if not isinstance(record, dict):
-            raise ConfigError(f"{path}:{n + 1}: a request is a JSON object")
+            raise ConfigError(f"{path}:{n}: a request is a JSON object")
         count += 1
-        yield n + 1, record
+        yield n, record
 
 
+MAX_LINE = 16 << 20  # characters of one request's line (a million-token prompt's keys are 2 MiB)
+MAX_TOKENS = 1 << 40  # a prompt's length: more is not a prompt, and would make a TTFT overflow
 MOONCAKE_BLOCK = 512  # tokens of a Mooncake trace's block
 MAX_SYNTHETIC = 2_000_000  # requests of a synthetic workload: a few GiB of keys at most
 
@@ -99,14 +114,17 @@ def _seconds(value: object) -> float:
 
 
 def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS
 
 
-def _check_time(path: Path, line: int, t: float, last: float) -> float:
+def _check_time(path: Path, line: int, t: float, last: float, unit: float = 1.0, name: str = "s") -> float:
+    """``t`` (seconds) a time, not before ``last``; errors in the file's own unit (``unit``
+    of them a second, named ``name``)."""
     if not t >= 0 or t != t or t == float("inf"):
         raise ConfigError(f"{path}:{line}: a request's time must be a number of seconds, not {t!r}")
     if t < last:
-        raise ConfigError(f"{path}:{line}: the time goes back ({t} after {last}): requests are in arrival order")
+        raise ConfigError(f"{path}:{line}: the time goes back ({t * unit:g} {name} after {last * unit:g} {name}): "
+                          "requests are in arrival order")  # fmt: skip
     return t
 
 
@@ -120,12 +138,12 @@ def mooncake(path: str | Path, limit: int | None = None, chunk_tokens: int = MOO
         try:
             tokens, ids, t = r["input_length"], r["hash_ids"], _seconds(r.get("timestamp", 0)) / 1000
             if not _count(tokens) or not isinstance(ids, list):
-                raise TypeError("input_length is a count of tokens and hash_ids a list")
+                raise TypeError("input_length is a count of tokens (at most 2**40) and hash_ids a list")
             if not all(isinstance(i, int) and -(1 << 63) <= i < 1 << 63 for i in ids):
                 raise TypeError("hash_ids are 64-bit integers")
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"{path}:{line}: a Mooncake request needs input_length and hash_ids ({exc})") from None
-        last = _check_time(path, line, t, last)
+        last = _check_time(path, line, t, last, 1000.0, "ms")
         out.append(Request(t, chain(ids[: tokens // chunk_tokens]), tokens))
     return out
 
@@ -140,7 +158,7 @@ def request_log(path: str | Path, limit: int | None = None, chunk_tokens: int | 
         try:
             t, tokens, chunks = _seconds(r["t"]), r["tokens"], r["chunks"]
             if not _count(tokens):
-                raise TypeError("tokens is a count of tokens")
+                raise TypeError("tokens is a count of tokens (at most 2**40)")
             if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks):
                 raise TypeError("chunks must be a list of strings")
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
@@ -156,10 +174,10 @@ def request_log(path: str | Path, limit: int | None = None, chunk_tokens: int | 
             if len(chunks) > tokens // chunk_tokens:
                 raise ConfigError(f"{path}:{line}: {len(chunks)} chunks of {chunk_tokens} tokens do not fit in "
                                   f"{tokens} tokens: is the fleet's chunk_tokens the engine's?")  # fmt: skip
-        keys, key = [], b""
+        keys, key = [], 0
         for c in chunks:
             try:
-                key = xxhash.xxh3_128_digest(key + c.encode())
+                key = xxhash.xxh3_64_intdigest(c.encode(), key)
             except UnicodeEncodeError:
                 raise ConfigError(f"{path}:{line}: a chunk's string is not text (a lone surrogate)") from None
             keys.append(key)
@@ -167,33 +185,33 @@ def request_log(path: str | Path, limit: int | None = None, chunk_tokens: int | 
     return out
 
 
-def no_reuse(n: int, seed: int = 1, chunk_tokens: int = 512) -> list[tuple[list[bytes], int]]:
+def no_reuse(n: int, seed: int = 1, chunk_tokens: int = 512) -> list[tuple[list[int], int]]:
     """Every prompt unique (1-40 chunks): the case where every write is waste."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(chunk_tokens, 40 * chunk_tokens, n)
-    return [(chain(range(t // chunk_tokens), rng.bytes(8)), int(t)) for t in lengths]
+    return [(chain(range(t // chunk_tokens), _salt(rng.bytes(8))), int(t)) for t in lengths]
 
 
-def system_prompts(n: int, seed: int = 2, prompts: int = 8, chunk_tokens: int = 512) -> list[tuple[list[bytes], int]]:
+def system_prompts(n: int, seed: int = 2, prompts: int = 8, chunk_tokens: int = 512) -> list[tuple[list[int], int]]:
     """A few shared system prompts (2-11 chunks), Zipf popular, in front of unique tails."""
     rng = np.random.default_rng(seed)
-    heads = [chain(range(int(rng.integers(2, 12))), b"system%d" % i) for i in range(prompts)]
+    heads = [chain(range(int(rng.integers(2, 12))), _salt(b"system%d" % i)) for i in range(prompts)]
     weights = 1 / np.arange(1, prompts + 1)
     out = []
     for which in rng.choice(prompts, n, p=weights / weights.sum()):
         tail = int(rng.integers(2, 30))
-        keys = heads[which] + chain(range(tail), heads[which][-1] + rng.bytes(8))
+        keys = heads[which] + chain(range(tail), _salt(rng.bytes(8), heads[which][-1]))
         out.append((keys, len(keys) * chunk_tokens + int(rng.integers(0, chunk_tokens))))
     return out
 
 
-def conversations(n: int, seed: int = 3, chunk_tokens: int = 512) -> list[tuple[list[bytes], int]]:
+def conversations(n: int, seed: int = 3, chunk_tokens: int = 512) -> list[tuple[list[int], int]]:
     """Chats of geometric length (mean 4 turns), each turn 1-6 chunks longer than the last,
     starting anywhere in the run, turns a mean of 1/8 of the run apart."""
     rng = np.random.default_rng(seed)
-    events: list[tuple[float, list[bytes]]] = []
+    events: list[tuple[float, list[int]]] = []
     while len(events) < n:
-        t, keys, salt = float(rng.uniform(0, 1)), [], rng.bytes(8)
+        t, keys, salt = float(rng.uniform(0, 1)), [], _salt(rng.bytes(8))
         for _ in range(int(rng.geometric(0.25))):
             keys = keys + chain(range(int(rng.integers(1, 7))), (keys[-1] if keys else salt))
             events.append((t, keys))
