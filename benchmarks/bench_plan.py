@@ -74,27 +74,12 @@ def speed(runs: int = 3) -> dict:
     the seconds of each run (process time: one core's work, not the machine's other
     load), and whether every run met the target."""
     trace = mooncake(CONVERSATION)
-    per_token = 1 << 14
+    eight = Fleet(instances=8, router="kv_aware", memory=1 << 38, shared="server", shared_size=1 << 42,
+                  kv_bytes_per_token=1 << 14)  # fmt: skip
     fleets = {
-        "one instance, memory": Fleet(memory=2 << 40, kv_bytes_per_token=per_token),
-        "8 instances, kv_aware, memory + shared": Fleet(
-            instances=8,
-            router="kv_aware",
-            memory=1 << 38,
-            shared="server",
-            shared_size=1 << 42,
-            kv_bytes_per_token=per_token,
-        ),
-        "8 instances, kv_aware, memory + disk + shared + peers": Fleet(
-            instances=8,
-            router="kv_aware",
-            memory=1 << 38,
-            disk=1 << 40,
-            shared="server",
-            shared_size=1 << 42,
-            peers=True,
-            kv_bytes_per_token=per_token,
-        ),
+        "one instance, memory": Fleet(memory=2 << 40, kv_bytes_per_token=1 << 14),
+        "8 instances, kv_aware, memory + shared": eight,
+        "8 instances, kv_aware, memory + disk + shared + peers": eight.replace(disk=1 << 40, peers=True),
     }
     rows = []
     for label, requests in (("conversation trace", trace), ("a million requests", copies(trace, 84))):

@@ -42,6 +42,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
+from lmtier.plan.sim import as_bytes
 from lmtier.plan.traces import conversations, mooncake, no_reuse, system_prompts
 from lmtier.store.admission import SavePolicy
 
@@ -61,6 +62,11 @@ Request = tuple[list[bytes], int]  # (keys of the prompt's full chunks, prompt t
 # -- workloads (lmtier.plan.traces: the same generators `lmtier plan` replays) ---------
 def load_trace(path: Path, limit: int | None = None) -> list[Request]:
     return [(r.keys, r.tokens) for r in mooncake(path, limit, CHUNK_TOKENS)]
+
+
+def named(requests: list[tuple[list[int], int]]) -> list[Request]:
+    """A plan's integer keys as the bytes ``SavePolicy`` hashes (``lmtier.plan.sim.as_bytes``)."""
+    return [(as_bytes(keys), tokens) for keys, tokens in requests]
 
 
 # -- references -----------------------------------------------------------------------
@@ -229,10 +235,10 @@ def replay(workload: dict, policies: dict[str, dict]) -> list[dict]:
 def workloads(trace: Path, quick: bool) -> list[dict]:
     n = 600 if quick else 4000
     made = [
-        ("trace", load_trace(trace, 1000 if quick else None)),
-        ("no_reuse", no_reuse(n // 4 if quick else n // 2)),
-        ("system_prompts", system_prompts(n)),
-        ("conversations", conversations(n)),
+        ("trace", named(load_trace(trace, 1000 if quick else None))),
+        ("no_reuse", named(no_reuse(n // 4 if quick else n // 2))),
+        ("system_prompts", named(system_prompts(n))),
+        ("conversations", named(conversations(n))),
     ]
     out = []
     for name, requests in made:
