@@ -68,7 +68,7 @@ class Instance:
         keys = min(max(1 << 12, policy_keys(capacity, fleet.chunk_bytes)), POLICY_KEYS // fleet.instances)
         self.policy = SavePolicy(fleet.save_policy, min_tokens=fleet.min_tokens, keys=keys)
         # write-back needs memory in front of another tier (as a store does: else through)
-        self.lower = bool(fleet.disk or fleet.shared)
+        self.lower = bool(fleet.disk or fleet.shared)  # a disk or a shared tier below memory
         self.write_mode = self.policy.write_mode if fleet.chunks(fleet.memory) and self.lower else "through"
         back = self.write_mode == "back"
         self.gpu = Tier("gpu", fleet.chunks(fleet.gpu))  # the engine's own: LRU
@@ -226,7 +226,7 @@ class Simulation:
                     memory.move_to_end(key)
         if gpu.capacity:
             gpu.add_many(keys[::-1])  # the engine computed or loaded the whole prompt
-        if fresh and inst.write_mode == "through" and (inst.lower or self.shared is not None):
+        if fresh and inst.write_mode == "through" and inst.lower:
             if policy.sketch is not None:
                 fresh = [k for k, ok in zip(fresh, policy.admit_lower(as_bytes(fresh)), strict=True) if ok]
             self._write_lower(inst, fresh)
