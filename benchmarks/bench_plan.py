@@ -17,11 +17,13 @@ own prefix cache (the plan's ``gpu: 0``): lmtier's memory and the cache server a
 only tiers, counted per tier by what the workers read from each
 (``vllm:lmtier_tier_reads_total``).
 
-The plan's costs come from the same engines before the slice: the prefill rate and a
-request's fixed time from cold prompts of five lengths (a least-squares line), and each
-medium's load from prompts held there. Reported per run and over runs: the hit ratio per tier, real and planned
-(target: within 0.05), and TTFT mean and p50, real and planned (target: within the real
-runs' own spread, or 10%).
+The plan's costs come from the same engines: the prefill rate and a
+request's fixed time from cold prompts of six lengths (a least-squares line through each
+length's median), and each medium's load from prompts held there, measured before the
+slice and again after it (the machine's drift in both). The engines' step budget is over
+the longest prompt: each is computed in one step, as the plan's line assumes. Reported per
+run and over runs: the hit ratio per tier, real and planned (target: within 0.05), and
+TTFT mean and p50, real and planned (target: within the real runs' own spread, or 10%).
 
     python benchmarks/bench_plan.py --speed [--runs 3] [--json-out F]
     python benchmarks/bench_plan.py --calibrate [--fleet F.yaml] [--runs 3] [--requests 50] [--json-out F]
@@ -154,7 +156,7 @@ class RealFleet:
         def start(i: int) -> VllmServer:
             return VllmServer(model, None, tmp / f"engine-{i}.log", tiers=tiers, chunk=fleet.chunk_tokens,
                               max_model_len=4096, save_policy=fleet.save_policy,
-                              args=("--no-enable-prefix-caching",))  # fmt: skip
+                              args=("--no-enable-prefix-caching", "--max-num-batched-tokens", "4096"))  # fmt: skip
 
         with ThreadPoolExecutor(fleet.instances) as pool:
             self.engines = list(pool.map(start, range(fleet.instances)))
@@ -188,24 +190,24 @@ class RealFleet:
             self.server.stop()
 
 
-# the cold prompts' lengths: each computed in one engine step (a prompt over the step's
-# 2,048-token budget takes two, and a second step on a 2-core machine costs what the line
-# cannot say: 16 chunks and a tail measured 220-270 ms cold where 14 took 120)
-COST_CHUNKS = (2, 5, 8, 11, 14)
+# the cold prompts' lengths, up to the slice's longest: the engines' step budget (4,096
+# tokens) is over every prompt, each computed in one step (a second step costs what a line
+# through one-step prompts cannot say: 16 chunks and a tail once took 220-270 ms where 14 took 120)
+COST_CHUNKS = (2, 5, 8, 11, 14, 16)
 MAX_WARM = 16  # warming asks each engine once for every length up to this many chunks
 LOAD_CHUNKS = (4, 10, 16)  # the prompts held in memory and on the server, for each medium's load
 
 
-def costs(real: RealFleet, fleet: Fleet, seed: int, pause: float) -> dict:
-    """The plan's costs measured on these engines, each request alone (``pause`` after
-    it): first, untimed, one prompt of each length from 1 to MAX_WARM chunks on each
-    engine (the CPU kernels build their code for each new shape once: the trace's requests
-    of a length seen before do not pay it, nor should the cost prompts);
-    cold prompts of COST_CHUNKS chunks, twice each, alternating engines, for the prefill
-    rate and a request's fixed time (a least-squares line through TTFT against tokens);
-    prompts of LOAD_CHUNKS chunks held in memory (asked again of the instance that
-    computed them) and held by the shared server only (asked of the other), three times
-    each, for each medium's round trip and rate."""
+def measure(real: RealFleet, seed: int, pause: float, warm: bool = True) -> dict:
+    """The times (ms) the plan's costs are fitted to, on these engines, each request alone
+    (``pause`` after it): first (``warm``), untimed, one prompt of each length from 1
+    to MAX_WARM chunks on each engine (the CPU kernels build their code for each new
+    shape once: the trace's requests of a length seen before do not pay it, nor should
+    the cost prompts); cold prompts of COST_CHUNKS chunks, twice each, alternating
+    engines, for the prefill rate and a request's fixed time (a least-squares line
+    through TTFT against tokens); prompts of LOAD_CHUNKS chunks held in memory (asked
+    again of the instance that computed them) and held by the shared server only
+    (asked of the other), three times each, for each medium's round trip and rate."""
     engines = len(real.engines)
 
     def prompt(n: int, k: int) -> list[int]:
@@ -216,10 +218,10 @@ def costs(real: RealFleet, fleet: Fleet, seed: int, pause: float) -> dict:
         time.sleep(pause)
         return t
 
-    for i in range(engines):  # warm: one prompt of each length a plan's requests have
+    for i in range(engines if warm else 0):  # one prompt of each length a plan's requests have
         for n in range(1, MAX_WARM + 1):
             timed(i, prompt(n, 900 + 100 * i + n))
-    time.sleep(10 * pause)  # the warm-up's saves land before anything is timed
+    time.sleep(10 * pause)  # the saves before land before anything is timed
     points = [(n * CHUNK + TAIL, timed((rep + n) % engines, prompt(n, 10 * n + rep)))
               for rep in range(2) for n in COST_CHUNKS]  # fmt: skip
     memory, shared = [], []
@@ -230,30 +232,32 @@ def costs(real: RealFleet, fleet: Fleet, seed: int, pause: float) -> dict:
             memory.append([n, timed(0, p) * 1e3])
             if real.server is not None:
                 shared.append([n, timed(1 % engines, p) * 1e3])
-    measured = {"cold": [[x, t * 1e3] for x, t in points], "memory_hit": memory, "shared_hit": shared}
-    return fit(measured, fleet.kv_bytes_per_token)
+    return {"cold": [[x, t * 1e3] for x, t in points], "memory_hit": memory, "shared_hit": shared}
 
 
 def fit(measured: dict, kv_bytes_per_token: int) -> dict:
-    """The plan's costs from the measured times (ms). Noise on a busy machine only ever
-    adds time, so each length's fastest request counts. A least-squares line through the
-    cold ones gives the prefill rate (its slope) and a request's fixed time (its
-    intercept). Each medium's load is its hits' time less that fixed time and the prefill
+    """The plan's costs from the measured times (ms): each length's median (measured
+    before the slice and after it, so that the machine's drift over the run is in both;
+    the median, as the slice's requests are typical ones, not the fastest). A
+    least-squares line through the cold ones gives the prefill rate (its slope) and a
+    request's fixed time (its intercept). Each medium's load is its hits' time less that fixed time and the prefill
     of the prompt's tail, a line through those against the bytes loaded: a round trip
     (its intercept) and a rate (its slope). (A report from before loads were measured at
     several lengths holds 16-chunk hits only: a rate alone.)"""
-    fastest: dict[int, float] = {}
+    cold: dict[int, list[float]] = {}
     for tokens, ms in measured["cold"]:
-        fastest[tokens] = min(ms / 1e3, fastest.get(tokens, float("inf")))
-    slope, intercept = np.polyfit(list(fastest), list(fastest.values()), 1)
+        cold.setdefault(tokens, []).append(ms / 1e3)
+    typical = {tokens: statistics.median(times) for tokens, times in cold.items()}
+    slope, intercept = np.polyfit(list(typical), list(typical.values()), 1)
     rate, fixed = 1.0 / max(float(slope), 1e-9), max(0.0, float(intercept))
     fitted = {"prefill_tokens_per_s": rate, "request_ms": fixed * 1e3, "measured_ms": measured}
     for medium, times in (("memory", measured["memory_hit"]), ("shared", measured["shared_hit"])):
         if not times:
             continue
-        best: dict[int, float] = {}
+        loads: dict[int, list[float]] = {}
         for chunks, ms in ([16, t] if isinstance(t, (int, float)) else t for t in times):
-            best[chunks] = min(ms / 1e3 - fixed - TAIL / rate, best.get(chunks, float("inf")))
+            loads.setdefault(chunks, []).append(ms / 1e3 - fixed - TAIL / rate)
+        best = {chunks: statistics.median(x) for chunks, x in loads.items()}
         nbytes = {n: n * CHUNK * kv_bytes_per_token for n in best}
         per_byte, trip = (np.polyfit([nbytes[n] for n in best], list(best.values()), 1) if len(best) > 1
                           else (0.0, 0.0))  # fmt: skip
@@ -327,8 +331,8 @@ def calibrate(args) -> dict:
     for run in range(args.runs):
         real = RealFleet(fleet, model, tmp / f"run-{run}")
         try:
-            measured = costs(real, fleet, run, args.pause)
-            row = {"run": run, "costs": measured, "workloads": {}}
+            first = measure(real, run, args.pause)
+            row = {"run": run, "workloads": {}}
             for name, requests in workloads.items():
                 requests = run_requests(requests, run)
                 before, times = real.sources(), []
@@ -340,9 +344,11 @@ def calibrate(args) -> dict:
                 row["workloads"][name] = {
                     "real": {"hit_ratio": {t: got[t] / got["prompt"] for t in ("memory", "shared", "cached")},
                              "prompt_tokens": got["prompt"], "ttft_ms": _ttft(times),
-                             "ttft_each_ms": [t * 1e3 for t in times]},
-                    "plan": planned(fleet, measured, requests),
-                }  # fmt: skip
+                             "ttft_each_ms": [t * 1e3 for t in times]}}  # fmt: skip
+            last = measure(real, 500 + run, args.pause, warm=False)
+            row["costs"] = fit({k: first[k] + last[k] for k in first}, fleet.kv_bytes_per_token)
+            for name, requests in workloads.items():
+                row["workloads"][name]["plan"] = planned(fleet, row["costs"], run_requests(requests, run))
             runs.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         finally:

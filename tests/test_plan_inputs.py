@@ -169,3 +169,26 @@ def test_what_a_second_outside_review_broke_is_a_clear_error_or_a_right_answer(t
         written.write(8, [b"k" * 16])
     written.close()
     assert [r.t for r in request_log(tmp_path / "engine.jsonl")] == [100.0, 100.0, 100.0, 101.0]
+
+
+def test_the_calibrations_costs_are_a_line_through_each_lengths_median():
+    """benchmarks/bench_plan.py's fit: cold prompts of 100 and 200 tokens, three times each
+    (one slow outlier each): medians 1.1 s and 2.1 s, a line of 0.01 s a token (100
+    tokens/s) from 0.1 s (the request's fixed time). Memory hits of 4 and 10 chunks (128
+    tokens, 1 byte a token: 512 and 1,280 bytes) of which, less 0.1 s and the tail's 0.16
+    s, the medians are 0.012 and 0.024 s: a round trip of 4 ms and 64,000 bytes a second."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_plan as bp
+
+    cold = [[100, 1000.0], [100, 1100.0], [100, 3000.0], [200, 2100.0], [200, 2000.0], [200, 9000.0]]
+    memory = [[n, (0.26 + load) * 1e3] for n, loads in ((4, (0.012, 0.011, 0.5)), (10, (0.024, 0.9, 0.023)))
+              for load in loads]  # fmt: skip
+    got = bp.fit({"cold": cold, "memory_hit": memory, "shared_hit": []}, kv_bytes_per_token=1)
+    assert got["prefill_tokens_per_s"] == pytest.approx(100.0)
+    assert got["request_ms"] == pytest.approx(100.0)
+    assert got["memory"]["ms"] == pytest.approx(4.0, abs=1e-6)
+    assert got["memory"]["gbps"] == pytest.approx(64_000 / 1e9)
+    assert "shared" not in got
