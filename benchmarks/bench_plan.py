@@ -13,9 +13,9 @@ description. Each 512-token block of the trace becomes one 128-token chunk (the 
 ``chunk_tokens``); prompts are cut at ``--max-chunks`` chunks and end with 16 tokens of
 their own (so that every full chunk can hit); requests go one at a time, round robin, a
 pause after each (its saves land, its engine goes quiet). The engines run without vLLM's
-own prefix cache (the plan's ``gpu: 0``): lmtier's memory and the cache server are the
-only tiers, counted per tier by what the workers read from each
-(``vllm:lmtier_tier_reads_total``).
+own prefix cache (the plan's ``gpu: 0``): lmtier's memory, the cache server and, in
+``benchmarks/plan_calibration_disk.yaml``, a disk tier per instance are the only tiers,
+counted per tier by what the workers read from each (``vllm:lmtier_tier_reads_total``).
 
 The plan's costs come from the same engines: the prefill rate and a
 request's fixed time from cold prompts of six lengths (a least-squares line through each
@@ -33,12 +33,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -47,13 +45,13 @@ import xxhash
 from lmtier.kv.layout import from_hf_config
 from lmtier.plan.fleet import Cost, Fleet
 from lmtier.plan.sim import Simulation, simulate
-from lmtier.plan.traces import Request, chain, mooncake
+from lmtier.plan.traces import Request, mooncake
 
 from common import emit
+from plan_engines import CHUNK, TAIL, RealFleet, fit, measure, tokens_of
 
 HERE = Path(__file__).resolve().parent
 CONVERSATION = HERE / "traces" / "mooncake_conversation_trace.jsonl.gz"
-CHUNK, TAIL = 128, 16  # the engines' chunk; each prompt's own last tokens
 HIT_TARGET = 0.05
 
 
@@ -106,15 +104,6 @@ def speed(runs: int = 3) -> dict:
 
 
 # -- calibration --------------------------------------------------------------------------
-def tokens_of(keys: list[int], own: int) -> list[int]:
-    """A prompt for chained ``keys``: each chunk's tokens drawn from its key (an equal prefix
-    gives equal tokens), then TAIL tokens of the prompt's own."""
-    out: list[int] = []
-    for key in keys:
-        out += np.random.default_rng(key).integers(5, 500, CHUNK).tolist()
-    return out + np.random.default_rng(10**9 + own).integers(5, 500, TAIL).tolist()
-
-
 def slice_of(spec: str, start: int, count: int, max_chunks: int) -> list[Request]:
     """``count`` requests of a Mooncake trace from ``start`` (its blocks as our chunks), or
     of a synthetic conversation workload ("synthetic")."""
@@ -129,154 +118,15 @@ def slice_of(spec: str, start: int, count: int, max_chunks: int) -> list[Request
             for i, r in enumerate(reqs)]  # fmt: skip
 
 
-class RealFleet:
-    """The fleet a plan describes, as engines: ``instances`` ``vllm serve`` processes, each
-    with lmtier's memory tier (``memory``) and the shared cache server (``shared``, kind
-    ``server``); vLLM's own prefix cache off (``gpu: 0``). Routers other than round robin,
-    peers, disks and other shared kinds are left to ``bench_fleet.py``."""
-
-    def __init__(self, fleet: Fleet, model: str, tmp: Path) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from lmtier.testing.cache_server import ServerProcess
-        from lmtier.testing.vllm_serve import VllmServer
-
-        unsupported = fleet.gpu or fleet.peers or fleet.disk or fleet.router != "round_robin"
-        if unsupported or fleet.shared not in ("", "server"):
-            raise SystemExit("a calibration fleet is round robin over memory and a cache server (gpu: 0, no disk, "
-                             "no peers)")  # fmt: skip
-        self.model = model
-        self.server = None
-        tiers = [f"cpu://?size={fleet.memory}"]
-        if fleet.shared:
-            self.server = ServerProcess(tmp, "--tier", f"cpu://?size={fleet.shared_size}&slot={fleet.chunk_bytes}",
-                                        "--no-shm")  # fmt: skip
-            tiers.append(f"grpc://{self.server.address}?shm=off")
-
-        def start(i: int) -> VllmServer:
-            return VllmServer(model, None, tmp / f"engine-{i}.log", tiers=tiers, chunk=fleet.chunk_tokens,
-                              max_model_len=4096, save_policy=fleet.save_policy,
-                              args=("--no-enable-prefix-caching", "--max-num-batched-tokens", "4096"))  # fmt: skip
-
-        with ThreadPoolExecutor(fleet.instances) as pool:
-            self.engines = list(pool.map(start, range(fleet.instances)))
-
-    def ttft(self, i: int, prompt: list[int]) -> float:
-        return self.engines[i].ttft(self.model, prompt)
-
-    def sources(self) -> dict[str, float]:
-        """Prompt tokens, cached tokens, and the tokens the workers read from each tier
-        (``vllm:lmtier_tier_reads_total``: chunks read, by the tier that served them). In
-        ``vllm serve``'s processes the scheduler finds a chunk in the tiers it sees (the
-        shared one: the worker's memory is its own), and the worker reads it from its
-        memory where it holds it: vLLM's count by source names the scheduler's tier, this
-        one the tier the bytes came from, which is what a plan's tiers mean."""
-        out = {"prompt": 0.0, "cached": 0.0, "memory": 0.0, "shared": 0.0}
-        for e in self.engines:
-            out["prompt"] += e.metric("vllm:prompt_tokens_total")
-            out["cached"] += e.metric("vllm:prompt_tokens_cached_total")
-            text = urllib.request.urlopen(f"{e.url}/metrics", timeout=10).read().decode()
-            for labels, value in re.findall(r"^vllm:lmtier_tier_reads_total\{([^}]*)\} (\S+)$", text, re.M):
-                tier = re.search(r'tier="([^"]*)"', labels)
-                if 'result="hits"' in labels and tier:
-                    where = "memory" if tier.group(1).startswith("cpu") else "shared"
-                    out[where] += float(value) * CHUNK
-        return out
-
-    def stop(self) -> None:
-        for e in self.engines:
-            e.stop()
-        if self.server:
-            self.server.stop()
-
-
-# the cold prompts' lengths, up to the slice's longest: the engines' step budget (4,096
-# tokens) is over every prompt, each computed in one step (a second step costs what a line
-# through one-step prompts cannot say: 16 chunks and a tail once took 220-270 ms where 14 took 120)
-COST_CHUNKS = (2, 5, 8, 11, 14, 16)
-MAX_WARM = 16  # warming asks each engine once for every length up to this many chunks
-LOAD_CHUNKS = (4, 10, 16)  # the prompts held in memory and on the server, for each medium's load
-
-
-def measure(real: RealFleet, seed: int, pause: float, warm: bool = True) -> dict:
-    """The times (ms) the plan's costs are fitted to, on these engines, each request alone
-    (``pause`` after it): first (``warm``), untimed, one prompt of each length from 1
-    to MAX_WARM chunks on each engine (the CPU kernels build their code for each new
-    shape once: the trace's requests of a length seen before do not pay it, nor should
-    the cost prompts); cold prompts of COST_CHUNKS chunks, twice each, alternating
-    engines, for the prefill rate and a request's fixed time (a least-squares line
-    through TTFT against tokens); prompts of LOAD_CHUNKS chunks held in memory (asked
-    again of the instance that computed them) and held by the shared server only
-    (asked of the other), three times each, for each medium's round trip and rate."""
-    engines = len(real.engines)
-
-    def prompt(n: int, k: int) -> list[int]:
-        return tokens_of(chain(range(n), xxhash.xxh3_64_intdigest(b"cost%d-%d" % (seed, k))), 10**6 + seed * 1000 + k)
-
-    def timed(i: int, p: list[int]) -> float:
-        t = real.ttft(i, p)
-        time.sleep(pause)
-        return t
-
-    for i in range(engines if warm else 0):  # one prompt of each length a plan's requests have
-        for n in range(1, MAX_WARM + 1):
-            timed(i, prompt(n, 900 + 100 * i + n))
-    time.sleep(10 * pause)  # the saves before land before anything is timed
-    points = [(n * CHUNK + TAIL, timed((rep + n) % engines, prompt(n, 10 * n + rep)))
-              for rep in range(2) for n in COST_CHUNKS]  # fmt: skip
-    memory, shared = [], []
-    for k in range(3):
-        for n in LOAD_CHUNKS:
-            p = prompt(n, 100 + 10 * k + n)
-            timed(0, p)
-            memory.append([n, timed(0, p) * 1e3])
-            if real.server is not None:
-                shared.append([n, timed(1 % engines, p) * 1e3])
-    return {"cold": [[x, t * 1e3] for x, t in points], "memory_hit": memory, "shared_hit": shared}
-
-
-def fit(measured: dict, kv_bytes_per_token: int) -> dict:
-    """The plan's costs from the measured times (ms): each length's median (measured
-    before the slice and after it, so that the machine's drift over the run is in both;
-    the median, as the slice's requests are typical ones, not the fastest). A
-    least-squares line through the cold ones gives the prefill rate (its slope) and a
-    request's fixed time (its intercept). Each medium's load is its hits' time less that fixed time and the prefill
-    of the prompt's tail, a line through those against the bytes loaded: a round trip
-    (its intercept) and a rate (its slope). (A report from before loads were measured at
-    several lengths holds 16-chunk hits only: a rate alone.)"""
-    cold: dict[int, list[float]] = {}
-    for tokens, ms in measured["cold"]:
-        cold.setdefault(tokens, []).append(ms / 1e3)
-    typical = {tokens: statistics.median(times) for tokens, times in cold.items()}
-    slope, intercept = np.polyfit(list(typical), list(typical.values()), 1)
-    rate, fixed = 1.0 / max(float(slope), 1e-9), max(0.0, float(intercept))
-    fitted = {"prefill_tokens_per_s": rate, "request_ms": fixed * 1e3, "measured_ms": measured}
-    for medium, times in (("memory", measured["memory_hit"]), ("shared", measured["shared_hit"])):
-        if not times:
-            continue
-        loads: dict[int, list[float]] = {}
-        for chunks, ms in ([16, t] if isinstance(t, (int, float)) else t for t in times):
-            loads.setdefault(chunks, []).append(ms / 1e3 - fixed - TAIL / rate)
-        best = {chunks: statistics.median(x) for chunks, x in loads.items()}
-        nbytes = {n: n * CHUNK * kv_bytes_per_token for n in best}
-        per_byte, trip = (np.polyfit([nbytes[n] for n in best], list(best.values()), 1) if len(best) > 1
-                          else (0.0, 0.0))  # fmt: skip
-        if per_byte <= 0 or trip < 0:  # no line through the noise: all of it a rate, at the largest
-            n = max(best)
-            per_byte, trip = max(1e-4, best[n]) / nbytes[n], 0.0
-        fitted[medium] = {"gbps": 1 / float(per_byte) / 1e9, "ms": float(trip) * 1e3}
-    return fitted
-
-
 def planned(fleet: Fleet, measured: dict, requests: list[Request]) -> dict:
     """``lmtier plan`` of ``requests`` on ``fleet`` with the costs fitted to ``measured``."""
-    media = {m: Cost(**c) for m, c in measured.items() if m in ("memory", "shared")}
+    media = {m: Cost(**c) for m, c in measured.items() if m in ("memory", "disk", "shared")}
     rate, fixed = measured["prefill_tokens_per_s"], measured["request_ms"]
     sim = Simulation(fleet.replace(prefill_tokens_per_s=rate, request_ms=fixed, costs={**fleet.costs, **media}))
     for r in requests:
         sim.request(r)
     plan = sim.report(len(requests))
-    return {"hit_ratio": {**{t: plan["hit_ratio_by_tier"][t] for t in ("memory", "shared")},
+    return {"hit_ratio": {**{t: plan["hit_ratio_by_tier"][t] for t in ("memory", "disk", "shared")},
                           "cached": plan["hit_ratio"]},
             "prompt_tokens": plan["prompt_tokens"], "ttft_ms": plan["ttft_ms"],
             "ttft_each_ms": [t * 1e3 for t in sim.ttft]}  # fmt: skip
@@ -320,12 +170,12 @@ def replan(path: str) -> dict:
 def calibrate(args) -> dict:
     from lmtier.testing.tinymodel import build
 
-    tmp = Path(tempfile.mkdtemp(prefix="lmtier-plan-"))
-    model = str(build(tmp / "model"))
-    per_token = from_hf_config(Path(model) / "config.json").bytes_per_token
-    fleet = Fleet.load(args.fleet).replace(kv_bytes_per_token=per_token)
+    fleet = Fleet.load(args.fleet)  # a fleet that cannot run here fails before anything starts
     if fleet.chunk_tokens != CHUNK:
         raise SystemExit(f"the calibration's engines use chunks of {CHUNK} tokens, not {fleet.chunk_tokens}")
+    tmp = Path(tempfile.mkdtemp(prefix="lmtier-plan-"))
+    model = str(build(tmp / "model"))
+    fleet = fleet.replace(kv_bytes_per_token=from_hf_config(Path(model) / "config.json").bytes_per_token)
     workloads = workloads_of(args)
     runs = []
     for run in range(args.runs):
@@ -342,7 +192,7 @@ def calibrate(args) -> dict:
                 after = real.sources()
                 got = {k: after[k] - before[k] for k in after}
                 row["workloads"][name] = {
-                    "real": {"hit_ratio": {t: got[t] / got["prompt"] for t in ("memory", "shared", "cached")},
+                    "real": {"hit_ratio": {t: got[t] / got["prompt"] for t in ("memory", "disk", "shared", "cached")},
                              "prompt_tokens": got["prompt"], "ttft_ms": _ttft(times),
                              "ttft_each_ms": [t * 1e3 for t in times]}}  # fmt: skip
             last = measure(real, 500 + run, args.pause, warm=False)
@@ -366,7 +216,8 @@ def summarize(runs: list[dict], fleet: Fleet, args) -> dict:
     for name in runs[0]["workloads"]:
         rows = [r["workloads"][name] for r in runs]
         tiers = {}
-        for real_tier, plan_tier in (("memory", "memory"), ("shared", "shared"), ("cached", "cached")):
+        media = ("memory", "disk", "shared") if fleet.disk else ("memory", "shared")
+        for real_tier, plan_tier in ((m, m) for m in (*media, "cached")):
             diffs = [w["plan"]["hit_ratio"][plan_tier] - w["real"]["hit_ratio"][real_tier] for w in rows]
             tiers[real_tier] = {"real": [w["real"]["hit_ratio"][real_tier] for w in rows],
                                 "plan": [w["plan"]["hit_ratio"][plan_tier] for w in rows],
@@ -426,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fleet",
         default=str(HERE / "plan_calibration.yaml"),
-        help="the fleet to start and to plan (round robin over memory and a cache server)",
+        help="the fleet to start and to plan (round robin over memory, a disk and a cache server; gpu: 0, no peers)",
     )
     parser.add_argument(
         "--pause",
