@@ -184,12 +184,12 @@ def fit(measured: dict, kv_bytes_per_token: int) -> dict:
         loads: dict[int, list[float]] = {}
         for chunks, ms in ([16, t] if isinstance(t, (int, float)) else t for t in times):
             loads.setdefault(chunks, []).append(ms / 1e3 - fixed - TAIL / rate)
-        best = {chunks: statistics.median(x) for chunks, x in loads.items()}
-        nbytes = {n: n * CHUNK * kv_bytes_per_token for n in best}
-        per_byte, trip = (np.polyfit([nbytes[n] for n in best], list(best.values()), 1) if len(best) > 1
+        load_s = {chunks: statistics.median(x) for chunks, x in loads.items()}
+        nbytes = {n: n * CHUNK * kv_bytes_per_token for n in load_s}
+        per_byte, trip = (np.polyfit([nbytes[n] for n in load_s], list(load_s.values()), 1) if len(load_s) > 1
                           else (0.0, 0.0))  # fmt: skip
         if per_byte <= 0 or trip < 0:  # no line through the noise: all of it a rate, at the largest
-            n = max(best)
-            per_byte, trip = max(1e-4, best[n]) / nbytes[n], 0.0
+            n = max(load_s)
+            per_byte, trip = max(1e-4, load_s[n]) / nbytes[n], 0.0
         fitted[medium] = {"gbps": 1 / float(per_byte) / 1e9, "ms": float(trip) * 1e3}
     return fitted
