@@ -38,18 +38,18 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Sequence
+from itertools import filterfalse
 from typing import Any
 
 import numpy as np
 
 from lmtier.plan.fleet import Fleet
-from lmtier.plan.tiers import Tier, tier
+from lmtier.plan.tiers import Tier, consume, held, run_end, tier
 from lmtier.plan.traces import Request
 from lmtier.store.admission import SavePolicy
 from lmtier.store.tiered import policy_keys
 
 LOCAL = ("gpu", "memory", "disk")
-SOURCES = (*LOCAL, "shared", "peers")
 SPREAD_S = 600  # a request's traffic is spread over its seconds to a first token, at most these
 POLICY_KEYS = 1 << 25  # the save policies' sketches of all instances together, in keys (a few hundred MiB)
 
@@ -75,6 +75,10 @@ class Instance:
         self.memory = tier("memory", fleet.chunks(fleet.memory), fleet.eviction["memory"],
                            (lambda key, reads: sim.demote(self, key, reads)) if back else None)  # fmt: skip
         self.disk = tier("disk", fleet.chunks(fleet.disk), fleet.eviction["disk"])
+        # its own tiers a chunk is read from, fastest first, each with those above it
+        own = [(name, t) for name, t in (("gpu", self.gpu), ("memory", self.memory), ("disk", self.disk)) if t.capacity]
+        self.own = [(name, t, [u for _, u in own[:j]]) for j, (name, t) in enumerate(own)]
+        self.own_tiers = [t for _, t in own]
         self.recent: deque[float] = deque()  # arrivals within the KV-aware router's window
         # write-back: in memory, and the lower tiers held it (its eviction writes nothing)
         self.stored_below: dict[int, bool] = {}
@@ -129,16 +133,12 @@ class Simulation:
                 inst.recent.popleft()
         loads = [len(inst.recent) for inst in self.instances]
         mean = sum(loads) / n
-        best: list[Instance] = []  # the instances holding the longest prefix (in the engine's cache, memory or disk)
-        holding = self.instances
-        for key in r.keys:
-            holding = [inst for inst in holding if key in inst.memory or key in inst.disk or key in inst.gpu]
-            if not holding:
-                break
-            best = holding
+        # the instances holding the longest prefix (in the engine's cache, memory or disk)
+        prefix = [held(r.keys, inst.own_tiers) for inst in self.instances]
+        longest = max(prefix)
         pick = -1
-        if best:
-            pick = min((inst.i for inst in best), key=lambda i: (loads[i], i))
+        if longest:
+            pick = min((i for i in range(n) if prefix[i] == longest), key=lambda i: (loads[i], i))
             if loads[pick] > fleet.spill * max(mean, 1.0):
                 pick = -1
         if pick < 0:
@@ -154,50 +154,55 @@ class Simulation:
         policy, gpu, memory, disk = inst.policy, inst.gpu, inst.memory, inst.disk
         if policy.sketch is not None:
             policy.seen(as_bytes(keys))
-        # lookup: the leading run of chunks found, each where it is read from
-        sources: list[str] = []
+        # lookup: the leading run of chunks found, each where it is read from: runs of
+        # (where, start, end) in the instance's own tiers, one chunk each from below them
+        runs: list[tuple[str, int, int]] = []
+        peer_keys: list[int] = []
         peer_of: list[int] = []
-        lower = self.lower
-        for key in keys:
-            if key in gpu:
-                sources.append("gpu")
-            elif key in memory:
-                sources.append("memory")
-            elif key in disk:
-                sources.append("disk")
+        hit, n, lower = 0, len(keys), self.lower
+        while hit < n:
+            key = keys[hit]
+            for name, t, above in inst.own:
+                if key in t:
+                    end = run_end(keys, hit, t, above)
+                    runs.append((name, hit, end))
+                    hit = end
+                    break
             else:
                 where = self._find_lower(inst, key) if lower else None
                 if where is None:
                     break
                 if type(where) is int:
+                    peer_keys.append(key)
                     peer_of.append(where)
                     where = "peers"
-                sources.append(where)
-        hit = len(sources)
+                runs.append((where, hit, hit + 1))
+                hit += 1
         chunk, per, tokens, read = fleet.chunk_tokens, fleet.chunk_bytes, self.tokens, self.read
         loaded: dict[str, int] = {}  # chunks read per medium (the engine's cache loads nothing)
-        for where in SOURCES:
-            n = sources.count(where)
-            if n:
-                tokens[where] += n * chunk
-                if where != "gpu":
-                    loaded[where] = n
-                    read[where] += n
+        for where, start, end in runs:
+            tokens[where] += (end - start) * chunk
+            if where != "gpu":
+                loaded[where] = loaded.get(where, 0) + end - start
+                read[where] += end - start
         # the hits read, the head most recent: first those in the engine's cache and memory
         # (read first, as a store reads them), then those below, promoted into memory
         lru = type(memory) is Tier
         below: list[tuple[int, str]] = []
-        for key, where in zip(reversed(keys[:hit]), reversed(sources), strict=True):
+        for where, start, end in reversed(runs):
             if where == "memory":
                 if lru:
-                    memory.move_to_end(key)
-                    memory[key] += 1
+                    consume(map(memory.move_to_end, reversed(keys[start:end])))
+                    if memory.on_evict is not None:  # its reads (for write-back's policy)
+                        for key in keys[start:end]:
+                            memory[key] += 1
                 else:
-                    memory.touch(key, read=True)
+                    for key in reversed(keys[start:end]):
+                        memory.touch(key, read=True)
             elif where == "gpu":
-                gpu.move_to_end(key)
+                consume(map(gpu.move_to_end, reversed(keys[start:end])))
             else:
-                below.append((key, where))
+                below += ((key, where) for key in reversed(keys[start:end]))
         for key, where in below:
             if where == "disk":
                 disk.touch(key, read=True)
@@ -205,7 +210,6 @@ class Simulation:
                 self.shared.touch(key, read=True)  # type: ignore[union-attr]
             self._promote(inst, key, where)
         if peer_of:
-            peer_keys = [k for k, w in zip(keys, sources, strict=False) if w == "peers"]
             for key, p in zip(peer_keys, peer_of, strict=True):  # what each holder's sidecar served
                 self.served[p] += 1
                 owner = self.instances[p]
@@ -214,16 +218,14 @@ class Simulation:
         # save: what the policy admits to memory, the head most recent; the whole prompt to
         # the engine's cache; in write-through mode, what it admits below at once
         first = policy.admit_first(keys, r.tokens)
-        fresh = [k for k in keys[hit:first] if k not in memory]
+        fresh = list(filterfalse(memory.__contains__, keys[hit:first]))
         if fresh:
             self.written["memory"] += memory.add_new(fresh[::-1])
         if lru:  # the prompt's chunks touched: its head most recent (a use for no other policy)
             # the new ones went in tail first, behind the hits: the hits to move, or all where
             # some chunk after the hits was in memory already
             touched = hit if len(fresh) == first - hit else max(hit, first)
-            for key in reversed(keys[:touched]):
-                if key in memory:
-                    memory.move_to_end(key)
+            consume(map(memory.move_to_end, filter(memory.__contains__, reversed(keys[:touched]))))
         if gpu.capacity:
             gpu.add_many(keys[::-1])  # the engine computed or loaded the whole prompt
         if fresh and inst.write_mode == "through" and inst.lower:

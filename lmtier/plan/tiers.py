@@ -7,6 +7,8 @@
       .add(key) / .add_many(keys, only_new)     store, evicting what the policy says
       .add_new(keys)                            the same, for keys known not to be held
       .touch(key, read)                         a use (a read counts, for write-back)
+    run_end(keys, start, tier, above)           where a run of keys held in a tier ends
+    held(keys, tiers)                           how many leading keys some tier holds
 
 Both call ``on_evict(key, reads)`` for what they let go (memory's evictions, for
 write-back).
@@ -14,9 +16,10 @@ write-back).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
-from itertools import repeat
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable, Sequence
+from itertools import compress, count, filterfalse, islice, repeat, takewhile
+from operator import or_, truth
 
 from lmtier.plan.policies import make
 
@@ -57,7 +60,7 @@ class Tier(OrderedDict):
         capacity = self.capacity
         if capacity <= 0:
             return 0
-        new = [key for key in keys if key not in self]
+        new = list(filterfalse(self.__contains__, keys))
         if len(new) < len(keys):
             return self._add_each(keys, only_new)
         return self.add_new(new)
@@ -156,3 +159,32 @@ def tier(name: str, capacity: int, policy: str, on_evict=None) -> Tier | PolicyT
     if policy == "lru":
         return Tier(name, capacity, on_evict)
     return PolicyTier(name, capacity, policy, on_evict)
+
+
+# The replay's loops over a prompt's chunks, run by the interpreter's own iterators (a
+# tier's membership test or move mapped over the keys) rather than one bytecode loop per chunk.
+
+
+def consume(calls: Iterable) -> None:
+    """Runs an iterator of calls for their effect (``map(tier.move_to_end, keys)``)."""
+    deque(calls, maxlen=0)
+
+
+def run_end(keys: Sequence[Hashable], start: int, tier, above: Sequence = ()) -> int:
+    """Where the run of ``keys`` from ``start`` that ``tier`` holds ends, cut at the first
+    key one of the tiers ``above`` (read from first) holds too."""
+    end = start + len(list(takewhile(tier.__contains__, islice(keys, start, None))))
+    for faster in above:
+        if len(faster):
+            end = start + next(compress(count(), map(faster.__contains__, islice(keys, start, end))), end - start)
+    return end
+
+
+def held(keys: Sequence[Hashable], tiers: Sequence) -> int:
+    """How many of ``keys``, from the first, one of ``tiers`` or another holds."""
+    if not tiers:
+        return 0
+    found = map(tiers[0].__contains__, keys)
+    for tier in tiers[1:]:
+        found = map(or_, found, map(tier.__contains__, keys))
+    return len(list(takewhile(truth, found)))
