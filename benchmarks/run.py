@@ -42,6 +42,11 @@ from ratio_targets import targets
 
 ROOT = Path(__file__).resolve().parent
 
+# short: the in-process, local, served and object-store paths in the engine (redis and
+# memory+disk in full mode: the same path over another tier; tests/test_vllm_engine.py
+# shares through each)
+SHORT_TIERS = ["--tiers", "memory", "disk", "server", "s3"]
+
 # name -> (script, short-mode arguments, full-mode arguments). Every script but vllm takes
 # --json-out; vllm writes ttft.json and ttft.png into --out.
 SUITE: dict[str, tuple[str, list[str], list[str]]] = {
@@ -63,7 +68,11 @@ SUITE: dict[str, tuple[str, list[str], list[str]]] = {
         ["--events", "failover", "--reads-seconds", "2", "--pause", "0.1"],
         ["--redis-py"],
     ),
-    "vllm_tiers": ("bench_vllm_tiers.py", ["--tokens", "256", "--docs", "1", "--layers", "2", "--kv-heads", "2"], []),
+    "vllm_tiers": (
+        "bench_vllm_tiers.py",
+        ["--tokens", "256", "--docs", "1", "--layers", "2", "--kv-heads", "2", *SHORT_TIERS],
+        [],
+    ),
     "vllm_pd": ("bench_vllm_pd.py", ["--lengths", "512", "--docs", "1", "--layers", "2"], []),
     "vllm": (
         "bench_vllm_ttft.py",
