@@ -13,7 +13,8 @@ description. Each 512-token block of the trace becomes one 128-token chunk (the 
 ``chunk_tokens``); prompts are cut at ``--max-chunks`` chunks and end with 16 tokens of
 their own (so that every full chunk can hit); requests go one at a time, round robin, a
 pause after each (its saves land, its engine goes quiet). The engines run without vLLM's
-own prefix cache (the plan's ``gpu: 0``): lmtier's memory, the cache server and, in
+own prefix cache (the plan's ``gpu: 0``): lmtier's memory, the cache server (a Redis in
+``benchmarks/plan_calibration_redis.yaml``) and, in
 ``benchmarks/plan_calibration_disk.yaml``, a disk tier per instance are the only tiers,
 counted per tier by what the workers read from each (``vllm:lmtier_tier_reads_total``).
 
@@ -277,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fleet",
         default=str(HERE / "plan_calibration.yaml"),
-        help="the fleet to start and to plan (round robin over memory, a disk and a cache server; gpu: 0, no peers)",
+        help="the fleet to start and to plan (round robin over memory, a disk and a cache server or Redis; gpu: 0, "
+        "no peers)",
     )
     parser.add_argument(
         "--pause",

@@ -32,28 +32,35 @@ def tokens_of(keys: list[int], own: int) -> list[int]:
 class RealFleet:
     """The fleet a plan describes, as engines: ``instances`` ``vllm serve`` processes, each
     with lmtier's memory tier (``memory``), a disk tier of its own (``disk``, a directory
-    here) and the shared cache server (``shared``, kind ``server``); vLLM's own prefix
-    cache off (``gpu: 0``). Routers other than round robin, peers and other shared kinds
-    are left to ``bench_fleet.py``."""
+    here) and the shared tier (``shared``: kind ``server``, an ``lmtier serve``; or kind
+    ``redis``, a ``redis-server`` evicting its least recently used keys past the tier's
+    size and a tenth more, room for what Redis keeps per key); vLLM's own prefix cache off
+    (``gpu: 0``). Routers other than round robin, peers and object stores are left to
+    ``bench_fleet.py``."""
 
     def __init__(self, fleet: Fleet, model: str, tmp: Path) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         from lmtier.testing.cache_server import ServerProcess
+        from lmtier.testing.redis_server import RedisServer
         from lmtier.testing.vllm_serve import VllmServer
 
         unsupported = fleet.gpu or fleet.peers or fleet.router != "round_robin"
-        if unsupported or fleet.shared not in ("", "server"):
-            raise SystemExit("a calibration fleet is round robin over memory, a disk and a cache server (gpu: 0, "
-                             "no peers)")  # fmt: skip
+        if unsupported or fleet.shared not in ("", "server", "redis"):
+            raise SystemExit("a calibration fleet is round robin over memory, a disk and a cache server or Redis "
+                             "(gpu: 0, no peers)")  # fmt: skip
         self.model = model
-        self.server = None
+        self.server: ServerProcess | RedisServer | None = None  # the shared tier's process
         self.memory_chunks, self.disk = fleet.chunks(fleet.memory), bool(fleet.disk)
         shared = []
-        if fleet.shared:
+        if fleet.shared == "server":
             self.server = ServerProcess(tmp, "--tier", f"cpu://?size={fleet.shared_size}&slot={fleet.chunk_bytes}",
                                         "--no-shm")  # fmt: skip
             shared.append(f"grpc://{self.server.address}?shm=off")
+        elif fleet.shared == "redis":
+            self.server = RedisServer(tmp / "redis", "--maxmemory", str(fleet.shared_size * 11 // 10),
+                                      "--maxmemory-policy", "allkeys-lru")  # fmt: skip
+            shared.append(self.server.url)
 
         def start(i: int) -> VllmServer:
             disk = [f"file://{tmp / f'disk-{i}'}?size={fleet.disk}"] if fleet.disk else []

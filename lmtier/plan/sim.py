@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from lmtier.plan.fleet import Fleet
-from lmtier.plan.tiers import Tier, consume, held, run_end, tier
+from lmtier.plan.tiers import Tier, consume, run_end, tier
 from lmtier.plan.traces import Request
 from lmtier.store.admission import SavePolicy
 from lmtier.store.tiered import policy_keys
@@ -78,7 +78,6 @@ class Instance:
         # its own tiers a chunk is read from, fastest first, each with those above it
         own = [(name, t) for name, t in (("gpu", self.gpu), ("memory", self.memory), ("disk", self.disk)) if t.capacity]
         self.own = [(name, t, [u for _, u in own[:j]]) for j, (name, t) in enumerate(own)]
-        self.own_tiers = [t for _, t in own]
         self.recent: deque[float] = deque()  # arrivals within the KV-aware router's window
         # write-back: in memory, and the lower tiers held it (its eviction writes nothing)
         self.stored_below: dict[int, bool] = {}
@@ -133,12 +132,16 @@ class Simulation:
                 inst.recent.popleft()
         loads = [len(inst.recent) for inst in self.instances]
         mean = sum(loads) / n
-        # the instances holding the longest prefix (in the engine's cache, memory or disk)
-        prefix = [held(r.keys, inst.own_tiers) for inst in self.instances]
-        longest = max(prefix)
+        best: list[Instance] = []  # the instances holding the longest prefix (in the engine's cache, memory or disk)
+        holding = self.instances
+        for key in r.keys:
+            holding = [inst for inst in holding if key in inst.memory or key in inst.disk or key in inst.gpu]
+            if not holding:
+                break
+            best = holding
         pick = -1
-        if longest:
-            pick = min((i for i in range(n) if prefix[i] == longest), key=lambda i: (loads[i], i))
+        if best:
+            pick = min((inst.i for inst in best), key=lambda i: (loads[i], i))
             if loads[pick] > fleet.spill * max(mean, 1.0):
                 pick = -1
         if pick < 0:

@@ -8,7 +8,6 @@
       .add_new(keys)                            the same, for keys known not to be held
       .touch(key, read)                         a use (a read counts, for write-back)
     run_end(keys, start, tier, above)           where a run of keys held in a tier ends
-    held(keys, tiers)                           how many leading keys some tier holds
 
 Both call ``on_evict(key, reads)`` for what they let go (memory's evictions, for
 write-back).
@@ -19,7 +18,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import compress, count, filterfalse, islice, repeat, takewhile
-from operator import or_, truth
 
 from lmtier.plan.policies import make
 
@@ -178,13 +176,3 @@ def run_end(keys: Sequence[Hashable], start: int, tier, above: Sequence = ()) ->
         if len(faster):
             end = start + next(compress(count(), map(faster.__contains__, islice(keys, start, end))), end - start)
     return end
-
-
-def held(keys: Sequence[Hashable], tiers: Sequence) -> int:
-    """How many of ``keys``, from the first, one of ``tiers`` or another holds."""
-    if not tiers:
-        return 0
-    found = map(tiers[0].__contains__, keys)
-    for tier in tiers[1:]:
-        found = map(or_, found, map(tier.__contains__, keys))
-    return len(list(takewhile(truth, found)))
