@@ -33,7 +33,9 @@ TTFT mean and p50, real and planned (target: within the real runs' own spread, o
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -175,6 +177,7 @@ def calibrate(args) -> dict:
     if fleet.chunk_tokens != CHUNK:
         raise SystemExit(f"the calibration's engines use chunks of {CHUNK} tokens, not {fleet.chunk_tokens}")
     tmp = Path(tempfile.mkdtemp(prefix="lmtier-plan-"))
+    atexit.register(shutil.rmtree, tmp, True)  # the model, the disks and the engines' logs: gone with the run
     model = str(build(tmp / "model"))
     fleet = fleet.replace(kv_bytes_per_token=from_hf_config(Path(model) / "config.json").bytes_per_token)
     workloads = workloads_of(args)

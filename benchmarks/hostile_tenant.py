@@ -29,8 +29,10 @@ machine's cores the attacker's own process takes from Alice's client.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -286,6 +288,7 @@ def main() -> int:
     from lmtier.testing.cache_server import ServerProcess
 
     tmp = Path(tempfile.mkdtemp(prefix="lmtier-hostile-"))
+    atexit.register(shutil.rmtree, tmp, True)  # the server's tiers and logs: gone with the process
     tokens = tmp / "tokens"
     tokens.write_text(f"{ALICE}=alice\n{BOB}=bob\n")
     tokens.chmod(0o600)

@@ -24,9 +24,11 @@ memory and disk against their bounds.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -235,6 +237,8 @@ def run_load(clients: int = 8, duration: float = 60.0, workdir: Path | None = No
     from lmtier.tiers.base import open_tier
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="lmtier-load-"))
+    if workdir is None:  # its own: the server's disk tier (128 MiB) gone with the process
+        atexit.register(shutil.rmtree, tmp, True)
     disk = tmp / "disk"
     tokens = tmp / "tokens"
     tokens.write_text("".join(f"{TOKENS[i]}=tenant-{'ab'[i]}\n" for i in range(tenants)))
