@@ -171,6 +171,35 @@ def test_what_a_second_outside_review_broke_is_a_clear_error_or_a_right_answer(t
     assert [r.t for r in request_log(tmp_path / "engine.jsonl")] == [100.0, 100.0, 100.0, 101.0]
 
 
+def test_what_a_third_outside_review_broke_is_a_clear_error(tmp_path, capsys):
+    """Each one error line and exit 2 before any plan runs, never a traceback nor a silent
+    choice: a setting named by a number, a key given twice (YAML and JSON), a fleet file
+    without end, a trace line nested past the JSON parser's depth, a time past 10^12 s,
+    --json-out and --plot one file."""
+
+    def refused(fleet_text: str, name: str = "f.yaml", trace: str = "synthetic:no_reuse:3", *extra: str) -> str:
+        fleet_file = tmp_path / name
+        fleet_file.write_text(fleet_text)
+        assert main(["plan", str(fleet_file), "--trace", trace, *extra]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        return err
+
+    assert "named by words, got 1" in refused("1: 2\n")
+    assert "named by words" in refused("instances: 2\nfoo: 3\n1: 2\n")  # not a sort of str against int
+    assert "'memory' is given twice (line 2)" in refused("memory: 1GiB\nmemory: 2\n")
+    assert "'memory' is given twice" in refused('{"memory": "1GiB", "memory": "2GiB"}', "f.json")
+    assert "a fleet is a file of 1024 KiB at most" in refused("#" * (1 << 20) + "\n")
+    ok = "memory: 1GiB\nchunk_tokens: 512\n"
+    (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")
+    assert "deep.jsonl:1: not JSON" in refused(ok, "f.yaml", f"mooncake:{tmp_path / 'deep.jsonl'}")
+    (tmp_path / "late.jsonl").write_text(json.dumps({"timestamp": 1e300, "input_length": 600, "hash_ids": [1]}))
+    assert "from 0 to 1e+12" in refused(ok, "f.yaml", f"mooncake:{tmp_path / 'late.jsonl'}")
+    same = ["--sweep", "memory=1GiB,2GiB", "--json-out", str(tmp_path / "p.png"), "--plot", str(tmp_path / "p.png")]
+    assert "--json-out and --plot are one file" in refused(ok, "f.yaml", "synthetic:no_reuse:3", *same)
+    assert not (tmp_path / "p.png").exists()
+
+
 def test_the_calibrations_costs_are_a_line_through_each_lengths_median():
     """benchmarks/bench_plan.py's fit: cold prompts of 100 and 200 tokens, three times each
     (one slow outlier each): medians 1.1 s and 2.1 s, a line of 0.01 s a token (100

@@ -46,6 +46,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _writable(args.json_out, "--json-out", inputs)
     if args.plot is not None:
         _writable(args.plot, "--plot", inputs, ".png")
+        if args.json_out and Path(args.json_out).resolve() == Path(args.plot).resolve():
+            raise ConfigError(f"--json-out and --plot are one file, {args.plot}: the plot would overwrite the JSON")
     setting, values = "", []
     if args.sweep:
         setting, _, text = args.sweep.partition("=")

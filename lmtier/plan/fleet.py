@@ -54,6 +54,40 @@ NUMBERS = ("prefill_tokens_per_s", "request_ms", "spill", "window")  # read from
 SHARED = ("server", "redis", "s3")
 MEDIA = ("memory", "disk", "peers", "shared")
 EVICTING = ("memory", "disk", "shared")  # the tiers whose eviction policy a plan sets
+MAX_FILE = 1 << 20  # a fleet file's bytes
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose every key is given once (``json.loads``' ``object_pairs_hook``)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"{key!r} is given twice")
+        out[key] = value
+    return out
+
+
+def _yaml(text: str) -> Any:
+    """``yaml.safe_load``, except that a key given twice in one mapping is an error, not
+    the last one silently kept."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node)
+            if isinstance(key, (list, dict)):  # unhashable: construct_mapping says so
+                continue
+            if key in seen:
+                raise ConfigError(f"{key!r} is given twice (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return loader.construct_mapping(node)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=Loader) or {}
 
 
 def _kind(kinds) -> str:
@@ -165,6 +199,9 @@ class Fleet:
     def from_dict(cls, data: dict[str, Any]) -> Fleet:
         if not isinstance(data, dict):
             raise ConfigError("a fleet is a mapping of settings")
+        named = [k for k in data if not isinstance(k, str)]
+        if named:
+            raise ConfigError(f"a fleet's settings are named by words, got {named[0]!r}")
         known = {f.name for f in dataclasses.fields(cls)} - {"shared_size"}  # a shared tier's size is in shared
         unknown = sorted(set(data) - known)
         if unknown:
@@ -224,16 +261,18 @@ class Fleet:
     def load(cls, path: str | Path) -> Fleet:
         path = Path(path)
         try:
-            text = path.read_text()
+            with open(path, "rb") as f:
+                raw = f.read(MAX_FILE + 1)
+            text = raw.decode()
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: cannot be read as a fleet ({exc})") from None
+        if len(raw) > MAX_FILE:
+            raise ConfigError(f"{path}: a fleet is a file of {MAX_FILE >> 10} KiB at most")
         try:
-            if path.suffix.lower() in (".yaml", ".yml"):
-                import yaml
-
-                data = yaml.safe_load(text) or {}
-            else:
-                data = json.loads(text)
+            yaml_file = path.suffix.lower() in (".yaml", ".yml")
+            data = _yaml(text) if yaml_file else json.loads(text, object_pairs_hook=_once)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
         except Exception as exc:  # yaml.YAMLError, json.JSONDecodeError: one line, not a traceback
             raise ConfigError(f"{path}: not a fleet ({str(exc).splitlines()[0] if str(exc) else exc})") from None
         return cls.from_dict(data)

@@ -93,8 +93,9 @@ def _records(path: Path, f, limit: int | None) -> Iterable[tuple[int, dict]]:
             continue
         try:
             record = json.loads(line)
-        except ValueError as exc:  # not JSON, or a number of more digits than Python reads
-            raise ConfigError(f"{path}:{n}: not JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # not JSON, a number of more digits than Python reads, or
+            # arrays nested deeper than its parser goes
+            raise ConfigError(f"{path}:{n}: not JSON: {str(exc).splitlines()[0]}") from None
         if not isinstance(record, dict):
             raise ConfigError(f"{path}:{n}: a request is a JSON object")
         count += 1
@@ -104,6 +105,7 @@ def _records(path: Path, f, limit: int | None) -> Iterable[tuple[int, dict]]:
 MAX_LINE = 16 << 20  # characters of one request's line (a million-token prompt's keys are 2 MiB)
 MAX_TOKENS = 1 << 40  # a prompt's length: more is not a prompt, and would make a TTFT overflow
 MOONCAKE_BLOCK = 512  # tokens of a Mooncake trace's block
+MAX_SECONDS = 1e12  # a request's time (30,000 years: Unix times fit; a link's seconds stay exact)
 MAX_SYNTHETIC = 2_000_000  # requests of a synthetic workload: a few GiB of keys at most
 
 
@@ -120,8 +122,9 @@ def _count(value: object) -> bool:
 def _check_time(path: Path, line: int, t: float, last: float, unit: float = 1.0, name: str = "s") -> float:
     """``t`` (seconds) a time, not before ``last``; errors in the file's own unit (``unit``
     of them a second, named ``name``)."""
-    if not t >= 0 or t != t or t == float("inf"):
-        raise ConfigError(f"{path}:{line}: a request's time must be a number of seconds, not {t!r}")
+    if not 0 <= t <= MAX_SECONDS:
+        raise ConfigError(f"{path}:{line}: a request's time must be a number of seconds from 0 to "
+                          f"{MAX_SECONDS:g}, not {t * unit!r} {name}")  # fmt: skip
     if t < last:
         raise ConfigError(f"{path}:{line}: the time goes back ({t * unit:g} {name} after {last * unit:g} {name}): "
                           "requests are in arrival order")  # fmt: skip
