@@ -198,6 +198,13 @@ def test_what_a_third_outside_review_broke_is_a_clear_error(tmp_path, capsys):
     same = ["--sweep", "memory=1GiB,2GiB", "--json-out", str(tmp_path / "p.png"), "--plot", str(tmp_path / "p.png")]
     assert "--json-out and --plot are one file" in refused(ok, "f.yaml", "synthetic:no_reuse:3", *same)
     assert not (tmp_path / "p.png").exists()
+    assert "gbps and ms are numbers" in refused(ok + "costs: {memory: {gbps: true}}\n")
+    (tmp_path / "true.jsonl").write_text(json.dumps({"timestamp": 1, "input_length": 600, "hash_ids": [True, 2]}))
+    assert "hash_ids are 64-bit integers" in refused(ok, "f.yaml", f"mooncake:{tmp_path / 'true.jsonl'}")
+    # a tier under one chunk (a size without a unit is bytes) is said, not silently none
+    (tmp_path / "small.yaml").write_text("memory: 64\nchunk_tokens: 512\n")
+    assert main(["plan", str(tmp_path / "small.yaml"), "--trace", "synthetic:no_reuse:3"]) == 0
+    assert "warning: memory: 64 bytes hold no chunk of 67,108,864 bytes: no memory tier" in capsys.readouterr().out
 
 
 def test_the_calibrations_costs_are_a_line_through_each_lengths_median():

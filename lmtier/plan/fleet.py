@@ -192,6 +192,13 @@ class Fleet:
         """Whole chunks a tier of ``nbytes`` holds."""
         return nbytes // self.chunk_bytes
 
+    def empty_tiers(self) -> list[str]:
+        """A warning for each tier given a size under one chunk: it holds nothing (a size
+        without a unit is bytes: ``memory: 64`` is 64 bytes, not 64 GiB)."""
+        sizes = {"gpu": self.gpu, "memory": self.memory, "disk": self.disk, "shared": self.shared_size}
+        return [f"{name}: {size} bytes hold no chunk of {self.chunk_bytes:,} bytes: no {name} tier (a size without "
+                "a unit is bytes: 64GiB)" for name, size in sizes.items() if 0 < size < self.chunk_bytes]  # fmt: skip
+
     def replace(self, **changes: Any) -> Fleet:
         return dataclasses.replace(self, **changes)
 
@@ -234,6 +241,8 @@ class Fleet:
                 raise ConfigError(f"costs are per medium ({', '.join(MEDIA)}), each {{gbps: 3.0, ms: 0.2}}; "
                                   f"got {medium!r}: {cost!r}")  # fmt: skip
             base = costs[medium]
+            if any(isinstance(v, bool) for v in cost.values()):
+                raise ConfigError(f"costs of {medium}: gbps and ms are numbers, got {cost!r}")
             try:
                 costs[medium] = Cost(float(cost.get("gbps", base.gbps)), float(cost.get("ms", base.ms)))
             except (TypeError, ValueError):

@@ -369,7 +369,7 @@ class Simulation:
         per = fleet.chunk_bytes
         busy = {"mean": sum(self.busy) / fleet.instances / seconds, "busiest": max(self.busy) / seconds}
         return {
-            "warnings": self.warnings(links) + self._overloaded(busy),
+            "warnings": fleet.empty_tiers() + self.warnings(links) + self._overloaded(busy),
             "prefill_busy": busy,
             "requests": len(self.ttft),
             "prompt_tokens": self.tokens["prompt"],

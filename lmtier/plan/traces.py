@@ -142,7 +142,7 @@ def mooncake(path: str | Path, limit: int | None = None, chunk_tokens: int = MOO
             tokens, ids, t = r["input_length"], r["hash_ids"], _seconds(r.get("timestamp", 0)) / 1000
             if not _count(tokens) or not isinstance(ids, list):
                 raise TypeError("input_length is a count of tokens (at most 2**40) and hash_ids a list")
-            if not all(isinstance(i, int) and -(1 << 63) <= i < 1 << 63 for i in ids):
+            if not all(type(i) is int and -(1 << 63) <= i < 1 << 63 for i in ids):  # (not true or false)
                 raise TypeError("hash_ids are 64-bit integers")
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"{path}:{line}: a Mooncake request needs input_length and hash_ids ({exc})") from None
