@@ -4,6 +4,7 @@ a traceback; what outside reviews of the command found, kept here."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -201,6 +202,12 @@ def test_what_a_third_outside_review_broke_is_a_clear_error(tmp_path, capsys):
     assert "gbps and ms are numbers" in refused(ok + "costs: {memory: {gbps: true}}\n")
     (tmp_path / "true.jsonl").write_text(json.dumps({"timestamp": 1, "input_length": 600, "hash_ids": [True, 2]}))
     assert "hash_ids are 64-bit integers" in refused(ok, "f.yaml", f"mooncake:{tmp_path / 'true.jsonl'}")
+    for count in ("00", "\u00b2", "9" * 5000):  # zero, a digit Python's int() reads but is no count, too many digits
+        assert "takes a positive number of requests" in refused(ok, "f.yaml", f"synthetic:no_reuse:{count}")
+    # a compressed trace's suffix in any case
+    (tmp_path / "T.JSONL.GZ").write_bytes(gzip.compress(b'{"timestamp": 0, "input_length": 600, "hash_ids": [1]}\n'))
+    assert main(["plan", str(tmp_path / "f.yaml"), "--trace", f"mooncake:{tmp_path / 'T.JSONL.GZ'}"]) == 0
+    capsys.readouterr()
     # a tier under one chunk (a size without a unit is bytes) is said, not silently none
     (tmp_path / "small.yaml").write_text("memory: 64\nchunk_tokens: 512\n")
     assert main(["plan", str(tmp_path / "small.yaml"), "--trace", "synthetic:no_reuse:3"]) == 0

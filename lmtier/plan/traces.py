@@ -26,7 +26,7 @@ equal prefix up to there (lmtier's chunk keys in hex, or any stable hash of
 each chunk's tokens and those before it). A vLLM engine with ``request_log: PATH`` writes
 it (lmtier/engine/requestlog.py).
 
-Either file may be gzip-compressed (a name ending in ``.gz``).
+Either file may be gzip-compressed (a name ending in ``.gz``, in any case).
 
 The partial last chunk of a prompt is never stored by an engine, so it never hits: a
 request's keys are its full chunks only.
@@ -69,7 +69,7 @@ def _salt(raw: bytes, after: int = 0) -> int:
 
 
 def _lines(path: Path, limit: int | None) -> Iterable[tuple[int, dict]]:
-    opener = gzip.open if path.suffix == ".gz" else open  # a trace may be kept compressed
+    opener = gzip.open if path.suffix.lower() == ".gz" else open  # a trace may be kept compressed
     try:
         with opener(path, "rt") as f:
             yield from _records(path, f, limit)
@@ -243,8 +243,9 @@ def load(spec: str, limit: int | None = None, chunk_tokens: int = 512) -> list[R
         return request_log(rest, limit, chunk_tokens)
     if kind == "synthetic":
         name, _, count = rest.partition(":")
-        if (count and not count.isdigit()) or count == "0":
-            raise ConfigError(f"synthetic:NAME:N takes a positive number of requests, got {count!r}")
+        if count and (not count.isascii() or not count.isdigit() or len(count) > 12 or int(count) == 0):
+            raise ConfigError(f"synthetic:NAME:N takes a positive number of requests (at most {MAX_SYNTHETIC:,}), "
+                              f"got {count[:20]!r}")  # fmt: skip
         n = int(count) if count else 10_000
         if n > MAX_SYNTHETIC:
             raise ConfigError(f"synthetic:NAME:N makes at most {MAX_SYNTHETIC:,} requests, got {n:,}")
