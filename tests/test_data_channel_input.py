@@ -162,7 +162,9 @@ def test_a_save_cut_off_mid_frame_keeps_the_whole_chunks_and_nothing_of_the_half
 
 
 def test_a_save_announced_and_sent_slowly_ends_at_call_timeout_and_holds_its_part_of_the_budget():
-    srv, _ = start(tokens=TOKENS, stall_timeout=1.0, call_timeout=2.0, max_chunk_bytes=1 << 20)
+    # a stall timeout well over the steps before the slow sends begin (a loaded machine can
+    # take a second between them: the holds must still be there when the budget is checked)
+    srv, _ = start(tokens=TOKENS, stall_timeout=5.0, call_timeout=8.0, max_chunk_bytes=1 << 20)
     port = srv.service.data.port
     frame = frames_of(make_prompt(1, seed=23))[0]
     big = len(frame) + (700 << 10)  # a frame that announces more than it will ever send
@@ -176,7 +178,7 @@ def test_a_save_announced_and_sent_slowly_ends_at_call_timeout_and_holds_its_par
         stored, error = save(port, ticket(srv, "alice-secret"), [bytes(big)])
         assert stored is None and "receiving too many chunks" in error  # past her part: refused
         assert save(port, ticket(srv, "bob-secret"), frames_of(make_prompt(2, seed=24))) == (2, None)
-        for _ in range(8):  # a byte every half second: no stall, but the request's time runs out
+        for _ in range(20):  # a byte every half second: no stall, but the request's time runs out
             for sock in socks:
                 try:
                     sock.sendall(b"\x00")
