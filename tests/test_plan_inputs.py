@@ -48,7 +48,8 @@ def test_what_an_outside_review_broke_is_a_clear_error_or_a_right_answer(tmp_pat
     capsys.readouterr()
     # bad lines of a request log, each naming its line
     fleet_file.write_text("chunk_tokens: 4\nkv_bytes_per_token: 1\n")
-    for line, error in (('{"t": 0, "tokens": 8, "chunk_tokens": "4", "chunks": ["a"]}', "chunk_tokens is a count"),
+    for line, error in (('{"t": 0, "tokens": 8, "chunk_tokens": "4", "chunks": ["a"]}', "a positive count"),
+                        ('{"t": 0, "tokens": 8, "chunk_tokens": 0, "chunks": ["a"]}', "a positive count"),
                         ('{"t": 0, "tokens": 8, "chunks": ["\\ud800"]}', "not text"),
                         ('{"t": 0, "tokens": 1' + "0" * 5000 + ', "chunks": []}', "not JSON"),
                         ('{"t": "0", "tokens": 8, "chunks": []}', "a time is a number"),
@@ -207,6 +208,14 @@ def test_what_a_third_outside_review_broke_is_a_clear_error(tmp_path, capsys):
     # a compressed trace's suffix in any case
     (tmp_path / "T.JSONL.GZ").write_bytes(gzip.compress(b'{"timestamp": 0, "input_length": 600, "hash_ids": [1]}\n'))
     assert main(["plan", str(tmp_path / "f.yaml"), "--trace", f"mooncake:{tmp_path / 'T.JSONL.GZ'}"]) == 0
+    capsys.readouterr()
+    # the JSON is written under a name of its own, then renamed: a user's file named like
+    # the output and ".partial" is left alone, and nothing is left beside the output
+    (tmp_path / "out.json.partial").write_text("mine")
+    assert main(["plan", str(tmp_path / "f.yaml"), "--trace", "synthetic:no_reuse:3",
+                 "--json-out", str(tmp_path / "out.json")]) == 0  # fmt: skip
+    assert json.loads((tmp_path / "out.json").read_text())["requests"] == 3
+    assert (tmp_path / "out.json.partial").read_text() == "mine" and not list(tmp_path.glob(".out.json.*"))
     capsys.readouterr()
     # a tier under one chunk (a size without a unit is bytes) is said, not silently none
     (tmp_path / "small.yaml").write_text("memory: 64\nchunk_tokens: 512\n")

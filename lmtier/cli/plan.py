@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from lmtier.errors import ConfigError
@@ -78,9 +79,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"\n{args.goal}: not met by any value swept")
     if args.json_out:
         text = json.dumps(out, indent=2, allow_nan=False)  # whole before the file is touched
-        partial = Path(args.json_out).with_name(Path(args.json_out).name + ".partial")
-        partial.write_text(text)
-        partial.replace(args.json_out)
+        target = Path(args.json_out)
+        fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+        try:  # a name of its own beside the output (never a file of the user's), then renamed over it
+            mask = os.umask(0)
+            os.umask(mask)
+            os.fchmod(fd, 0o666 & ~mask)  # the mode a file written plainly gets, not mkstemp's 0600
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(partial, target)
+        except BaseException:
+            Path(partial).unlink(missing_ok=True)
+            raise
     if args.plot and setting:
         plot(rows, setting, args.plot)
     return 1 if args.goal and not met else 0

@@ -169,8 +169,8 @@ def request_log(path: str | Path, limit: int | None = None, chunk_tokens: int | 
         last = _check_time(path, line, t, last)
         if chunk_tokens:
             theirs = r.get("chunk_tokens")
-            if theirs is not None and not _count(theirs):
-                raise ConfigError(f"{path}:{line}: chunk_tokens is a count of tokens, got {theirs!r}")
+            if theirs is not None and (not _count(theirs) or theirs == 0):
+                raise ConfigError(f"{path}:{line}: chunk_tokens is a positive count of tokens, got {theirs!r}")
             if theirs is not None and theirs != chunk_tokens:
                 raise ConfigError(f"{path}:{line}: written by an engine with chunks of {theirs} tokens; the fleet's "
                                   f"chunk_tokens is {chunk_tokens}: set chunk_tokens: {theirs}")  # fmt: skip
