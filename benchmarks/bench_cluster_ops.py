@@ -251,9 +251,12 @@ def run_event(
     ``moved_slots``: the slots a reshard moves (there and back) or a new master takes; by
     default a third and a quarter of them."""
     timeout_s = cluster.node_timeout_ms / 1000
-    workers.wait_warm()
-    time.sleep(SETTLE_S)
-    t_event = time.time()
+    for _ in range(5):  # the event starts from the clients' normal level, not from a moment the
+        workers.wait_warm()  # machine's other load slowed their loads past their deadline
+        time.sleep(SETTLE_S)
+        t_event = time.time()
+        if all(_rate(workers.records(n), t_event - SETTLE_S, t_event) >= 0.95 for n in workers.logs):
+            break
     masters = cluster.masters()
     victim = max(masters, key=cluster.slots_of)
     after = None  # what puts the cluster back as it was, once measured

@@ -42,10 +42,11 @@ from ratio_targets import targets
 
 ROOT = Path(__file__).resolve().parent
 
-# short: the in-process, local, served and object-store paths in the engine (redis and
-# memory+disk in full mode: the same path over another tier; tests/test_vllm_engine.py
-# shares through each)
-SHORT_TIERS = ["--tiers", "memory", "disk", "server", "s3"]
+# short: the in-process memory tier and a new instance's hit from the cache server (the
+# pair one target compares); the disk, Redis, object store and memory+disk rows in full
+# mode: the same engine path over another tier, each shared between two engines in
+# tests/test_vllm_engine.py
+SHORT_TIERS = ["--tiers", "memory", "server"]
 
 # name -> (script, short-mode arguments, full-mode arguments). Every script but vllm takes
 # --json-out; vllm writes ttft.json and ttft.png into --out.

@@ -92,7 +92,7 @@ def test_the_suite_writes_json_a_table_of_every_target_and_plots(suite):
         assert "netns" in summary["skipped"] and NETNS in summary["skipped"]["netns"]
     benches = [t["benchmark"] for t in summary["targets"]]
     counts = {"cpu": 1, "disk": 2, "redis": 6, "s3": 2, "grpc": 4, "netns": 4, "server_load": 2, "trace": 9, "vllm": 6,
-              "vllm_tiers": 4, "vllm_pd": 2, "cluster_ops": 2}  # fmt: skip
+              "vllm_tiers": 3, "vllm_pd": 2, "cluster_ops": 2}  # fmt: skip
     counts = {b: n for b, n in counts.items() if b in HERE}
     assert {b: benches.count(b) for b in set(benches)} == counts
     for t in summary["targets"]:
@@ -258,13 +258,13 @@ def test_ttft_benchmark_measures_every_configuration(suite):
 @suite_test
 def test_every_tier_is_timed_inside_the_engine_against_vllms_own_hit(suite):
     report, stdout = report_of(suite, "vllm_tiers")
-    assert [r["tier"] for r in report["rows"]] == ["memory", "disk", "server", "s3"]  # short mode's
+    assert [r["tier"] for r in report["rows"]] == ["memory", "server"]  # short mode's
     for r in report["rows"]:
         assert r["cached_tokens"] == report["prefix_cached_tokens"] > 0  # every tier served the whole hit
         assert r["ratio"] == pytest.approx(r["ttft"] / report["vllm_prefix_hit"])
     assert report["disk_floor"] > report["vllm_prefix_hit"]
     assert report["memory_floor"] == pytest.approx(report["vllm_prefix_hit"] + report["memcpy_seconds"])
-    assert "| lmtier server |" in stdout and "| lmtier s3 |" in stdout and "(memory floor)" in stdout
+    assert "| lmtier server |" in stdout and "| lmtier memory |" in stdout and "(memory floor)" in stdout
 
 
 @suite_test

@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from lmtier.errors import ConfigError
+from lmtier.plan import compiled as compiled_loop
 from lmtier.plan.fleet import Fleet
 from lmtier.plan.tiers import Tier, consume, run_end, tier
 from lmtier.plan.traces import Request
@@ -51,6 +53,7 @@ from lmtier.store.tiered import policy_keys
 
 LOCAL = ("gpu", "memory", "disk")
 SPREAD_S = 600  # a request's traffic is spread over its seconds to a first token, at most these
+COMPILED_FROM = 100_000  # requests: a shorter plan replays in Python about as soon as numba first compiles
 POLICY_KEYS = 1 << 25  # the save policies' sketches of all instances together, in keys (a few hundred MiB)
 
 
@@ -257,7 +260,7 @@ class Simulation:
             self._spread("network", inst.i, r.t, took, network * per)
         if shared_n:
             self._spread("shared", 0, r.t, took, shared_n * per)
-        for p in set(peer_of):  # the holders' sidecars send what peers read
+        for p in sorted(set(peer_of)):  # the holders' sidecars send what peers read, in their order
             self._spread("network", p, r.t, took, peer_of.count(p) * per)
 
     def _find_lower(self, inst: Instance, key: int) -> str | int | None:
@@ -423,15 +426,25 @@ def spread(who: Sequence[int], start: Sequence[float], took: Sequence[float],
     return [float(t) for t in totals if t], float(per_second.max())
 
 
-def simulate(fleet: Fleet, requests: Sequence[Request]) -> dict[str, Any]:
-    """Replay ``requests`` (in arrival order) through ``fleet``; the report as a dict."""
+def simulate(fleet: Fleet, requests: Sequence[Request], compiled: bool | None = None) -> dict[str, Any]:
+    """Replay ``requests`` (in arrival order) through ``fleet``; the report as a dict. By
+    ``lmtier.plan.compiled``'s loop (the same answers) where it covers the plan and there
+    are COMPILED_FROM requests or more; ``compiled``: True insists on it, False refuses it."""
     started = time.perf_counter()
     sim = Simulation(fleet)
-    for r in requests:
-        sim.request(r)
+    why = compiled_loop.covers(fleet, requests) if compiled is not False else "not asked for"
+    if compiled and why:
+        raise ConfigError(f"the compiled replay does not take this plan: {why}")
+    fast = why is None and (compiled or len(requests) >= COMPILED_FROM)
+    if fast:
+        compiled_loop.replay(sim, requests)
+    else:
+        for r in requests:
+            sim.request(r)
     span = (int(requests[-1].t) - int(requests[0].t) + 1) if requests else 0
     out = sim.report(span)
     out["fleet"] = fleet.to_dict()
     out["trace_seconds"] = (requests[-1].t - requests[0].t) if requests else 0.0
     out["simulated_in_s"] = time.perf_counter() - started
+    out["replay"] = "compiled" if fast else "python"
     return out
