@@ -88,6 +88,7 @@ def test_a_pool_and_transfers_grown_from_one_slot_change_nothing():
     assert small.report(span)["hit_ratio"] > 0.2  # the plan hits: the tiers were used
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")  # the Python replay's NaN time
 def test_plans_the_compiled_replay_does_not_cover_replay_in_python_or_are_refused_when_insisted_on(monkeypatch):
     requests = synthetic("conversations", 50)
     uncovered = {
@@ -97,18 +98,46 @@ def test_plans_the_compiled_replay_does_not_cover_replay_in_python_or_are_refuse
         ),
     }
     for why, fleet in uncovered.items():
-        assert why in compiled.covers(fleet, requests)
+        assert why in compiled.covers(fleet)
         assert simulate(fleet, requests)["replay"] == "python"
         with pytest.raises(ConfigError, match=why):
             simulate(fleet, requests, compiled=True)
+    # traces it cannot replay to the Python replay's last bit: refused before it begins, or
+    # (by default, here from one request) replayed in Python
+    monkeypatch.setattr(sim, "COMPILED_FROM", 1)
+    fleet = Fleet.from_dict({**CHUNK, "memory": chunks(8), "disk": chunks(1)})
+    nan = float("nan")
+    for why, trace in [
+        ("not in arrival order", [requests[1], requests[0]]),
+        ("not in arrival order", [Request(0.0, [1], 512), Request(nan, [2], 512), Request(0.0, [3], 512)]),
+        ("names one chunk twice", [Request(0.0, [1, 2], 1024), Request(1.0, [1, 2, 1], 1536)]),
+        (r"not an integer from 0 to 2\*\*64 - 1", [Request(0.0, [-1], 512)]),
+        ("not a count", [Request(0.0, [1], 3.5)]),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            simulate(fleet, trace, compiled=True)
+        assert simulate(fleet, trace)["replay"] == "python"
+    assert simulate(fleet, requests[:2])["replay"] == "compiled"
+    # figures past 64-bit integers: the Python replay's exact integers
+    huge = Fleet.from_dict({"chunk_tokens": 1 << 22, "kv_bytes_per_token": 1 << 40, "memory": 1 << 70, "disk": 1 << 70})
+    trace = [Request(0.0, [1, 2], 1 << 24), Request(1.0, [1, 2], 1 << 24)]
+    with pytest.raises(ConfigError, match="do not fit 64-bit integers"):
+        simulate(huge, trace, compiled=True)
+    assert simulate(huge, trace)["ttft_ms"]["mean"] > 0
+    # tiers and min_tokens past a trace's chunks and prompts: the same answers
+    fleet = Fleet.from_dict({"chunk_tokens": 1, "kv_bytes_per_token": 1, "memory": 1 << 70, "disk": 5,
+                             "save_policy": "min_tokens", "min_tokens": 1 << 63})  # fmt: skip
+    trace = [Request(0.0, [1, 2], 2), Request(1.0, [1, 2, 3], 3)]
+    same(simulate(fleet, trace, compiled=False), simulate(fleet, trace, compiled=True))
+    fleet = Fleet.from_dict({"chunk_tokens": 1, "kv_bytes_per_token": 1, "memory": 1 << 70})
+    same(simulate(fleet, trace, compiled=False), simulate(fleet, trace, compiled=True))
     fleet = Fleet.from_dict({**CHUNK, "memory": chunks(8)})
-    backwards = [requests[1], requests[0]]
-    assert "not in arrival order" in compiled.covers(fleet, backwards)
     # by default, a plan of COMPILED_FROM requests or more is compiled, a shorter one not
+    monkeypatch.setattr(sim, "COMPILED_FROM", 51)
     assert simulate(fleet, requests)["replay"] == "python"
     monkeypatch.setattr(sim, "COMPILED_FROM", 50)
     assert simulate(fleet, requests)["replay"] == "compiled"
     # without numba, every plan replays in Python
     monkeypatch.setattr(compiled, "njit", None)
-    assert "numba is not installed" in compiled.covers(fleet, requests)
+    assert "numba is not installed" in compiled.covers(fleet)
     assert simulate(fleet, requests)["replay"] == "python"

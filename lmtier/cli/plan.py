@@ -19,6 +19,8 @@ from lmtier.plan.report import NAMED, fleets_of, parse_goal, plot, shown, smalle
 from lmtier.plan.sim import simulate
 from lmtier.plan.traces import load
 
+REPLAYS = {"auto": None, "compiled": True, "python": False}  # --replay: simulate()'s ``compiled``
+
 
 def _writable(path: str, what: str, inputs: list[str], suffix: str | None = None) -> None:
     """Refuse an output path that cannot be written, or is one of the inputs, before any
@@ -62,7 +64,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     requests = load(args.trace, args.limit, fleet.chunk_tokens)
     if not requests:
         raise ConfigError(f"the trace {args.trace} holds no request")
-    rows = sweep(fleet, requests, setting, values) if setting else [(None, simulate(fleet, requests))]
+    compiled = REPLAYS[args.replay]
+    if setting:
+        rows = sweep(fleet, requests, setting, values, compiled)
+    else:
+        rows = [(None, simulate(fleet, requests, compiled))]
     out: dict = {"trace": args.trace, "requests": len(requests), "sweep": setting or None,
                  "plans": [{"value": v, **r} for v, r in rows]}  # fmt: skip
     print(table(rows, setting))
@@ -112,6 +118,9 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
         help="with --sweep: the first value (the smallest) that meets it, e.g. "
         "hit_ratio>=0.8; the exit status is 1 when none does",
     )
+    p.add_argument("--replay", choices=REPLAYS, default="auto",
+                   help="compiled (numba, the same answers; refused where it cannot give them), python, or "
+                   "auto: compiled from 100,000 requests where it can")  # fmt: skip
     p.add_argument("--json-out", help="write every plan's figures here")
     p.add_argument("--plot", help="with --sweep: hit ratio per tier against the setting, as a PNG")
     p.set_defaults(func=cmd_plan)

@@ -9,11 +9,11 @@ from numba import njit
 
 GPU, MEMORY, DISK, SHARED, PEERS = range(5)
 FREE, NEXT, OLDEST, EVENTS, PROMPT, STARTED = range(6)
-MIX1, MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9)
-S31, S29, S1 = np.uint64(31), np.uint64(29), np.uint64(1)
+MIX1, MIX2, MIX3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
+S33, S1 = np.uint64(33), np.uint64(1)
 
 
-# -- the tiers: (cap, size, head, tail, slots, table) ----------------------------------------
+# -- the tiers: (cap, size, head, tail, slots, table, seed) ----------------------------------
 # slots: a row per chunk held: its key (the bits of the uint64), tier, the slots before and
 # after it in its tier's order (one cache line); table: -1, or a slot and, above bit 32, a
 # fingerprint of its (tier, key) hash, so that a probe reads a slot only where they agree
@@ -21,10 +21,12 @@ KEY, TIER, BEFORE, AFTER = range(4)
 
 
 @njit(cache=True, inline="always")
-def _hash(key, t):
-    x = np.uint64(key) ^ (np.uint64(t) * MIX1)
-    x = (x ^ (x >> S31)) * MIX2
-    return np.int64((x ^ (x >> S29)) >> S1)  # 63 bits: never negative
+def _hash(key, t, seed):
+    """(tier, key) mixed with the run's seed (MurmurHash3's finalizer): 63 bits."""
+    x = np.uint64(key) ^ seed ^ (np.uint64(t) * MIX1)
+    x = (x ^ (x >> S33)) * MIX2
+    x = (x ^ (x >> S33)) * MIX3
+    return np.int64((x ^ (x >> S33)) >> S1)
 
 
 @njit(cache=True)
@@ -34,7 +36,7 @@ def _find(tiers, t, key):
     if size[t] == 0:
         return -1
     mask = len(table) - 1
-    x = _hash(key, t)
+    x = _hash(key, t, tiers[6][0])
     h, mark = x & mask, x >> 32
     while True:
         e = table[h]
@@ -50,11 +52,24 @@ def _find(tiers, t, key):
 def _index(tiers, s):
     slots, table = tiers[4], tiers[5]
     mask = len(table) - 1
-    x = _hash(slots[s, KEY], slots[s, TIER])
+    x = _hash(slots[s, KEY], slots[s, TIER], tiers[6][0])
     h = x & mask
     while table[h] >= 0:
         h = (h + 1) & mask
     table[h] = (x >> 32) << 32 | s
+
+
+@njit(cache=True)
+def _first_repeat(keys, offsets):
+    """The first request that names one key twice, or -1."""
+    for r in range(len(offsets) - 1):
+        a, b = offsets[r], offsets[r + 1]
+        if b - a > 1:
+            ordered = np.sort(keys[a:b])
+            for j in range(1, b - a):
+                if ordered[j] == ordered[j - 1]:
+                    return r
+    return -1
 
 
 @njit(cache=True)
@@ -68,7 +83,7 @@ def _unindex(tiers, s):
     """Slot ``s`` out of the table (linear probing's backward shift: no tombstones)."""
     slots, table = tiers[4], tiers[5]
     mask = len(table) - 1
-    i = _hash(slots[s, KEY], slots[s, TIER]) & mask
+    i = _hash(slots[s, KEY], slots[s, TIER], tiers[6][0]) & mask
     while table[i] & 0xFFFFFFFF != s:
         i = (i + 1) & mask
     j = i
@@ -78,7 +93,7 @@ def _unindex(tiers, s):
         if e < 0:
             break
         sj = e & 0xFFFFFFFF
-        h = _hash(slots[sj, KEY], slots[sj, TIER]) & mask
+        h = _hash(slots[sj, KEY], slots[sj, TIER], tiers[6][0]) & mask
         if (i <= j and (h <= i or h > j)) or (i > j and h <= i and h > j):
             table[i] = e
             i = j

@@ -18,8 +18,9 @@ links' transfers.
 
 from __future__ import annotations
 
+import os
 from array import array
-from itertools import chain, pairwise
+from itertools import chain
 
 import numpy as np
 
@@ -38,42 +39,76 @@ EVENT_FIELDS = 5  # link (0 disk, 1 network, 2 shared), who, start, seconds, byt
 LINKS = ("disk", "network", "shared")
 
 
-def covers(fleet, requests) -> str | None:
-    """Why the compiled replay does not take this plan (None: it does)."""
+class Uncovered(Exception):
+    """A plan the compiled replay cannot give the Python replay's answers for; raised before
+    it changes anything."""
+
+
+def covers(fleet) -> str | None:
+    """Why the compiled replay does not take this fleet (None: it does); ``replay`` refuses
+    the traces it cannot take (``Uncovered``)."""
     if njit is None:
         return "numba is not installed (pip install 'lmtier[plan]')"
     if any(policy != "lru" for policy in fleet.eviction.values()):
         return "a tier evicts by another policy than lmtier's own order"
     if fleet.save_policy == "reuse":
         return "the save policy writes back"
-    if any(b.t < a.t for a, b in pairwise(requests)):
-        return "the requests are not in arrival order"
     return None
+
+
+LIMIT = 1 << 62  # every count and byte figure of the loop stays below this: int64 arithmetic is exact
+
+
+def _arrays(fleet, requests) -> tuple[np.ndarray, ...]:
+    """The trace as arrays (keys, offsets, times, tokens), or ``Uncovered``: where a figure
+    does not fit a 64-bit integer, a key is no unsigned 64-bit integer, the requests are not
+    in arrival order, or a request names one chunk twice (the Python replay stores a
+    prompt's new chunks at once, this loop one by one: they differ only there)."""
+    if not all(type(r.tokens) is int and 0 <= r.tokens < LIMIT for r in requests):
+        raise Uncovered("a request's tokens are not a count below 2**62")
+    lengths = np.fromiter((len(r.keys) for r in requests), np.int64, len(requests))
+    offsets = np.zeros(len(requests) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    try:
+        keys = np.fromiter(chain.from_iterable(r.keys for r in requests), np.uint64, int(offsets[-1]))
+        times = np.fromiter((r.t for r in requests), np.float64, len(requests))
+    except (OverflowError, TypeError, ValueError):
+        raise Uncovered("a key is not an integer from 0 to 2**64 - 1, or a time not a number") from None
+    if not np.all(times[1:] >= times[:-1]):  # a NaN too
+        raise Uncovered("the requests are not in arrival order")
+    tokens = np.fromiter((r.tokens for r in requests), np.int64, len(requests))
+    chunks = int(offsets[-1]) + 1
+    if 4 * chunks * fleet.chunk_bytes >= LIMIT or chunks * fleet.chunk_tokens >= LIMIT or int(tokens.sum()) >= LIMIT:
+        raise Uncovered("the trace's bytes or tokens do not fit 64-bit integers")
+    keys = keys.view(np.int64)
+    repeat = _first_repeat(keys, offsets)
+    if repeat >= 0:
+        raise Uncovered(f"request {repeat} names one chunk twice")
+    return keys, offsets, times, tokens
 
 
 def replay(sim, requests, pool: int = 1 << 16, events: int = 1 << 16) -> None:
     """``sim.request(r)`` for each of ``requests``, compiled: ``sim``'s counts, TTFTs and
-    transfers come out as that loop leaves them (its tiers stay empty). ``pool`` and
-    ``events``: the slots and transfer records to start with (each grows as needed)."""
+    transfers come out as that loop leaves them (its tiers stay empty); ``Uncovered``
+    before anything changes where it cannot. ``pool`` and ``events``: the slots and
+    transfer records to start with (each grows as needed)."""
     fleet, n = sim.fleet, sim.fleet.instances
-    lengths = np.fromiter((len(r.keys) for r in requests), np.int64, len(requests))
-    offsets = np.zeros(len(requests) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    keys = np.fromiter(chain.from_iterable(r.keys for r in requests), np.uint64, int(offsets[-1])).view(np.int64)
-    times = np.fromiter((r.t for r in requests), np.float64, len(requests))
-    tokens = np.fromiter((r.tokens for r in requests), np.int64, len(requests))
+    keys, offsets, times, tokens = _arrays(fleet, requests)
+    lengths = np.diff(offsets)
     firsts = keys.view(np.uint64)[offsets[:-1][lengths > 0]] % np.uint64(n)  # affinity: a prompt's first chunk
     affinity = np.full(len(requests), -1, np.int64)
     affinity[lengths > 0] = firsts.astype(np.int64)
-
-    per_instance = [fleet.chunks(fleet.gpu), fleet.chunks(fleet.memory), fleet.chunks(fleet.disk)]
-    cap = np.array(per_instance * n + [fleet.chunks(fleet.shared_size) if fleet.shared else 0], np.int64)
+    # a tier never holds more chunks than the trace has, nor does min_tokens matter past
+    # its longest prompt: the same answers, in 64-bit integers
+    most = len(keys) + 1
+    per_instance = [min(most, fleet.chunks(size)) for size in (fleet.gpu, fleet.memory, fleet.disk)]
+    cap = np.array(per_instance * n + [min(most, fleet.chunks(fleet.shared_size)) if fleet.shared else 0], np.int64)
     costs = fleet.costs
     cost_s = np.array([0.0] + [costs[m].ms / 1000 for m in WHERE[1:]])
     cost_rate = np.array([1.0] + [costs[m].gbps * 1e9 for m in WHERE[1:]])
     lower = np.array([SHARED if m == "shared" else PEERS for m in sim.lower], np.int64)
     config_i = np.array([n, ROUTERS[fleet.router], fleet.chunk_tokens, fleet.chunk_bytes,
-                         fleet.save_policy == "always", fleet.min_tokens,
+                         fleet.save_policy == "always", min(fleet.min_tokens, int(tokens.max(initial=0)) + 1),
                          bool(fleet.disk or fleet.shared), bool(fleet.shared)], np.int64)  # fmt: skip
     config_f = np.array([fleet.spill, fleet.window, float(fleet.prefill_tokens_per_s), sim.fixed])
 
@@ -85,8 +120,8 @@ def replay(sim, requests, pool: int = 1 << 16, events: int = 1 << 16) -> None:
     recent, picks = np.zeros(n, np.int64), np.zeros(len(requests), np.int64)
     ttft = np.zeros(len(requests))
     events = np.zeros((events, EVENT_FIELDS))
-    most = int(lengths.max()) if len(requests) else 0
-    scratch = np.zeros((6, max(most, n) + 1), np.int64)
+    longest = int(lengths.max()) if len(requests) else 0
+    scratch = np.zeros((6, max(longest, n) + 1), np.int64)
     done = 0
     while done < len(requests):
         done = _replay(keys, offsets, times, tokens, affinity, lower, config_i, config_f, cost_s, cost_rate,
@@ -117,9 +152,11 @@ def replay(sim, requests, pool: int = 1 << 16, events: int = 1 << 16) -> None:
 
 
 def _tiers(cap: np.ndarray, pool: int) -> tuple:
-    """Empty tiers of capacities ``cap`` (chunks) over a pool of ``pool`` slots."""
+    """Empty tiers of capacities ``cap`` (chunks) over a pool of ``pool`` slots; the table's
+    hash seeded afresh (keys made to collide under one seed do not under the next)."""
     size, head, tail = np.zeros(len(cap), np.int64), np.full(len(cap), -1, np.int64), np.full(len(cap), -1, np.int64)
-    return (cap, size, head, tail, np.full((pool, 4), -1, np.int64), np.full(_table_size(pool), -1, np.int64))
+    seed = np.frombuffer(os.urandom(8), np.uint64).copy()
+    return (cap, size, head, tail, np.full((pool, 4), -1, np.int64), np.full(_table_size(pool), -1, np.int64), seed)
 
 
 def _table_size(pool: int) -> int:
@@ -128,13 +165,13 @@ def _table_size(pool: int) -> int:
 
 def _grown(tiers: tuple, used: int, pool: int) -> tuple:
     """The tiers over a pool of ``pool`` slots, the first ``used`` kept, the table made again."""
-    cap, size, head, tail, slots, _ = tiers
+    cap, size, head, tail, slots, _, seed = tiers
     grown = np.full((pool, 4), -1, np.int64)
     grown[:used] = slots[:used]
-    out = (cap, size, head, tail, grown, np.full(_table_size(pool), -1, np.int64))
+    out = (cap, size, head, tail, grown, np.full(_table_size(pool), -1, np.int64), seed)
     _index_all(out, used)
     return out
 
 
 if njit is not None:
-    from lmtier.plan._loop import _index_all, _replay
+    from lmtier.plan._loop import _first_repeat, _index_all, _replay

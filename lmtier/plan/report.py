@@ -67,9 +67,10 @@ def fleets_of(fleet: Fleet, setting: str, values: Sequence[Any]) -> list[Fleet]:
     return [fleet.replace(**{setting: _value(setting, v)}) for v in values]
 
 
-def sweep(fleet: Fleet, requests: Sequence[Request], setting: str, values: Sequence[Any]) -> list[tuple[Any, dict]]:
+def sweep(fleet: Fleet, requests: Sequence[Request], setting: str, values: Sequence[Any],
+          compiled: bool | None = None) -> list[tuple[Any, dict]]:  # fmt: skip
     fleets = fleets_of(fleet, setting, values)
-    return [(v, simulate(f, requests)) for v, f in zip(values, fleets, strict=True)]
+    return [(v, simulate(f, requests, compiled)) for v, f in zip(values, fleets, strict=True)]
 
 
 def _value(setting: str, value: Any) -> Any:

@@ -432,13 +432,16 @@ def simulate(fleet: Fleet, requests: Sequence[Request], compiled: bool | None = 
     are COMPILED_FROM requests or more; ``compiled``: True insists on it, False refuses it."""
     started = time.perf_counter()
     sim = Simulation(fleet)
-    why = compiled_loop.covers(fleet, requests) if compiled is not False else "not asked for"
-    if compiled and why:
-        raise ConfigError(f"the compiled replay does not take this plan: {why}")
+    why = compiled_loop.covers(fleet) if compiled is not False else "not asked for"
     fast = why is None and (compiled or len(requests) >= COMPILED_FROM)
     if fast:
-        compiled_loop.replay(sim, requests)
-    else:
+        try:
+            compiled_loop.replay(sim, requests)
+        except compiled_loop.Uncovered as exc:
+            why, fast = str(exc), False
+    if compiled and why:
+        raise ConfigError(f"the compiled replay does not take this plan: {why}")
+    if not fast:
         for r in requests:
             sim.request(r)
     span = (int(requests[-1].t) - int(requests[0].t) + 1) if requests else 0
