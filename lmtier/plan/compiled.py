@@ -5,8 +5,10 @@ every tier in lmtier's own order (LRU) and a save policy that writes through (``
 in the same order, the same floating-point sums; tests/test_plan_compiled.py replays
 fleets of every router, tier and medium both ways and compares the reports whole.
 
-    covers(fleet, requests)     why the compiled replay cannot take this plan, or None
-    replay(sim, requests)       the requests through the compiled loop, into ``sim``'s counts
+    covers(fleet)                           why the compiled replay cannot take a fleet, or None
+    replay(sim, requests)                   the requests through the compiled loop, into
+                                            ``sim``'s counts (``Uncovered``: a trace it cannot take)
+    attempt(sim, requests, insist, from_n)  ``replay`` where it takes the plan; whether it ran
 
 The tiers: every chunk a tier holds is a slot of one pool (its key, its tier, the slots
 before and after it in its tier's order, least recent first), found through one
@@ -23,6 +25,8 @@ from array import array
 from itertools import chain
 
 import numpy as np
+
+from lmtier.errors import ConfigError
 
 try:  # the compiled loop is optional: without numba, the replay is sim.Simulation's own
     from numba import njit
@@ -54,6 +58,23 @@ def covers(fleet) -> str | None:
     if fleet.save_policy == "reuse":
         return "the save policy writes back"
     return None
+
+
+def attempt(sim, requests, insist: bool | None, threshold: int) -> bool:
+    """``replay`` where it takes the plan (from ``threshold`` requests on, unless ``insist``
+    is True: then a plan it does not take is a ``ConfigError``; False: never); whether it ran."""
+    if insist is False:
+        return False
+    why = covers(sim.fleet)
+    if why is None and (insist or len(requests) >= threshold):
+        try:
+            replay(sim, requests)
+            return True
+        except Uncovered as exc:
+            why = str(exc)
+    if insist and why:
+        raise ConfigError(f"the compiled replay does not take this plan: {why}")
+    return False
 
 
 LIMIT = 1 << 62  # every count and byte figure of the loop stays below this: int64 arithmetic is exact

@@ -43,7 +43,6 @@ from typing import Any
 
 import numpy as np
 
-from lmtier.errors import ConfigError
 from lmtier.plan import compiled as compiled_loop
 from lmtier.plan.fleet import Fleet
 from lmtier.plan.tiers import Tier, consume, run_end, tier
@@ -432,15 +431,7 @@ def simulate(fleet: Fleet, requests: Sequence[Request], compiled: bool | None = 
     are COMPILED_FROM requests or more; ``compiled``: True insists on it, False refuses it."""
     started = time.perf_counter()
     sim = Simulation(fleet)
-    why = compiled_loop.covers(fleet) if compiled is not False else "not asked for"
-    fast = why is None and (compiled or len(requests) >= COMPILED_FROM)
-    if fast:
-        try:
-            compiled_loop.replay(sim, requests)
-        except compiled_loop.Uncovered as exc:
-            why, fast = str(exc), False
-    if compiled and why:
-        raise ConfigError(f"the compiled replay does not take this plan: {why}")
+    fast = compiled_loop.attempt(sim, requests, compiled, COMPILED_FROM)
     if not fast:
         for r in requests:
             sim.request(r)
