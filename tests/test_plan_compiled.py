@@ -74,6 +74,13 @@ def test_the_compiled_replay_reports_what_the_python_replay_reports(name):
         same(python, fast)
 
 
+def test_the_loop_and_its_driver_name_the_same_codes():
+    from lmtier.plan import _loop
+
+    for name in ("GPU", "MEMORY", "DISK", "SHARED", "PEERS", "FREE", "NEXT", "OLDEST", "EVENTS", "PROMPT", "STARTED"):
+        assert getattr(_loop, name) == getattr(compiled, name), name
+
+
 def test_a_pool_and_transfers_grown_from_one_slot_change_nothing():
     """The compiled loop returns to Python whenever the next request could need more slots
     or transfer records than are left; starting from one of each, it grows them hundreds of

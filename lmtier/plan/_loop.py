@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+# the same codes as lmtier/plan/compiled.py's (imported from it they would make a circle)
 GPU, MEMORY, DISK, SHARED, PEERS = range(5)
 FREE, NEXT, OLDEST, EVENTS, PROMPT, STARTED = range(6)
 MIX1, MIX2, MIX3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
