@@ -58,6 +58,30 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
+# Seconds per test file and per worker (setup, call and teardown summed), printed after the
+# 30 slowest tests: what LONGEST_FIRST and the suite's time budget are judged by.
+_FILE_SECONDS: dict[str, float] = {}
+_WORKER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+    node = getattr(report, "node", None)  # the worker that ran it, under pytest-xdist
+    worker = getattr(getattr(node, "gateway", None), "id", "main")
+    _WORKER_SECONDS[worker] = _WORKER_SECONDS.get(worker, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _FILE_SECONDS:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("slowest 15 files")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
+        write(f"{seconds:8.1f}s {path}")
+    write("per worker: " + ", ".join(f"{w} {s:.0f}s" for w, s in sorted(_WORKER_SECONDS.items())))
+
+
 # Small enough to make many chunks per test, large enough to span several pages.
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
 CHUNK_TOKENS = 16
