@@ -45,16 +45,21 @@ wheel: venv
 # The whole suite, spread over the cores (a file's tests on one worker: they share its
 # engines and servers; the longest files first, tests/conftest.py), and beside it lmtier
 # installed into engines' own environments (tests/user_envs.py: the environments made or
-# reused, then each cell); the matrix's report is printed after the suite's. The matrix
-# runs a little below the suite's priority: it times nothing and has the suite's length to
-# finish in, so it takes the cores the suite leaves idle rather than slow its engines.
+# reused, then each cell); the matrix's report is printed after the suite's. The engines'
+# environments are begun first (tests/pip_envs.py, standard library only), beside the
+# venv's own set-up, lint, docs and the wheel: on a fresh machine those leave a core idle,
+# and the environments are mostly downloads. The matrix runs a little below the suite's
+# priority: it times nothing and has the suite's length to finish in.
 TEST_WORKERS ?= $(WORKERS)
-test: lint docs wheel system
+PYTHON ?= python3
+test: system
 	@mkdir -p build/userenv; \
+	$(PYTHON) tests/pip_envs.py build/userenv >build/userenv/envs.log 2>&1 & made=$$!; \
+	$(MAKE) --no-print-directory lint docs wheel || { pkill -P $$made; kill $$made; exit 1; }; \
 	nice -n 5 $(PY) tests/user_envs.py >build/userenv/matrix.log 2>&1 & matrix=$$!; \
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); unit=$$?; \
-	wait $$matrix; envs=$$?; \
-	cat build/userenv/matrix.log; \
+	wait $$matrix; envs=$$?; wait $$made; \
+	cat build/userenv/envs.log build/userenv/matrix.log; \
 	exit $$(( unit || envs ))
 
 # lmtier in vLLM's and SGLang's own environments at their protobuf / grpcio versions

@@ -85,7 +85,9 @@ class Fleet:
     peers), instance 2 a shared fleet's (the shared server): the same hit, from a peer and
     from the shared server, on engines kept up side by side."""
 
-    def __init__(self, kind: str, tmp: Path, model: str) -> None:
+    def __init__(self, kind: str, tmp: Path, model: str, engine_args=None) -> None:
+        """``engine_args(i)``: more of instance i's ``VllmServer`` arguments (its block, lmtier
+        settings such as a request log), for a caller that plans this fleet."""
         self.kind, self.model = kind, model
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "tokens").write_text(f"{WRITER}=fleet\n")
@@ -122,7 +124,7 @@ class Fleet:
 
         def engine(i: int) -> VllmServer:
             return VllmServer(model, None, tmp / f"engine-{i}.log", tiers=["cpu://?size=256MiB", *tiers(i)],
-                              max_model_len=4096)  # fmt: skip
+                              max_model_len=4096, **(engine_args(i) if engine_args else {}))  # fmt: skip
 
         with ThreadPoolExecutor(ENGINES) as pool:
             self.engines = list(pool.map(engine, range(ENGINES)))

