@@ -272,3 +272,23 @@ def test_the_fleet_calibration_merges_the_instances_logs_in_arrival_order(tmp_pa
     peers, shared = bpf.description("peers", 2048), bpf.description("shared", 2048)
     assert peers.peers and peers.disk == 512 * 1024**2 and not peers.shared
     assert shared.shared == "server" and not shared.peers and not shared.disk
+
+
+def test_a_request_logs_last_line_reaches_the_file_without_another_request(tmp_path):
+    """An engine gone idle after one request: its line is in the file within about a second
+    (the log's own flush), not only once another request comes; closing flushes and can be
+    done twice."""
+    from lmtier.engine.requestlog import RequestLog
+
+    from conftest import eventually
+
+    path = tmp_path / "idle.jsonl"
+    log = RequestLog(str(path), 1 << 20, chunk_tokens=4)
+    log.write(8, [b"k" * 16, b"j" * 16])
+    assert eventually(lambda: path.read_text().count("\n") == 1, seconds=30)
+    log.write(4, [b"k" * 16])
+    log.close()
+    log.close()
+    assert [len(r.keys) for r in request_log(path)] == [2, 1]
+    log.write(4, [b"x" * 16])  # after close: nothing, no error
+    assert path.read_text().count("\n") == 2

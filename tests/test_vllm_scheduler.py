@@ -439,7 +439,7 @@ def test_the_request_log_is_a_trace_lmtier_plan_replays(model, tmp_path):
     first, second = tokens(3 * CHUNK + 5, seed=41), tokens(2 * CHUNK, seed=41) + tokens(CHUNK + 9, seed=42)
     schedule(s, first, "a")
     schedule(s, second, "b")
-    s.connector._request_log.close()
+    s.connector.shutdown()  # as vLLM ends its scheduler: the log flushed and closed
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r["tokens"], len(r["chunks"])) for r in lines] == [(3 * CHUNK + 5, 3), (3 * CHUNK + 9, 3)]
     assert lines[0]["chunks"][:2] == lines[1]["chunks"][:2] and lines[0]["chunks"][2] != lines[1]["chunks"][2]

@@ -249,6 +249,8 @@ class WorkerSide(WorkerSaves):
         return failed
 
     def shutdown(self) -> None:
+        if self._request_log is not None:  # the scheduler's: its last lines on disk
+            self._request_log.close()
         try:
             self._finish_loads()
             self.flush()

@@ -10,9 +10,11 @@
 A line names the prompt's full chunks by their keys (hashes of the tokens and the model's
 namespace: no token and no text leaves the engine). Bounded: past ``max_bytes / 2`` the
 file is renamed ``PATH.1`` (replacing the one before) and a new one begun, so the two
-hold at most ``max_bytes``. Lines are buffered and flushed at most once a second, and a
-write that fails (a full disk, a directory gone) turns the log off with one warning: the
-engine never waits on it and never fails because of it.
+hold at most ``max_bytes``. Lines are buffered and flushed once a second by a thread of the
+log's own (a request's line is in the file within a second, an idle engine's last one
+too), and at ``close`` (the connector's shutdown); a write or flush that fails (a full
+disk, a directory gone) turns the log off with one warning: the engine never fails
+because of it.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ class RequestLog:
         except OSError as exc:
             raise ConfigError(f"request_log {path} cannot be written: {exc}") from None
         self._size = self._file.tell()
-        self._flushed = time.monotonic()
+        self._dirty = False  # lines written since the last flush
         self._last_t = 0.0
         self.on = True
+        self._closed = threading.Event()
+        threading.Thread(target=self._flusher, name="lmtier-request-log", daemon=True).start()
 
     def write(self, tokens: int, keys: Sequence[bytes]) -> None:
         if not self.on:
@@ -57,12 +61,27 @@ class RequestLog:
                     self._rotate()
                 self._file.write(line)
                 self._size += len(line)
-                if time.monotonic() - self._flushed >= FLUSH_S:
-                    self._file.flush()
-                    self._flushed = time.monotonic()
+                self._dirty = True
         except (OSError, ValueError) as exc:
-            self.on = False
-            log.warning("lmtier: the request log %s failed (%s): it is off until the engine restarts", self.path, exc)
+            self._off(exc)
+
+    def _off(self, exc: Exception) -> None:
+        self.on = False
+        log.warning("lmtier: the request log %s failed (%s): it is off until the engine restarts", self.path, exc)
+
+    def _flush(self) -> None:
+        with self._lock:
+            if not (self.on and self._dirty):
+                return
+            try:
+                self._file.flush()
+                self._dirty = False
+            except (OSError, ValueError) as exc:
+                self._off(exc)
+
+    def _flusher(self) -> None:
+        while not self._closed.wait(FLUSH_S):
+            self._flush()
 
     def _rotate(self) -> None:
         self._file.close()
@@ -71,9 +90,12 @@ class RequestLog:
         self._size = 0
 
     def close(self) -> None:
+        """Flush what is buffered and close (the connector's shutdown); idempotent."""
+        self._closed.set()
+        self._flush()
         with self._lock:
             try:
                 self._file.close()
             except OSError:
                 pass
-        self.on = False
+            self.on = False
