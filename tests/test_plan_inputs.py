@@ -292,3 +292,51 @@ def test_a_request_logs_last_line_reaches_the_file_without_another_request(tmp_p
     assert [len(r.keys) for r in request_log(path)] == [2, 1]
     log.write(4, [b"x" * 16])  # after close: nothing, no error
     assert path.read_text().count("\n") == 2
+
+
+def test_a_request_log_survives_a_crash_a_fifo_an_oversized_line_and_an_exit_without_close(tmp_path):
+    """What an outside review of the request log broke: a line cut by a crash or a full
+    disk made the whole log unreadable (now the reader leaves a cut last line out, and the
+    next engine removes it before writing); a FIFO as the path blocked the engine's start
+    (now a clear error); a line over half the bound rotated at every write, past the bound
+    (now left out); a process ending without close lost its buffered lines (now flushed at
+    the interpreter's exit)."""
+    import os
+    import subprocess
+    import sys
+
+    from lmtier.engine.requestlog import RequestLog
+
+    path = tmp_path / "cut.jsonl"
+    log = RequestLog(str(path), 1 << 20, chunk_tokens=4)
+    for n in range(3):
+        log.write(8 + n, [b"k" * 16])
+    log.close()
+    with open(path, "a") as f:
+        f.write('{"t": 9.5, "tokens": 12, "chun')  # the crash
+    assert [r.tokens for r in request_log(path)] == [8, 9, 10]  # the cut line left out
+    again = RequestLog(str(path), 1 << 20, chunk_tokens=4)  # the next engine
+    again.write(20, [b"j" * 16])
+    again.close()
+    assert [r.tokens for r in request_log(path)] == [8, 9, 10, 20]
+    assert path.read_text().endswith("}\n") and "chun\n" not in path.read_text()
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        RequestLog(str(fifo), 1 << 20)
+
+    small = tmp_path / "small.jsonl"
+    bounded = RequestLog(str(small), 4096, chunk_tokens=4)
+    for _ in range(5):
+        bounded.write(4, [b"x" * 16] * 100)  # 3,500 bytes a line: over half of 4,096
+        bounded.write(4, [b"y" * 16])
+    bounded.close()
+    assert not (tmp_path / "small.jsonl.1").exists() and small.stat().st_size <= 4096  # never rotated
+    assert [len(r.keys) for r in request_log(small)] == [1] * 5
+
+    exits = tmp_path / "exit.jsonl"
+    script = (f"from lmtier.engine.requestlog import RequestLog\n"
+              f"RequestLog({str(exits)!r}, 1 << 20).write(7, [b'k' * 16])\n")  # fmt: skip
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert [r.tokens for r in request_log(exits)] == [7]

@@ -185,7 +185,10 @@ class LMTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
         if self.config.request_log and role == KVConnectorRole.SCHEDULER:
             from lmtier.engine.requestlog import RequestLog
 
-            self._request_log = RequestLog(self.config.request_log, self.config.request_log_bytes, self.chunk_tokens)
+            path = self.config.request_log  # one writer per file: each data-parallel rank its own
+            if (getattr(parallel, "data_parallel_size", 1) or 1) > 1:
+                path = f"{path}.dp{getattr(parallel, 'data_parallel_rank', 0) or 0}"
+            self._request_log = RequestLog(path, self.config.request_log_bytes, self.chunk_tokens)
         self._worker_events: WorkerEvents | None = None
         # scheduler side
         self._requests: dict[str, _Request] = {}

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
@@ -95,6 +96,9 @@ def _records(path: Path, f, limit: int | None) -> Iterable[tuple[int, dict]]:
             record = json.loads(line)
         except (ValueError, RecursionError) as exc:  # not JSON, a number of more digits than Python reads, or
             # arrays nested deeper than its parser goes
+            if not line.endswith("\n"):  # the file's last line, cut short by a crash or a full disk
+                log.warning("%s:%d: the last line is cut short: left out", path, n)
+                return
             raise ConfigError(f"{path}:{n}: not JSON: {str(exc).splitlines()[0]}") from None
         if not isinstance(record, dict):
             raise ConfigError(f"{path}:{n}: a request is a JSON object")
@@ -102,6 +106,7 @@ def _records(path: Path, f, limit: int | None) -> Iterable[tuple[int, dict]]:
         yield n, record
 
 
+log = logging.getLogger(__name__)
 MAX_LINE = 16 << 20  # characters of one request's line (a million-token prompt's keys are 2 MiB)
 MAX_TOKENS = 1 << 40  # a prompt's length: more is not a prompt, and would make a TTFT overflow
 MOONCAKE_BLOCK = 512  # tokens of a Mooncake trace's block
