@@ -5,7 +5,7 @@ each asked many times with its own suffix, in a shuffled order, ``--concurrency`
 time), each instance writing lmtier's request log (``request_log``). The three logs,
 merged in arrival order, are the trace that ``lmtier plan`` replays on the fleet's own
 description; where the fleet's hits came from, real and planned, is compared per tier
-(target: within 0.05 of the prompt tokens, as ``bench_plan.py --calibrate``'s).
+(target: within 0.05 of the prompt tokens, ``plan_engines.HIT_TARGET``, as ``bench_plan.py --calibrate``'s).
 
 The fleets (``bench_fleet.py``'s), each started, driven and stopped in every run:
 
@@ -52,10 +52,10 @@ from lmtier.testing.vllm_serve import BLOCK, CHUNK
 
 from bench_fleet import ENGINES, Fleet, traffic
 from common import emit
+from plan_engines import agreement, hit_row
 
 KINDS = ("peers", "shared")
 TIERS = ("gpu", "memory", "disk", "peers", "shared")
-HIT_TARGET = 0.05
 # what each fleet's lmtier tiers are called in the plan: its memory, its own tier behind it
 # (the peers fleet's sidecar: a "disk" the others read), the peers tier, the cache server
 OWN = {"peers": "disk", "shared": "shared"}
@@ -146,10 +146,8 @@ def summarize(runs: list[dict], args) -> dict:
         for tier in (*TIERS, "cached"):
             real = [w["real"]["hit_ratio"][tier] for w in rows]
             plan = [w["plan"]["hit_ratio"][tier] for w in rows]
-            if not any(real) and not any(plan):
-                continue  # a tier this fleet has not
-            diff = max(abs(p - r) for p, r in zip(plan, real, strict=True))
-            tiers[tier] = {"real": real, "plan": plan, "max_abs_diff": diff, "met": diff <= HIT_TARGET}
+            if any(real) or any(plan):  # (not a tier this fleet has not)
+                tiers[tier] = agreement(real, plan)
         out[kind] = {"tiers": tiers, "same_instance": [w["same_instance"] for w in rows],
                      "requests": [w["requests"] for w in rows]}  # fmt: skip
     kept = {k: getattr(args, k) for k in ("runs", "prompts", "prefixes", "prefix_len", "suffix_len", "concurrency")}
@@ -159,11 +157,7 @@ def summarize(runs: list[dict], args) -> dict:
 def table(report: dict) -> str:
     lines = ["| fleet | what | real (per run) | plan (per run) | within |", "|---|---|---|---|---|"]
     for kind, s in report["summary"].items():
-        for tier, t in s["tiers"].items():
-            what = "hit ratio" if tier == "cached" else f"hit ratio from {tier}"
-            lines.append(f"| {kind} | {what} | {' / '.join(f'{v:.3f}' for v in t['real'])} "
-                         f"| {' / '.join(f'{v:.3f}' for v in t['plan'])} | {t['max_abs_diff']:.3f} of 0.05: "
-                         f"{'met' if t['met'] else 'not met'} |")  # fmt: skip
+        lines += [hit_row(kind, tier, t) for tier, t in s["tiers"].items()]
         same = " / ".join(f"{a} of {n}" for a, n in zip(s["same_instance"], s["requests"], strict=True))
         lines.append(f"| {kind} | requests the plan sends where the router did | {same} | | |")
     return "\n".join(lines)

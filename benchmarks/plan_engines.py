@@ -1,7 +1,9 @@
 """The real side of ``benchmarks/bench_plan.py --calibrate``: the fleet a plan describes
 started as ``vllm serve`` processes (``RealFleet``), a trace's chunks made prompts
 (``tokens_of``), and the plan's costs measured on those engines (``measure``) and fitted
-(``fit``)."""
+(``fit``); a tier's hit ratios, real and planned over the runs, compared (``agreement``) and
+written as a table's row (``hit_row``), for both calibrations (``bench_plan.py``,
+``bench_plan_fleet.py``)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,22 @@ from lmtier.plan.fleet import Fleet
 from lmtier.plan.traces import chain
 
 CHUNK, TAIL = 128, 16  # the engines' chunk; each prompt's own last tokens
+HIT_TARGET = 0.05  # a tier's hit ratio, plan against real (absolute)
+
+
+def agreement(real: list[float], plan: list[float]) -> dict:
+    """A tier's hit ratios over the runs, real and planned, and whether every run's pair is
+    within HIT_TARGET."""
+    diff = max(abs(p - r) for p, r in zip(plan, real, strict=True))
+    return {"real": real, "plan": plan, "max_abs_diff": diff, "met": diff <= HIT_TARGET}
+
+
+def hit_row(name: str, tier: str, t: dict) -> str:
+    """A table's row of ``agreement``'s result for ``tier`` ("cached": the whole)."""
+    what = "hit ratio" if tier == "cached" else f"hit ratio from {tier}"
+    return (f"| {name} | {what} | {' / '.join(f'{v:.3f}' for v in t['real'])} "
+            f"| {' / '.join(f'{v:.3f}' for v in t['plan'])} | {t['max_abs_diff']:.3f} of {HIT_TARGET}: "
+            f"{'met' if t['met'] else 'not met'} |")  # fmt: skip
 
 
 def tokens_of(keys: list[int], own: int) -> list[int]:

@@ -6,6 +6,7 @@ check``, and run away from the checkout.
     ENVS                                       vLLM's and SGLang's, as a user makes them
     ensure_env(env, root) -> (dir, seconds)    made once per recipe (a stamp file); a second
                                                process asking for one being made waits for it
+    ensure_envs(root, names) -> {name: ...}    those of ENVS, side by side
     small_env(root, name, wheel, extras, pins) lmtier alone, at pins or the newest
     pip(dir, *args), freeze(dir), pip_check(dir)
     in_env(dir, args, env) -> stdout           the environment's python, from a temporary cwd
@@ -165,8 +166,15 @@ def installed(where: str, env_dir: Path) -> bool:
     return str(env_dir) in where and "site-packages" in where
 
 
+def ensure_envs(out: Path, names=None) -> dict[str, tuple[Path, float]]:
+    """``ensure_env`` of each of ENVS (``names``: some of them), side by side."""
+    names = list(names or ENVS)
+    with concurrent.futures.ThreadPoolExecutor(len(names) or 1) as pool:
+        return dict(zip(names, pool.map(lambda e: ensure_env(ENVS[e], out), names), strict=True))
+
+
 if __name__ == "__main__":
-    out = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT / "build" / "userenv"
-    with concurrent.futures.ThreadPoolExecutor(len(ENVS)) as pool:
-        for name, (_, seconds) in zip(ENVS, pool.map(lambda e: ensure_env(e, out), ENVS.values()), strict=True):
-            print(f"pip-envs: {name} environment {f'made in {seconds:.0f} s' if seconds else 'reused'}")
+    for name, (_, seconds) in ensure_envs(
+        Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT / "build" / "userenv"
+    ).items():
+        print(f"pip-envs: {name} environment {f'made in {seconds:.0f} s' if seconds else 'reused'}")

@@ -45,7 +45,7 @@ from lmtier.server.health import SERVING, check  # noqa: E402
 from lmtier.testing.redis_server import RedisServer, die_with_parent, free_port  # noqa: E402
 from lmtier.testing.tinymodel import build as build_model  # noqa: E402
 
-from pip_envs import ENVS, clean_environ, ensure_env, freeze, in_env, pip, pip_check, small_env  # noqa: E402
+from pip_envs import ENVS, clean_environ, ensure_envs, freeze, in_env, pip, pip_check, small_env  # noqa: E402
 
 EXTRAS = "grpc,server,redis,s3"
 
@@ -264,10 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    if args.envs_only:  # `make test` makes them while the unit tests run: mostly downloads
-        with concurrent.futures.ThreadPoolExecutor(len(ENVS)) as pool:
-            for env, (_, seconds) in zip(ENVS, pool.map(lambda e: ensure_env(e, out), ENVS.values()), strict=True):
-                print(f"user-envs: {env} environment {f'made in {seconds:.0f} s' if seconds else 'reused'}")
+    if args.envs_only:  # (what `make test` runs first: tests/pip_envs.py)
+        for env, (_, seconds) in ensure_envs(out).items():
+            print(f"user-envs: {env} environment {f'made in {seconds:.0f} s' if seconds else 'reused'}")
         return 0
     wheel = args.wheel or next(iter(sorted((ROOT / "build" / "wheel-check" / "dist").glob("lmtier-*.whl"))), None)
     if wheel is None:
@@ -278,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Environments: the two engine ones side by side (mostly downloads), then the small ones.
     engines = sorted({c.engine for c in cells})
-    with concurrent.futures.ThreadPoolExecutor(len(engines) or 1) as pool:
-        made = dict(zip(engines, pool.map(lambda e: ensure_env(ENVS[e], out), engines), strict=True))
+    made = ensure_envs(out, engines)
     for e, (_, seconds) in made.items():
         costs[f"env {e} (made)" if seconds else f"env {e} (reused)"] = round(seconds)
     newest, costs["env newest"] = small_env(out, "newest", wheel, EXTRAS, [])

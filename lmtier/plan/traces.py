@@ -46,6 +46,8 @@ import xxhash
 
 from lmtier.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 SYNTHETIC = ("no_reuse", "system_prompts", "conversations")
 
 
@@ -106,7 +108,6 @@ def _records(path: Path, f, limit: int | None) -> Iterable[tuple[int, dict]]:
         yield n, record
 
 
-log = logging.getLogger(__name__)
 MAX_LINE = 16 << 20  # characters of one request's line (a million-token prompt's keys are 2 MiB)
 MAX_TOKENS = 1 << 40  # a prompt's length: more is not a prompt, and would make a TTFT overflow
 MOONCAKE_BLOCK = 512  # tokens of a Mooncake trace's block
